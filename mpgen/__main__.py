@@ -1,0 +1,5 @@
+import sys
+
+from mpgen.cli import main
+
+sys.exit(main())

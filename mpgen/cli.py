@@ -1,0 +1,86 @@
+"""``mpgen`` command line: thin over :mod:`mpgen.compiler.build`."""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import sys
+from typing import Optional, Sequence
+
+from mpgen import __version__
+from mpgen.errors import MpgenError
+
+
+class Exit(enum.IntEnum):
+    OK = 0
+    DIFF = 1  # ``check`` found stale generated code
+    ERROR = 2  # a user error (bad spec, bad flag)
+
+
+def _device_map(text: Optional[str]) -> dict[str, str]:
+    from mpgen.compiler.placement import parse_device_map
+
+    if not text:
+        return {}
+    try:
+        return parse_device_map(text)
+    except ValueError as exc:
+        raise MpgenError(None, str(exc)) from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mpgen",
+        description="Compile a YAML model spec into standalone model-parallel PyTorch code.",
+    )
+    parser.add_argument("--version", action="version", version=f"mpgen {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in (
+        ("build", "generate the model, training script and tests"),
+        ("check", "exit 1 with a diff when the generated code is not current"),
+    ):
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.add_argument("specs", nargs="+", metavar="SPEC")
+        cmd.add_argument("-o", "--out", default="generated", metavar="DIR",
+                         help="output directory (default: generated)")
+        cmd.add_argument("--device-map", metavar="MAP",
+                         help="rewrite devices at build time: 'cuda:1=cuda:0,cuda:2=cuda:0', "
+                              "or 'cpu' for everything on the CPU")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    from mpgen.compiler import build
+
+    try:
+        device_map = _device_map(args.device_map)
+        if args.command == "build":
+            written = build.build(args.specs, args.out, device_map)
+            for path in written:
+                print(f"wrote {path}")
+            if not written:
+                print(f"{args.out}: up to date")
+            return Exit.OK
+        if args.command == "check":
+            diffs = build.check(args.specs, args.out, device_map)
+            if diffs:
+                sys.stdout.write("".join(diffs))
+                specs = " ".join(args.specs)
+                print(f"\nmpgen check: generated code in {args.out} is not current; "
+                      f"run: mpgen build {specs} -o {args.out}"
+                      + (f" --device-map {args.device_map}" if args.device_map else ""),
+                      file=sys.stderr)
+                return Exit.DIFF
+            print(f"{args.out}: up to date")
+            return Exit.OK
+    except MpgenError as exc:
+        print(str(exc), file=sys.stderr)
+        return Exit.ERROR
+    except KeyboardInterrupt:
+        return Exit.ERROR
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

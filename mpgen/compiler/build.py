@@ -1,0 +1,106 @@
+"""The pipeline: load -> validate -> resolve -> shapes -> place -> render.
+
+This is the library entry point under the CLI: :func:`compile_spec` gives the
+IR of one spec, :func:`generate` the formatted files, :func:`build` and
+:func:`check` do it for several specs and write or compare the results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Optional
+
+from mpgen.compiler import placement, render, resolve, shapes, training
+from mpgen.compiler.format import format_source
+from mpgen.compiler.ir import Graph
+from mpgen.compiler.write import diff_files, write_files
+from mpgen.errors import Collector, MpgenError, Position
+from mpgen.spec_schema.load import load_file
+from mpgen.spec_schema.validate import validate
+
+
+@dataclass
+class Generated:
+    """The compiled graph of one spec and its generated files (name -> text)."""
+
+    spec_path: str
+    graph: Graph
+    files: dict[str, str]
+
+
+def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Graph:
+    """Every stage up to the IR with devices and transfers; raises MpgenError."""
+    loaded = load_file(path)
+    spec = validate(loaded)
+    graph = resolve.resolve(spec, loaded)
+    graph = shapes.infer(graph)
+    if spec.placement is not None and spec.placement.auto is not None:
+        from mpgen.compiler import auto_placement
+
+        graph = auto_placement.place_auto(graph, spec, loaded.source, dict(device_map or {}))
+    else:
+        graph = placement.place_explicit(graph, spec.placement, loaded.source,
+                                         dict(device_map or {}))
+    train = training.resolve_train(graph, spec.train, loaded.source)
+    return _with_train(graph, train)
+
+
+def _with_train(graph: Graph, train) -> Graph:
+    import dataclasses
+
+    return dataclasses.replace(graph, train=train, dims=train.dims)
+
+
+def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Generated:
+    """Compile one spec and render its files, formatted."""
+    graph = compile_spec(path, device_map)
+    names = render.file_names(graph)
+    sources = {
+        names["model"]: render.render_model(graph),
+        names["train"]: render.render_train(graph),
+        names["test"]: render.render_test(graph),
+    }
+    files = {name: format_source(text, name) for name, text in sources.items()}
+    return Generated(str(path), graph, files)
+
+
+def generate_all(paths: Iterable[str | Path],
+                 device_map: Optional[Mapping[str, str]] = None) -> list[Generated]:
+    """Generate every spec; all errors of all specs are raised together."""
+    errors = Collector()
+    results: list[Generated] = []
+    owners: dict[str, str] = {}
+    for path in paths:
+        try:
+            result = generate(path, device_map)
+        except MpgenError as exc:
+            errors.extend(exc)
+            continue
+        for name in result.files:
+            if name in owners:
+                errors.add(Position(str(path), 1, 1), f"generates {name}, as does {owners[name]}; "
+                           "give the models different names")
+            owners[name] = str(path)
+        results.append(result)
+    errors.raise_if_any()
+    return results
+
+
+def build(paths: Iterable[str | Path], out_dir: str | Path,
+          device_map: Optional[Mapping[str, str]] = None) -> list[Path]:
+    """Generate all specs, then (only if all succeeded) write the files."""
+    results = generate_all(paths, device_map)
+    written: list[Path] = []
+    for result in results:
+        written.extend(write_files(Path(out_dir), result.files))
+    return written
+
+
+def check(paths: Iterable[str | Path], out_dir: str | Path,
+          device_map: Optional[Mapping[str, str]] = None) -> list[str]:
+    """Unified diffs for every generated file that is stale, missing or edited."""
+    diffs: list[str] = []
+    for result in generate_all(paths, device_map):
+        diffs.extend(diff_files(Path(out_dir), result.files))
+    return diffs

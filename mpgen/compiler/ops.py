@@ -1,0 +1,184 @@
+"""Resolve an ``op:`` string against torch, the spec's blocks and user code.
+
+An op is looked up, never evaluated: ``torch.NAME`` and ``F.NAME`` are
+attribute lookups on the real modules, a ``torch.nn`` class name must be an
+``nn.Module`` subclass, and a dotted user path is imported (the user asked for
+their module) and must name an ``nn.Module`` subclass. Keyword arguments are
+checked against the callee's real signature: ``inspect.signature`` where
+Python has one, otherwise the ATen operator schemas of the same name.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mpgen.compiler.ir import Op, OpKind
+
+#: nn classes that only hold other modules; the spec has blocks for that.
+_CONTAINERS = {"Module", "Sequential", "ModuleList", "ModuleDict", "ParameterList",
+               "ParameterDict", "Container"}
+
+
+class OpError(Exception):
+    """An op cannot be resolved; the message is user-facing."""
+
+
+@functools.cache
+def nn_module_names() -> tuple[str, ...]:
+    names = []
+    for name in dir(nn):
+        obj = getattr(nn, name)
+        if (
+            inspect.isclass(obj)
+            and issubclass(obj, nn.Module)
+            and not name.startswith("_")
+            and name not in _CONTAINERS
+        ):
+            names.append(name)
+    return tuple(sorted(names))
+
+
+@functools.cache
+def _function_names(prefix: str) -> tuple[str, ...]:
+    module = torch if prefix == "torch" else F
+    return tuple(
+        f"{prefix}.{n}" for n in dir(module)
+        if not n.startswith("_") and callable(getattr(module, n))
+        and not inspect.isclass(getattr(module, n))
+    )
+
+
+def candidates(blocks: Iterable[str]) -> list[str]:
+    """Every op name, for did-you-mean suggestions."""
+    return [*nn_module_names(), *blocks, *_function_names("torch"), *_function_names("F")]
+
+
+def resolve_op(spelled: str, blocks: Iterable[str], search_path: Iterable[str] = ()) -> Op:
+    """Find what ``spelled`` names; raises :class:`OpError`."""
+    blocks = list(blocks)
+    if spelled in blocks:
+        return Op(OpKind.BLOCK, spelled, spelled, target=spelled)
+    if spelled.startswith(("torch.", "F.")) and spelled.count(".") == 1:
+        prefix, name = spelled.split(".")
+        module = torch if prefix == "torch" else F
+        fn = getattr(module, name, None) if not name.startswith("_") else None
+        if fn is None or inspect.isclass(fn) or inspect.ismodule(fn) or not callable(fn):
+            raise OpError(f"unknown op {spelled!r}")
+        return Op(OpKind.FUNCTION, spelled, spelled, target=fn, seq_input=_takes_sequence(fn))
+    if "." not in spelled:
+        obj = getattr(nn, spelled, None)
+        if spelled in nn_module_names() and obj is not None:
+            return Op(OpKind.MODULE, spelled, f"nn.{spelled}", target=obj)
+        if spelled in _CONTAINERS:
+            raise OpError(f"{spelled!r} is a container; define a block instead")
+        raise OpError(f"unknown op {spelled!r}")
+    return _user_op(spelled, search_path)
+
+
+def _user_op(spelled: str, search_path: Iterable[str]) -> Op:
+    parts = spelled.split(".")
+    if not all(p.isidentifier() for p in parts):
+        raise OpError(f"unknown op {spelled!r}: not a dotted Python path")
+    module_name, class_name = ".".join(parts[:-1]), parts[-1]
+    added = [p for p in search_path if p not in sys.path]
+    sys.path[:0] = added
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import failure is the user's to fix
+        raise OpError(
+            f"cannot import {module_name!r} for op {spelled!r}: {type(exc).__name__}: {exc}"
+        ) from None
+    finally:
+        for p in added:
+            sys.path.remove(p)
+    cls = getattr(module, class_name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
+        raise OpError(f"{spelled!r} is not an nn.Module class")
+    return Op(OpKind.USER, spelled, spelled, target=cls, module=module_name)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a callee accepts beyond its tensor inputs."""
+
+    names: tuple[str, ...]  # keyword-capable parameter names
+    var_kwargs: bool
+    bind: Optional[Callable[..., Any]]  # raises TypeError on a bad call
+
+
+def module_signature(cls: type) -> Signature:
+    """Parameters of ``cls.__init__`` (excluding ``self``)."""
+    try:
+        sig = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return Signature((), True, None)
+    params = list(sig.parameters.values())[1:]
+    names = tuple(
+        p.name for p in params
+        if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
+    var_kwargs = any(p.kind is p.VAR_KEYWORD for p in params)
+    return Signature(names, var_kwargs, functools.partial(sig.bind, None))
+
+
+def function_signature(fn: Callable, n_inputs: int) -> Signature:
+    """Keyword names of a torch function, after its ``n_inputs`` tensors."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        params = list(sig.parameters.values())
+        names = tuple(
+            p.name for p in params[n_inputs:]
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        )
+        return Signature(names, any(p.kind is p.VAR_KEYWORD for p in params), None)
+    schemas = _schemas(fn)
+    if not schemas:
+        return Signature((), True, None)
+    names: dict[str, None] = {}
+    for schema in schemas:
+        args = schema.arguments
+        skip = 1
+        if args and str(args[0].type) not in ("List[Tensor]", "Tensor[]"):
+            skip = sum(1 for a in args[:n_inputs] if "Tensor" in str(a.type))
+        for arg in args[skip:]:
+            if arg.name != "out":
+                names.setdefault(arg.name)
+    return Signature(tuple(names), False, None)
+
+
+def _schemas(fn: Callable) -> list:
+    name = getattr(fn, "__name__", "")
+    try:
+        schemas = torch._C._jit_get_schemas_for_operator(f"aten::{name}")
+    except RuntimeError:
+        return []
+    return [
+        s for s in schemas
+        if s.arguments and "Tensor" in str(s.arguments[0].type) and not s.overload_name.endswith("out")
+    ]
+
+
+def _takes_sequence(fn: Callable) -> bool:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        sig = None
+    if sig is not None:
+        first = next(iter(sig.parameters.values()), None)
+        return first is not None and first.name == "tensors"
+    schemas = _schemas(fn)
+    return bool(schemas) and all(
+        str(s.arguments[0].type) in ("List[Tensor]", "Tensor[]") for s in schemas
+    )

@@ -1,0 +1,316 @@
+"""Build-time shapes, dtypes and parameter counts, on the meta device.
+
+Every layer is constructed with ``torch.device("meta")`` (no memory is
+allocated) and run on meta tensors, so shape errors surface at build time at
+the layer's line, and parameter counts come from the real modules.
+
+# NOTE: [Symbolic dims]
+# Symbolic dims (``batch``, ``seq``) are given distinct large prime sizes for
+# the meta run. An output dim equal to one of them is shown by its name; one
+# that is a product of them and a constant (``torch.flatten`` of
+# ``[batch, seq, 768]``) as ``batch*seq*768``; anything else derived from a
+# symbol (a convolution over a symbolic height) as ``?``. Sizes in torch's
+# own error messages are translated back the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from mpgen.compiler.ir import (
+    BlockClass,
+    Expr,
+    Graph,
+    InputTensor,
+    Node,
+    OpKind,
+    Param,
+    TensorType,
+)
+from mpgen.errors import Collector, MpgenError
+
+_PRIMES = (10007, 10009, 10037, 10039, 10061, 10067, 10069, 10079, 10091, 10093,
+           10099, 10103, 10111, 10133, 10139, 10141, 10151, 10159, 10163, 10169)
+_TORCH_DTYPES = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
+}
+_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
+_INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
+
+
+class _Symbols:
+    """Symbolic dim names <-> the prime sizes used for them on meta."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        if len(names) > len(_PRIMES):
+            raise MpgenError(None, f"at most {len(_PRIMES)} symbolic dims are supported")
+        self.value = {n: p for n, p in zip(names, _PRIMES)}
+        self.name = {p: n for n, p in self.value.items()}
+
+    def size(self, dim) -> int:
+        return dim if isinstance(dim, int) else self.value[dim]
+
+    def dim(self, size: int):
+        if size in self.name:
+            return self.name[size]
+        factors, rest = [], size
+        for prime, name in self.name.items():
+            while rest % prime == 0 and rest > 1:
+                factors.append(name)
+                rest //= prime
+        if not factors:
+            return size if size < _PRIMES[0] else "?"
+        if rest >= _PRIMES[0]:
+            return "?"
+        return "*".join(factors + ([str(rest)] if rest != 1 else []))
+
+    def type(self, tensor: torch.Tensor) -> TensorType:
+        return TensorType(tuple(self.dim(int(s)) for s in tensor.shape),
+                          _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", "")))
+
+    def text(self, message: str) -> str:
+        return re.sub(r"\d{5,}", lambda m: str(self.dim(int(m.group()))), message)
+
+    def tensor(self, t: TensorType) -> torch.Tensor:
+        return torch.empty([self.size(d) for d in t.shape], dtype=_TORCH_DTYPES[t.dtype],
+                           device="meta")
+
+
+def infer(graph: Graph) -> Graph:
+    """Fill ``out`` and ``params`` of every node (and blocks' shape comments)."""
+    names = list(dict.fromkeys(
+        d for t in graph.inputs for d in t.type.shape if isinstance(d, str)))
+    symbols = _Symbols(names)
+    blocks = {b.name: b for b in graph.blocks}
+    runner = _Runner(symbols, blocks)
+    env = {t.name: symbols.tensor(t.type) for t in graph.inputs}
+    nodes = runner.run_nodes(graph.nodes, env, params={}, where="")
+    runner.errors.raise_if_any()
+    inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
+    block_classes = tuple(_block_facts(b, runner.block_uses.get(b.name, [])) for b in graph.blocks)
+    return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
+
+
+class _Runner:
+    def __init__(self, symbols: _Symbols, blocks: Mapping[str, BlockClass]) -> None:
+        self.symbols = symbols
+        self.blocks = blocks
+        self.errors = Collector()
+        # block name -> [(param values, {node: type}, params count)] per use
+        self.block_uses: dict[str, list[tuple[dict, dict, int]]] = {}
+
+    def run_nodes(self, nodes: Sequence[Node], env: dict[str, Any], params: Mapping[str, Any],
+                  where: str) -> list[Node]:
+        result = []
+        for node in nodes:
+            try:
+                out, count = self.run_node(node, env, params, where)
+            except MpgenError as exc:
+                self.errors.extend(exc)
+                return result
+            env[node.name] = out
+            result.append(dataclasses.replace(node, out=self.symbols.type(out), params=count))
+        return result
+
+    def run_node(self, node: Node, env, params, where) -> tuple[torch.Tensor, int]:
+        args = [_value(a, params) for a in node.args]
+        kwargs = {k: _value(v, params) for k, v in node.kwargs}
+        inputs = [env[name] for name in node.inputs]
+        label = f"{where}{node.name}"
+        if node.op.kind is OpKind.FUNCTION:
+            call_inputs = [inputs] if node.op.seq_input else inputs
+            out = self.call(node, label, node.op.target, call_inputs, args, kwargs, inputs)
+            return out, 0
+        if node.op.kind is OpKind.BLOCK:
+            module = _BlockOnMeta(self, self.blocks[node.op.target], args, f"{label}.")
+        else:
+            try:
+                with torch.device("meta"):
+                    module = node.op.target(*args, **kwargs)
+            except Exception as exc:
+                raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} cannot "
+                                 f"be built: {_clean(exc)}") from None
+        count = sum(p.numel() for p in module.parameters())
+        self.precheck(node, label, module, inputs, params)
+        out = self.call(node, label, module, inputs, [], {}, inputs)
+        if node.repeat and node.repeat > 1:
+            chained = inputs[0]
+            if out.shape != chained.shape or out.dtype != chained.dtype:
+                raise MpgenError(node.pos, f"layer {label!r}: repeat needs the output to match "
+                                 f"the input, but {self.symbols.type(chained)} becomes "
+                                 f"{self.symbols.type(out)}")
+        return out, count
+
+    def call(self, node, label, fn, call_inputs, args, kwargs, inputs) -> torch.Tensor:
+        try:
+            out = fn(*call_inputs, *args, **kwargs)
+        except MpgenError:
+            raise
+        except Exception as exc:
+            given = ", ".join(f"{name} {self.symbols.type(t)}"
+                              for name, t in zip(node.inputs, inputs))
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, {})} fails on "
+                             f"{given}: {self.symbols.text(_clean(exc))}") from None
+        if not isinstance(out, torch.Tensor):
+            raise MpgenError(node.pos, f"layer {label!r}: {node.op.spelled} returns "
+                             f"{type(out).__name__}, not a single tensor")
+        return out
+
+    def precheck(self, node: Node, label, module: nn.Module, inputs, params) -> None:
+        """Explain the common mismatches in the spec's own terms."""
+        if not inputs:
+            return
+        x = inputs[0]
+        got = self.symbols.type(x)
+        expected = None
+        if isinstance(module, nn.Linear) and (x.dim() == 0 or x.shape[-1] != module.in_features):
+            expected = f"[..., {module.in_features}]"
+        elif isinstance(module, nn.modules.conv._ConvNd):
+            n = len(module.kernel_size)
+            if x.dim() not in (n + 1, n + 2) or x.shape[-n - 1] != module.in_channels:
+                spatial = ", ".join("HWD"[i] if n > 1 else "L" for i in range(n))
+                expected = f"[N, {module.in_channels}, {spatial}]"
+        elif isinstance(module, nn.modules.batchnorm._BatchNorm) and (
+            x.dim() < 2 or x.shape[1] != module.num_features
+        ):
+            expected = f"[N, {module.num_features}, ...]"
+        elif isinstance(module, nn.LayerNorm):
+            ns = tuple(module.normalized_shape)
+            if tuple(x.shape[-len(ns):]) != ns:
+                expected = "[..., " + ", ".join(str(d) for d in ns) + "]"
+        elif isinstance(module, nn.Embedding) and x.dtype not in _INT_DTYPES:
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} expects "
+                             f"integer indices but {node.inputs[0]} gives {got} {got.dtype}")
+        if expected:
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} expects "
+                             f"input {expected} but {node.inputs[0]} gives {got}")
+
+
+class _BlockOnMeta(nn.Module):
+    """A block instance interpreted on meta tensors (for shapes and counts)."""
+
+    def __init__(self, runner: _Runner, block: BlockClass, args: list, where: str) -> None:
+        super().__init__()
+        self.runner, self.block, self.where = runner, block, where
+        self.values = dict(zip(block.params, args))
+        self.layers = nn.ModuleDict()
+        for node in block.nodes:
+            if node.op.kind is OpKind.FUNCTION:
+                continue
+            a = [_value(v, self.values) for v in node.args]
+            kw = {k: _value(v, self.values) for k, v in node.kwargs}
+            if node.op.kind is OpKind.BLOCK:
+                self.layers[node.name] = _BlockOnMeta(runner, runner.blocks[node.op.target], a,
+                                                      f"{where}{node.name}.")
+                continue
+            try:
+                with torch.device("meta"):
+                    self.layers[node.name] = node.op.target(*a, **kw)
+            except Exception as exc:
+                raise MpgenError(node.pos, f"layer {where}{node.name!r}: "
+                                 f"{_call_text(node, self.values)} cannot be built: "
+                                 f"{_clean(exc)}") from None
+
+    def forward(self, *inputs):
+        block, runner = self.block, self.runner
+        env = {t.name: x for t, x in zip(block.inputs, inputs)}
+        types: dict[str, TensorType] = {}
+        for node in block.nodes:
+            args = [_value(a, self.values) for a in node.args]
+            kwargs = {k: _value(v, self.values) for k, v in node.kwargs}
+            xs = [env[n] for n in node.inputs]
+            label = f"{self.where}{node.name}"
+            if node.op.kind is OpKind.FUNCTION:
+                out = runner.call(node, label, node.op.target, [xs] if node.op.seq_input else xs,
+                                  args, kwargs, xs)
+            else:
+                module = self.layers[node.name]
+                runner.precheck(node, label, module, xs, self.values)
+                out = runner.call(node, label, module, xs, [], {}, xs)
+                for _ in range((node.repeat or 1) - 1):
+                    out = runner.call(node, label, module, [out, *xs[1:]], [], {}, xs)
+            env[node.name] = out
+            types[node.name] = runner.symbols.type(out)
+        uses = runner.block_uses.setdefault(block.name, [])
+        uses.append((dict(self.values), types, sum(p.numel() for p in self.parameters())))
+        outs = [env[name] for name in block.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def parameters(self, recurse: bool = True):  # count repeats inside blocks
+        for node in self.block.nodes:
+            if node.name in self.layers:
+                for _ in range(node.repeat or 1):
+                    yield from self.layers[node.name].parameters()
+
+
+def _value(value, params: Mapping[str, Any]):
+    if isinstance(value, Param):
+        return params[value.name]
+    if isinstance(value, Expr):
+        return _TORCH_DTYPES[value.code.removeprefix("torch.")]
+    if isinstance(value, list):
+        return [_value(v, params) for v in value]
+    return value
+
+
+def _call_text(node: Node, params: Mapping[str, Any]) -> str:
+    def show(v):
+        if isinstance(v, Param):
+            return repr(params[v.name]) if v.name in params else f"${v.name}"
+        if isinstance(v, Expr):
+            return v.code
+        return repr(v)
+    parts = [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in node.kwargs]
+    return f"{node.op.spelled}({', '.join(parts)})"
+
+
+def _clean(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _with_high(tensor: InputTensor, nodes: Sequence[Node], blocks) -> InputTensor:
+    """Integer inputs: draw synthetic values below the smallest Embedding size."""
+    if tensor.type.dtype not in ("int64", "int32"):
+        return tensor
+    sizes = [n.args[0] for n in nodes
+             if n.inputs[:1] == (tensor.name,) and n.op.kind is OpKind.MODULE
+             and n.op.spelled == "Embedding" and n.args and isinstance(n.args[0], int)]
+    sizes += [v for n in nodes if n.inputs[:1] == (tensor.name,)
+              for k, v in n.kwargs if k == "num_embeddings" and isinstance(v, int)]
+    return dataclasses.replace(tensor, high=min(sizes) if sizes else 2)
+
+
+def _block_facts(block: BlockClass, uses) -> BlockClass:
+    """Shape comments valid for every use of a block, and its count if fixed."""
+    if not uses:
+        return block
+    counts = {count for _, _, count in uses}
+    shapes = []
+    for node in block.nodes:
+        types = [t.get(node.name) for _, t, _ in uses]
+        if any(t is None for t in types):
+            shapes.append((node.name, None))
+            continue
+        first = types[0]
+        if any(len(t.shape) != len(first.shape) or t.dtype != first.dtype for t in types):
+            shapes.append((node.name, None))
+            continue
+        dims = []
+        for i, dim in enumerate(first.shape):
+            column = [t.shape[i] for t in types]
+            if all(c == dim for c in column):
+                dims.append(dim)
+                continue
+            by_param = [p for p in block.params
+                        if all(values.get(p) == c for (values, _, _), c in zip(uses, column))]
+            dims.append(by_param[0] if by_param else "?")
+        shapes.append((node.name, TensorType(tuple(dims), first.dtype)))
+    return dataclasses.replace(block, shapes=tuple(shapes),
+                               params_count=counts.pop() if len(counts) == 1 else None)

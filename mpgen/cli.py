@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--device-map", metavar="MAP",
                          help="rewrite devices at build time: 'cuda:1=cuda:0,cuda:2=cuda:0', "
                               "or 'cpu' for everything on the CPU")
+    show = sub.add_parser("show", help="print every layer's device, output shape and parameters",
+                          description="print every layer's device, output shape and parameters")
+    show.add_argument("spec", metavar="SPEC")
+    show.add_argument("--format", choices=("table", "json"), default="table")
+    show.add_argument("--device-map", metavar="MAP", help="as for build")
     return parser
 
 
@@ -61,6 +66,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"wrote {path}")
             if not written:
                 print(f"{args.out}: up to date")
+            return Exit.OK
+        if args.command == "show":
+            from mpgen.compiler import summary
+
+            graph = build.compile_spec(args.spec, device_map)
+            print(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
             return Exit.OK
         if args.command == "check":
             diffs = build.check(args.specs, args.out, device_map)

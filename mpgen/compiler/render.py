@@ -72,6 +72,20 @@ def shape_comment(t: Optional[TensorType]) -> str:
     return f"  # {t}" if t is not None and t.shape else ""
 
 
+#: Line length black formats to, and the indent of a method body.
+LINE_LENGTH = 88
+BODY_INDENT = 8
+
+
+def commented(code: str, t: Optional[TensorType], indent: int = BODY_INDENT) -> list[str]:
+    """``code  # [shape]``, or the comment on its own line above when too long
+    (black would otherwise split the call just to fit a comment)."""
+    comment = shape_comment(t)
+    if indent + len(code) + len(comment) <= LINE_LENGTH or not comment:
+        return [code + comment]
+    return [comment.strip(), code]
+
+
 def count(n: int) -> str:
     return f"{n:,}"
 
@@ -126,13 +140,13 @@ def _step_call(node: Node, reads: Sequence[str], target: str) -> str:
 
 def _node_lines(node: Node, step: Step, comment: Optional[TensorType] = None) -> list[str]:
     """Lines that run one step (a layer, or a run of a repeated layer)."""
-    shape = shape_comment(comment if comment is not None else node.out)
+    shape = comment if comment is not None else node.out
     out = step.out_var
     if node.repeat is None:
-        return [f"{out} = {_step_call(node, step.reads, f'self.{node.name}')}{shape}"]
+        return commented(f"{out} = {_step_call(node, step.reads, f'self.{node.name}')}", shape)
     if step.stop - step.start == 1:
         target = f"self.{node.name}[{step.start}]"
-        return [f"{out} = {_step_call(node, step.reads, target)}{shape}"]
+        return commented(f"{out} = {_step_call(node, step.reads, target)}", shape)
     first, extra = step.reads[0], list(step.reads[1:])
     lines = [f"{out} = {first}"] if first != out else []
     if step.start == 0 and step.stop == node.repeat:
@@ -140,12 +154,14 @@ def _node_lines(node: Node, step: Step, comment: Optional[TensorType] = None) ->
     else:
         seq = f"self.{node.name}[{step.start}:{step.stop}]"
     lines.append(f"for {step.loop_var} in {seq}:")
-    lines.append(f"    {out} = {step.loop_var}({', '.join([out, *extra])}){shape}")
+    body = commented(f"{out} = {step.loop_var}({', '.join([out, *extra])})", shape,
+                     BODY_INDENT + 4)
+    lines.extend(f"    {line}" for line in body)
     return lines
 
 
-def _transfer_line(t: Transfer) -> str:
-    return f'{t.dst_var} = {t.src_var}.to("{t.dst}"){shape_comment(t.type)}'
+def _transfer_lines(t: Transfer) -> list[str]:
+    return commented(f'{t.dst_var} = {t.src_var}.to("{t.dst}")', t.type)
 
 
 def _init_lines(nodes: Sequence[Node], in_block: bool) -> list[str]:
@@ -204,7 +220,7 @@ def block_class(block: BlockClass) -> ClassCode:
     doc = [f"Block {block.name}"
            + (f"({', '.join(block.params)})" if block.params else "") + "."]
     if block.params_count is not None:
-        doc.append(f"{count(block.params_count)} parameters per instance.")
+        doc += ["", f"{count(block.params_count)} parameters per instance."]
     return ClassCode(
         name=block.name,
         doc=docstring(doc, "    "),
@@ -234,7 +250,8 @@ def model_class(graph: Graph) -> ClassCode:
         if lines:
             lines.append("")
         lines.append(f"# {section.device}")
-        lines.extend(_transfer_line(t) for t in section.transfers)
+        for transfer in section.transfers:
+            lines.extend(_transfer_lines(transfer))
         for step in section.steps:
             lines.extend(_node_lines(nodes[step.node], step))
     totals = graph.params_by_device()

@@ -8,9 +8,11 @@ the layer's line, and parameter counts come from the real modules.
 # Symbolic dims (``batch``, ``seq``) are given distinct large prime sizes for
 # the meta run. An output dim equal to one of them is shown by its name; one
 # that is a product of them and a constant (``torch.flatten`` of
-# ``[batch, seq, 768]``) as ``batch*seq*768``; anything else derived from a
-# symbol (a convolution over a symbolic height) as ``?``. Sizes in torch's
-# own error messages are translated back the same way.
+# ``[batch, seq, 768]``) as ``batch*seq*768``; a multiple of a symbol with a
+# large remainder as ``?``. A size computed from a symbol by other arithmetic
+# (a strided convolution over a symbolic height) cannot be told from a
+# constant and is shown as the number; give spatial dims as sizes. Sizes in
+# torch's own error messages are translated back the same way.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ class _Symbols:
                 factors.append(name)
                 rest //= prime
         if not factors:
-            return size if size < _PRIMES[0] else "?"
+            return size
         if rest >= _PRIMES[0]:
             return "?"
         return "*".join(factors + ([str(rest)] if rest != 1 else []))

@@ -192,6 +192,13 @@ class _Runner:
         if expected:
             raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} expects "
                              f"input {expected} but {node.inputs[0]} gives {got}")
+        # Meta kernels do not check dtypes; CUDA and CPU kernels do.
+        weight = next((p for p in module.parameters() if p.is_floating_point()), None)
+        if weight is not None and x.is_floating_point() and x.dtype != weight.dtype \
+                and not isinstance(module, nn.Embedding):
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} has "
+                             f"{_DTYPE_NAMES.get(weight.dtype)} weights but "
+                             f"{node.inputs[0]} gives {got.dtype}")
 
 
 class _BlockOnMeta(nn.Module):

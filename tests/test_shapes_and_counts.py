@@ -1,0 +1,195 @@
+"""Build-time shape inference, shape errors and parameter counts."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import EXAMPLES, write_spec
+from mpgen.compiler import build
+from mpgen.errors import MpgenError
+
+
+def compile_text(tmp_path, text):
+    return build.compile_spec(write_spec(tmp_path, text))
+
+
+def error_of(tmp_path, text) -> str:
+    with pytest.raises(MpgenError) as info:
+        compile_text(tmp_path, text)
+    return str(info.value)
+
+
+def test_resnet18_has_the_published_parameter_count_and_state_dict_names():
+    graph = build.compile_spec(EXAMPLES / "resnet18.yaml")
+    assert graph.total_params == 11_689_512
+    assert graph.node("fc").out.shape == ("batch", 1000)
+    assert graph.node("layer4").out.shape == ("batch", 512, 7, 7)
+    assert [t.dst for t in graph.plan.transfers] == ["cuda:0", "cuda:1"]
+
+
+def test_gpt2_small_counts_with_and_without_the_head():
+    graph = build.compile_spec(EXAMPLES / "gpt2_small.yaml")
+    assert graph.total_params == 163_037_184
+    assert graph.total_params - graph.node("lm_head").params == 124_439_808
+    assert graph.node("h").devices == ("cuda:0",) * 6 + ("cuda:1",) * 6
+    assert graph.node("lm_head").out.shape == ("batch", "seq", 50257)
+
+
+def test_bert_base_counts():
+    graph = build.compile_spec(EXAMPLES / "bert_base.yaml")
+    assert graph.total_params - graph.node("classifier").params == 109_482_240
+    assert graph.node("encoder").params == 7_087_872
+    assert graph.params_by_device()["cuda:1"] == 3 * 7_087_872
+
+
+def test_block_parameter_counts_per_instance():
+    graph = build.compile_spec(EXAMPLES / "resnet18.yaml")
+    blocks = {b.name: b for b in graph.blocks}
+    assert blocks["DownBlock"].params_count is None  # differs per use
+    assert graph.node("layer1").params == 2 * (64 * 64 * 9) + 2 * 128
+    assert graph.node("layer3_down").params == (
+        128 * 256 * 9 + 256 * 256 * 9 + 128 * 256 + 3 * 2 * 256)
+
+
+def test_symbolic_dims_stay_symbolic(tmp_path):
+    graph = compile_text(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, seq, 16]
+        layers:
+          proj: {op: Linear, args: [16, 32]}
+          flat: {op: torch.flatten, start_dim: 0, end_dim: 1}
+          all: {op: torch.flatten, in: proj}
+    """)
+    assert graph.node("proj").out.shape == ("batch", "seq", 32)
+    assert graph.node("flat").out.shape == ("batch*seq", 32)
+    assert graph.node("all").out.shape == ("batch*seq*32",)
+
+
+def test_dtypes_are_inferred(tmp_path):
+    graph = compile_text(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          ids: {shape: [batch, 5], dtype: int64}
+        layers:
+          emb: {op: Embedding, args: [100, 8]}
+    """)
+    assert graph.node("emb").out.dtype == "float32"
+    assert graph.inputs[0].high == 100
+
+
+def test_dtype_mismatch_is_a_build_error(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 8]
+        layers:
+          half_proj: {op: Linear, args: [8, 8], dtype: float16}
+    """)
+    assert "layer 'half_proj': Linear(8, 8, dtype=torch.float16) has float16 weights but x " \
+           "gives float32" in message
+
+
+def test_linear_mismatch_names_both_sides_at_the_layer_line(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 10]
+        layers:
+          layer1: {op: Linear, args: [10, 20]}
+          layer2: {op: Linear, args: [30, 10]}
+    """)
+    assert message.endswith("spec.yaml:7:3: layer 'layer2': Linear(30, 10) expects input "
+                            "[..., 30] but layer1 gives [batch, 20]")
+
+
+def test_conv_channel_mismatch(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          img: [batch, 3, 32, 32]
+        layers:
+          conv: {op: Conv2d, args: [1, 8, 3]}
+    """)
+    assert "spec.yaml:6:3: layer 'conv': Conv2d(1, 8, 3) expects input [N, 1, H, W] but " \
+           "img gives [batch, 3, 32, 32]" in message
+
+
+def test_cat_mismatch_is_reported_with_symbolic_sizes(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          a: [batch, 4]
+          b: [batch, 3, 2]
+        layers:
+          both: {op: torch.cat, in: [a, b], dim: 1}
+    """)
+    assert "spec.yaml:7:3: layer 'both': torch.cat(dim=1) fails on a [batch, 4], b [batch, 3, 2]" \
+        in message
+
+
+def test_shape_error_inside_a_block_points_at_the_block_layer(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 8]
+        blocks:
+          B:
+            params: [d]
+            layers:
+              fc: {op: Linear, args: [$d, 8]}
+        layers:
+          ok: {op: B, args: [8]}
+          bad: {op: B, args: [4]}
+    """)
+    assert "spec.yaml:9:7: layer 'bad.fc': Linear(4, 8) expects input [..., 4] but x gives " \
+           "[batch, 8]" in message
+
+
+def test_repeat_needs_matching_shapes(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 8]
+        layers:
+          grow: {op: Linear, args: [8, 16], repeat: 3}
+    """)
+    assert "spec.yaml:6:3: layer 'grow': repeat needs the output to match the input, but " \
+           "[batch, 8] becomes [batch, 16]" in message
+
+
+def test_bad_keyword_values_are_build_errors(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 8]
+        layers:
+          drop: {op: Dropout, p: 1.5}
+    """)
+    assert "spec.yaml:6:3: layer 'drop': Dropout(p=1.5) cannot be built" in message
+
+
+def test_block_input_arity(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 8]
+        blocks:
+          Pair:
+            inputs: [a, b]
+            layers:
+              sum: {op: torch.add, in: [a, b]}
+        layers:
+          p: {op: Pair}
+    """)
+    assert "layer 'p': block Pair takes 2 input(s) (a, b), got 1" in message

@@ -117,7 +117,9 @@ def test_generated_tests_pass(tmp_path, spec):
                           str(test_file)], capture_output=True, text=True, timeout=600,
                          cwd=tmp_path)
     assert run.returncode == 0, run.stdout[-3000:]
-    assert " passed" in run.stdout and "skipped" not in run.stdout
+    # Built for the CPU, both the real and the virtual runs pass; only the
+    # transfer check is virtual-only.
+    assert "8 passed, 1 skipped" in run.stdout, run.stdout[-1000:]
 
 
 def test_user_module_classes_are_imported_by_dotted_path(tmp_path):

@@ -43,6 +43,7 @@ def file_names(graph: Graph) -> dict[str, str]:
         "model": f"{stem}.py",
         "train": f"train_{stem}.py",
         "test": f"test_{stem}.py",
+        "report": f"{stem}.placement.md",
     }
 
 
@@ -464,6 +465,9 @@ class TestContext:
     input_lines: list[str]
     input_vars: str
     total_params: int
+    cuda_count: int
+    transfers: str
+    optimizer: str
 
 
 #: Sizes of symbolic dims in the generated tests (small: they run on CPUs).
@@ -515,12 +519,26 @@ def test_context(graph: Graph) -> TestContext:
         lines.append(f"{var} = {synthetic(t.type, sizes, t.high)}  # {t.type}")
         inputs.append(var)
     devices = graph.devices
+    cuda = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
+    transfers = []
+    for t in graph.plan.transfers:
+        if (t.src or "cpu") == t.dst:
+            continue  # a CPU input to a CPU layer: .to() returns it unchanged
+        known = all(isinstance(d, int) or all(f.isdigit() or f in dims for f in d.split("*"))
+                    for d in t.type.shape)
+        transfers.append((t.value.split("#")[0], t.src or "cpu", t.dst,
+                          t.type.nbytes(dims) if known else None))
+    train = graph.train
+    optimizer = call(f"torch.optim.{train.optimizer}", ["model.parameters()"],
+                     [("lr", train.lr), *train.optimizer_kwargs])
     return TestContext(
         header=header(graph), model=graph.name, model_module=file_names(graph)["model"][:-3],
         spec_path=graph.spec_path, devices=repr(devices), devices_text=", ".join(devices),
         placement=repr(placement_map(graph)),
         output_shapes=repr([_concrete(graph.node(o).out, dims) for o in graph.outputs]),
         input_lines=lines, input_vars=_tuple(inputs), total_params=graph.total_params,
+        cuda_count=max(cuda) + 1 if cuda else 0, transfers=repr(transfers),
+        optimizer=optimizer,
     )
 
 

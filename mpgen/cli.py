@@ -51,6 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("spec", metavar="SPEC")
     show.add_argument("--format", choices=("table", "json"), default="table")
     show.add_argument("--device-map", metavar="MAP", help="as for build")
+    place = sub.add_parser("place", help="print the layout in the explicit placement form",
+                           description="Print the spec's layout (automatic or explicit) in the "
+                                       "explicit placement form; --write puts it in the spec.")
+    place.add_argument("spec", metavar="SPEC")
+    place.add_argument("--write", action="store_true",
+                       help="rewrite the spec's placement block in place (other lines unchanged)")
+    place.add_argument("--device-map", metavar="MAP", help="rename devices after choosing")
+    diff = sub.add_parser("diff", help="compare the layouts of two specs",
+                          description="Compare two layouts. Each side is a spec path or "
+                                      "REV:path (read with git show).")
+    diff.add_argument("old", metavar="OLD")
+    diff.add_argument("new", metavar="NEW")
+    diff.set_defaults(device_map=None)
     return parser
 
 
@@ -84,6 +97,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                       file=sys.stderr)
                 return Exit.DIFF
             print(f"{args.out}: up to date")
+            return Exit.OK
+        if args.command == "place":
+            from mpgen import spec_edit
+
+            placed = spec_edit.place(args.spec, device_map)
+            if args.write:
+                changed = spec_edit.write_placement(args.spec, placed)
+                print(f"{'rewrote' if changed else 'unchanged'}: {args.spec} ({placed.how})")
+            else:
+                print(f"# {args.spec}: {placed.how}")
+                print(placed.block())
+            return Exit.OK
+        if args.command == "diff":
+            from mpgen.compiler import layout_diff
+
+            old = layout_diff.load_side(args.old)
+            new = layout_diff.load_side(args.new)
+            sys.stdout.write(layout_diff.format_diff(layout_diff.diff(old, new)))
             return Exit.OK
     except MpgenError as exc:
         print(str(exc), file=sys.stderr)

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from mpgen.compiler import placement, render, resolve, shapes, training
+from mpgen.compiler import (
+    auto_placement,
+    costs,
+    placement,
+    render,
+    report,
+    resolve,
+    shapes,
+    training,
+)
 from mpgen.compiler.format import format_source
 from mpgen.compiler.ir import Graph
 from mpgen.compiler.write import diff_files, write_files
@@ -35,21 +44,13 @@ def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = Non
     spec = validate(loaded)
     graph = resolve.resolve(spec, loaded)
     graph = shapes.infer(graph)
+    graph = training.resolve_train(graph, spec.train, loaded.source)
+    graph = costs.measure_graph(graph)
     if spec.placement is not None and spec.placement.auto is not None:
-        from mpgen.compiler import auto_placement
-
-        graph = auto_placement.place_auto(graph, spec, loaded.source, dict(device_map or {}))
-    else:
-        graph = placement.place_explicit(graph, spec.placement, loaded.source,
+        return auto_placement.place_auto(graph, spec.placement.auto, loaded.source,
                                          dict(device_map or {}))
-    train = training.resolve_train(graph, spec.train, loaded.source)
-    return _with_train(graph, train)
-
-
-def _with_train(graph: Graph, train) -> Graph:
-    import dataclasses
-
-    return dataclasses.replace(graph, train=train, dims=train.dims)
+    return placement.place_explicit(graph, spec.placement, loaded.source,
+                                    dict(device_map or {}))
 
 
 def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Generated:
@@ -60,8 +61,10 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -
         names["model"]: render.render_model(graph),
         names["train"]: render.render_train(graph),
         names["test"]: render.render_test(graph),
+        names["report"]: report.render_report(graph),
     }
-    files = {name: format_source(text, name) for name, text in sources.items()}
+    files = {name: format_source(text, name) if name.endswith(".py") else text
+             for name, text in sources.items()}
     return Generated(str(path), graph, files)
 
 

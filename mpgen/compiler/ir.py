@@ -214,6 +214,16 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How the devices were chosen: ``default`` (no placement), ``explicit``,
+    or ``auto``, with the automatic choice (``compiler.auto_placement.AutoChoice``:
+    the settings, unit costs and the optimal split)."""
+
+    method: str
+    choice: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
 class Graph:
     """A whole compiled spec."""
 
@@ -229,6 +239,9 @@ class Graph:
     train: Optional[TrainConfig] = None
     plan: Optional[ForwardPlan] = None
     device_map: tuple[tuple[str, str], ...] = ()
+    # Filled by compiler.costs: per-unit costs at the training sizes.
+    costs: Any = field(default=None, compare=False, repr=False)
+    layout: Optional[Layout] = None
 
     def node(self, name: str) -> Node:
         for node in self.nodes:

@@ -42,10 +42,18 @@ class PartitionError(ValueError):
     e.g. ``"needs 5e+09 but the largest remaining capacity is 4e+09"``.
     """
 
-    def __init__(self, unit: int, reason: str):
+    def __init__(self, unit: int, reason: str, *, need: float = 0.0,
+                 room: Optional[float] = None, room_kind: str = "capacity"):
         super().__init__(f"unit {unit}: {reason}")
         self.unit = unit
         self.reason = reason
+        #: The unit's memory, and the most room any device had left for it
+        #: (None: it fits, but only by leaving a later device empty).
+        #: ``room_kind`` says which room: "capacity" (of an empty device),
+        #: "remaining capacity", or "capacity left on the last device".
+        self.need = need
+        self.room = room
+        self.room_kind = room_kind
 
 
 @dataclass(frozen=True)
@@ -443,7 +451,8 @@ class _Problem:
                 ):
                     need = mem.sum(i, i + 1)
                     return PartitionError(
-                        i, f"needs {need:.4g} but the largest capacity is {top:.4g}"
+                        i, f"needs {need:.4g} but the largest capacity is {top:.4g}",
+                        need=need, room=top, room_kind="capacity",
                     )
         Rs = self.reach(_INF, keep=True)
         p = max((R[-1] for R in Rs if R), default=0)
@@ -474,11 +483,10 @@ class _Problem:
                 f"needs {need:.4g}; it fits only where the devices after it could no "
                 f"longer each get a unit (use_all=True)"
             )
-        else:
-            reason = (
-                f"needs {need:.4g} but the largest remaining capacity is {room:.4g}"
-            )
-        return PartitionError(p, reason)
+            return PartitionError(p, reason, need=need, room=None)
+        reason = f"needs {need:.4g} but the largest remaining capacity is {room:.4g}"
+        return PartitionError(p, reason, need=need, room=room,
+                              room_kind="remaining capacity")
 
     def result(self, bounds: Sequence[int], cut_int: Optional[int] = None) -> Partition:
         loads = tuple(self.load(bounds[k], bounds[k + 1], k) for k in range(self.d))
@@ -618,5 +626,6 @@ def greedy_fill(
             i,
             f"needs {need:.4g} but the last device has {max(room, 0.0):.4g} left "
             f"(greedy fill)",
+            need=need, room=max(room, 0.0), room_kind="capacity left on the last device",
         )
     return pb.result(bounds)

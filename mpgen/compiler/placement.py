@@ -23,9 +23,9 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
-from mpgen.compiler.ir import ForwardPlan, Graph, Node, Section, Step, Transfer
+from mpgen.compiler.ir import ForwardPlan, Graph, Layout, Node, Section, Step, Transfer
 from mpgen.compiler.namespace import Namespace
-from mpgen.errors import Collector, MpgenError, Position, did_you_mean
+from mpgen.errors import Collector, Position, did_you_mean
 from mpgen.spec_schema.load import SourceMap
 from mpgen.spec_schema.models import PlacementSpec, check_device
 
@@ -78,6 +78,7 @@ def place_explicit(graph: Graph, spec: Optional[PlacementSpec], source: SourceMa
             else:
                 named[unit] = (device, pos, key)
     errors.raise_if_any()
+    graph = dataclasses.replace(graph, layout=Layout("explicit" if explicit else "default"))
     order = [(i, k) for i, n in enumerate(nodes) for k in range(n.instances)]
     first = next((named[u][0] for u in order if u in named), DEFAULT_DEVICE)
     current = first

@@ -21,7 +21,6 @@ from mpgen.compiler.ir import (
     Node,
     OpKind,
     Param,
-    Section,
     Step,
     TensorType,
     Transfer,

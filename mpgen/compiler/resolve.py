@@ -29,7 +29,7 @@ from mpgen.compiler.ir import (
     TensorType,
 )
 from mpgen.compiler.namespace import GLOBALS, Namespace, identifier_problem
-from mpgen.errors import Collector, MpgenError, Position, did_you_mean
+from mpgen.errors import Collector, Position, did_you_mean
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec
 

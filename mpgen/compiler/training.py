@@ -16,6 +16,7 @@ inferred output shape:
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Optional
 
@@ -50,8 +51,9 @@ def optimizer_names() -> list[str]:
     )
 
 
-def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) -> TrainConfig:
-    """The training script's settings; defaults when ``train`` is absent."""
+def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) -> Graph:
+    """The graph with the training script's settings (defaults when ``train``
+    is absent) and the sizes of its symbolic dims."""
     spec = spec or TrainSpec()
     errors = Collector()
     symbols = list(dict.fromkeys(
@@ -113,11 +115,12 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
             if default is not None and isinstance(default.default, (int, float)):
                 lr = float(default.default)
     errors.raise_if_any()
-    return TrainConfig(
+    train = TrainConfig(
         losses=tuple(losses), optimizer=opt.op, optimizer_kwargs=tuple(opt_kwargs), lr=lr,
         batch_size=spec.batch_size, steps=spec.steps, seed=spec.seed, log_every=spec.log_every,
         dims=tuple(dims.items()),
     )
+    return dataclasses.replace(graph, train=train, dims=train.dims)
 
 
 def _raw_keys(source: SourceMap, path) -> set:

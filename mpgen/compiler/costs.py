@@ -1,0 +1,444 @@
+"""What each placement unit costs: parameters, memory, FLOPs, and cut bytes.
+
+A *unit* is what placement never splits: a layer, one instance of a repeated
+layer (``h.3``), or one block instance. :func:`measure` runs the model once on
+the meta device at the training sizes (``train.batch_size`` and
+``train.dims``; no memory is allocated) and returns a :class:`Costs`: one
+:class:`Unit` per unit in ``layers`` order, and the cut bytes between
+neighbouring units. Automatic placement balances one of these numbers; the
+placement report and ``mpgen diff`` show them.
+
+# NOTE: [Cost formulas]
+# Sizes are at the training sizes: ``batch`` = ``train.batch_size`` (or
+# ``train.dims.batch``), other symbolic dims from ``train.dims`` (default 16).
+#
+# params       the unit's parameter count (``Node.params``).
+# weights      bytes of its parameters and buffers, at their real dtypes.
+# gradients    bytes of its trainable parameters (one gradient each).
+# optimizer    ``state_factor x`` the trainable parameter bytes, from
+#              ``train.optimizer`` (:data:`OPTIMIZER_STATE`): SGD 0 (1 with
+#              momentum), Adam/AdamW 2 (3 with amsgrad), RMSprop 1 (+1 with
+#              momentum, +1 centered), Adagrad 1, ...
+# activations  bytes of the tensors autograd saves for backward while the unit
+#              runs forward, each storage counted once, on the first unit that
+#              saves it; parameters (and views of them) are not activations. A
+#              unit whose output is a model output also keeps that output (the
+#              loss reads it). Measured with ``saved_tensors_hooks`` on meta
+#              tensors. Not counted: temporaries freed during forward (the peak
+#              inside one layer), the loss's own saved tensors, allocator
+#              fragmentation and the CUDA context; when a unit reads a tensor
+#              from another device its copy is counted on the device that first
+#              saved the original. If the meta run of a unit fails, its
+#              activations fall back to its output bytes (``Unit.measured`` is
+#              False).
+# memory       weights + gradients + optimizer + activations.
+# flops        forward FLOPs counted by ``torch.utils.flop_counter`` (matmul,
+#              convolution, attention: 2 per multiply-add); elementwise ops,
+#              norms and embeddings count 0.
+# cut j|j+1    bytes of every value produced by unit j or earlier and read by
+#              unit j+1 or later (skip connections count on every boundary they
+#              span). Model inputs are not counted: each device that reads one
+#              gets its own copy from the caller wherever the cuts fall.
+#
+# A repeated layer's instances are identical, so instance 0 and instance 1
+# are measured (instance 1 reads instance 0's output, as later ones do) and
+# instances 2... repeat instance 1's numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from mpgen.compiler.ir import BlockClass, Expr, Graph, Node, OpKind, Param, TensorType
+
+#: Optimizer state kept per parameter element, in units of the parameter's own
+#: bytes, by ``torch.optim`` class. A callable gets the optimizer's keyword
+#: arguments. Optimizers not listed count 2 (as Adam).
+OPTIMIZER_STATE: dict[str, Any] = {
+    "SGD": lambda kw: 1 if _positive(kw.get("momentum", 0)) else 0,  # momentum_buffer
+    "Adam": lambda kw: 3 if kw.get("amsgrad") else 2,  # exp_avg, exp_avg_sq (+max_exp_avg_sq)
+    "AdamW": lambda kw: 3 if kw.get("amsgrad") else 2,
+    "Adamax": 2,  # exp_avg, exp_inf
+    "NAdam": 2,  # exp_avg, exp_avg_sq
+    "RAdam": 2,  # exp_avg, exp_avg_sq
+    "SparseAdam": 2,  # exp_avg, exp_avg_sq
+    "Adadelta": 2,  # square_avg, acc_delta
+    "Adagrad": 1,  # sum
+    "RMSprop": lambda kw: (1 + (1 if _positive(kw.get("momentum", 0)) else 0)
+                           + (1 if kw.get("centered") else 0)),  # square_avg, buf, grad_avg
+    "Rprop": 2,  # prev, step_size
+    "ASGD": 1,  # ax
+    "Muon": 1,  # momentum_buffer
+    "Adafactor": 0,  # factored second moments: one row and one column vector per matrix
+    "LBFGS": lambda kw: 2 * int(kw.get("history_size", 100)) + 2,  # old_dirs, old_stps, d, prev
+}
+DEFAULT_OPTIMIZER_STATE = 2
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def optimizer_state(name: str, kwargs: Mapping[str, Any]) -> int:
+    """Optimizer state per parameter, in parameter-sized copies (see the table)."""
+    rule = OPTIMIZER_STATE.get(name, DEFAULT_OPTIMIZER_STATE)
+    return int(rule(kwargs)) if callable(rule) else int(rule)
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One placement unit and its costs at the training sizes."""
+
+    name: str  # "wte", "h.3": the layer, or the instance of a repeated layer
+    node: int  # index into Graph.nodes
+    instance: int
+    params: int
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    flops: int
+    out_bytes: int
+    measured: bool = True  # False: activations fell back to the output bytes
+
+    @property
+    def memory(self) -> int:
+        """Bytes for training: weights + gradients + optimizer + activations."""
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Every unit's costs and the cut bytes between neighbouring units."""
+
+    units: tuple[Unit, ...]
+    cuts: tuple[int, ...]  # cuts[j]: between units j and j + 1
+    value_bytes: tuple[tuple[str, int], ...]  # value (input or node) -> bytes
+    dims: tuple[tuple[str, int], ...]
+    optimizer: str
+    state_factor: int
+
+    def of(self, balance: str) -> list[int]:
+        """The per-unit quantity balanced by ``balance``."""
+        if balance == "params":
+            return [u.params for u in self.units]
+        if balance == "memory":
+            return [u.memory for u in self.units]
+        if balance == "flops":
+            return [u.flops for u in self.units]
+        raise ValueError(f"unknown balance {balance!r}")
+
+    def nbytes(self, value: str) -> int:
+        """Bytes of a value (model input or layer output) at the training sizes."""
+        return dict(self.value_bytes)[value]
+
+
+def unit_names(graph: Graph) -> list[tuple[int, int, str]]:
+    """``(node index, instance, name)`` of every unit, in ``layers`` order."""
+    return [(i, k, f"{n.name}.{k}" if n.repeat else n.name)
+            for i, n in enumerate(graph.nodes) for k in range(n.instances)]
+
+
+def train_dims(graph: Graph, batch_size: int, dims: Mapping[str, int]) -> dict[str, int]:
+    """Symbolic dim -> size at training time (as ``compiler.training`` sets them)."""
+    from mpgen.compiler.training import DEFAULT_DIM
+
+    symbols = dict.fromkeys(d for t in graph.inputs for d in t.type.shape if isinstance(d, str))
+    sizes = {name: int(dims.get(name, DEFAULT_DIM)) for name in symbols}
+    if "batch" in sizes:
+        sizes["batch"] = int(dims.get("batch", batch_size))
+    return sizes
+
+
+def measure_graph(graph: Graph) -> Graph:
+    """The graph with its unit costs at the training settings (``graph.costs``)
+    and each node's forward flops per instance."""
+    train = graph.train
+    optimizer = train.optimizer if train else "SGD"
+    kwargs = dict(train.optimizer_kwargs) if train else {}
+    costs = measure(graph, dict(graph.dims), optimizer, kwargs)
+    flops = {u.node: u.flops for u in costs.units if u.instance == 0}
+    nodes = tuple(dataclasses.replace(n, flops=flops.get(i, 0))
+                  for i, n in enumerate(graph.nodes))
+    return dataclasses.replace(graph, costs=costs, nodes=nodes)
+
+
+def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
+            optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> Costs:
+    """Run the graph on meta at the sizes ``dims`` and cost every unit."""
+    factor = optimizer_state(optimizer, dict(optimizer_kwargs or {}))
+    blocks = {b.name: b for b in graph.blocks}
+    recorder = _Recorder()
+    env: dict[str, Optional[torch.Tensor]] = {}
+    value_bytes: dict[str, int] = {}
+    for t in graph.inputs:
+        env[t.name] = _meta_tensor(t.type, dims)
+        value_bytes[t.name] = t.type.nbytes(dims)
+    units: list[Unit] = []
+    outputs = set(graph.outputs)
+    for i, node in enumerate(graph.nodes):
+        fallback_out = node.out.nbytes(dims) if node.out is not None else 0
+        module = None
+        if node.op.has_module:
+            try:
+                module = _build(node, {}, blocks)
+            except Exception:  # shapes.infer built it; only exotic modules get here
+                module = None
+        weights, trainable = _weight_bytes(module, node)
+        if module is not None:
+            recorder.exclude(module)
+        measured: list[tuple[int, int, int, bool]] = []  # (activations, flops, out, ok)
+        x = [env.get(name) for name in node.inputs]
+        for _ in range(min(node.instances, 2)):
+            out, act, flops = recorder.run(lambda: _call(node, module, x))
+            ok = out is not None
+            out_bytes = _nbytes(out) if ok else fallback_out
+            measured.append((act if ok else out_bytes, flops if ok else 0, out_bytes, ok))
+            x = [out, *x[1:]]
+        env[node.name] = x[0]
+        value_bytes[node.name] = measured[-1][2]
+        # A model output stays alive until the loss reads it.
+        kept = recorder.keep(x[0]) if node.name in outputs and x[0] is not None else 0
+        for k in range(node.instances):
+            act, flops, out_bytes, ok = measured[min(k, 1)]
+            if k == node.instances - 1:
+                act += kept
+            name = f"{node.name}.{k}" if node.repeat else node.name
+            units.append(Unit(name, i, k, node.params, weights, trainable,
+                              trainable * factor, act, flops, out_bytes, ok))
+    cuts = _cut_bytes(graph, units)
+    return Costs(tuple(units), tuple(cuts), tuple(value_bytes.items()),
+                 tuple(dims.items()), optimizer, factor)
+
+
+def _cut_bytes(graph: Graph, units: Sequence[Unit]) -> list[int]:
+    """Bytes crossing each boundary between neighbouring units (skips included)."""
+    first = {}
+    last = {}
+    for j, unit in enumerate(units):
+        first.setdefault(unit.node, j)
+        last[unit.node] = j
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    # value produced by unit p, read last by unit r -> it crosses cuts p .. r-1
+    spans: dict[int, int] = {}  # producer unit -> last reader unit
+    for j, unit in enumerate(units):
+        node = graph.nodes[unit.node]
+        reads = list(node.inputs) if unit.instance == 0 else node.inputs[1:]
+        if unit.instance > 0:
+            spans[j - 1] = max(spans.get(j - 1, j), j)
+        for name in reads:
+            if name in index:
+                producer = last[index[name]]
+                spans[producer] = max(spans.get(producer, j), j)
+    diff = [0] * (len(units) + 1)
+    for producer, reader in spans.items():
+        size = units[producer].out_bytes
+        diff[producer] += size
+        diff[reader] -= size
+    cuts, running = [], 0
+    for j in range(len(units) - 1):
+        running += diff[j]
+        cuts.append(running)
+    return cuts
+
+
+# -- running units on meta ---------------------------------------------------
+
+class _Recorder:
+    """Counts saved-for-backward bytes and FLOPs per unit run."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, Any] = {}  # storage id -> storage (kept alive)
+        self.excluded: set[int] = set()
+        self.current = 0
+
+    def exclude(self, module: nn.Module) -> None:
+        for tensor in [*module.parameters(), *module.buffers()]:
+            storage = tensor.untyped_storage()
+            self.excluded.add(storage._cdata)
+            self.saved.setdefault(storage._cdata, storage)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.current += self.keep(tensor)
+        return tensor
+
+    def keep(self, tensor: torch.Tensor) -> int:
+        """Count ``tensor``'s storage unless it was counted (or excluded) before."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        if key in self.saved or key in self.excluded:
+            return 0
+        self.saved[key] = storage
+        return storage.nbytes()
+
+    def run(self, fn) -> tuple[Optional[torch.Tensor], int, int]:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.current = 0
+        counter = FlopCounterMode(display=False)
+        try:
+            with counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                out = fn()
+        except Exception:
+            return None, 0, 0
+        if not isinstance(out, torch.Tensor):
+            return None, 0, 0
+        return out, self.current, int(counter.get_total_flops())
+
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
+
+
+def _meta_tensor(t: TensorType, dims: Mapping[str, int]) -> torch.Tensor:
+    shape = [TensorType((d,)).numel(dims) for d in t.shape]
+    return torch.empty(shape, dtype=_DTYPES.get(t.dtype, torch.float32), device="meta")
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _weight_bytes(module: Optional[nn.Module], node: Node) -> tuple[int, int]:
+    """(parameter + buffer bytes, trainable parameter bytes) of one instance."""
+    if module is None:
+        return node.params * 4, node.params * 4
+    params = list(module.parameters())
+    weights = sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in module.buffers())
+    return weights, sum(_nbytes(p) for p in params if p.requires_grad)
+
+
+def _value(value: Any, params: Mapping[str, Any]) -> Any:
+    if isinstance(value, Param):
+        return params[value.name]
+    if isinstance(value, Expr):  # the only Exprs are dtypes: torch.float16
+        return getattr(torch, value.code.removeprefix("torch."))
+    if isinstance(value, list):
+        return [_value(v, params) for v in value]
+    return value
+
+
+def _build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass]) -> nn.Module:
+    """One instance of a module or block node, on meta."""
+    args = [_value(a, params) for a in node.args]
+    kwargs = {k: _value(v, params) for k, v in node.kwargs}
+    if node.op.kind is OpKind.BLOCK:
+        return MetaBlock(blocks[node.op.target], args, blocks)
+    with torch.device("meta"):
+        return node.op.target(*args, **kwargs)
+
+
+def _call(node: Node, module: Optional[nn.Module], inputs: list, params=None) -> Any:
+    if node.op.kind is OpKind.FUNCTION:
+        args = [_value(a, params or {}) for a in node.args]
+        kwargs = {k: _value(v, params or {}) for k, v in node.kwargs}
+        call_inputs = [inputs] if node.op.seq_input else inputs
+        return node.op.target(*call_inputs, *args, **kwargs)
+    return module(*inputs)
+
+
+class MetaBlock(nn.Module):
+    """A block instance as a real ``nn.Module`` (built on meta by :func:`_build`).
+
+    Children are named as in the generated block class (``fc1``, ``fc``
+    as an ``nn.ModuleList`` when repeated), so parameter names match the
+    generated state dict.
+    """
+
+    def __init__(self, block: BlockClass, args: Sequence[Any],
+                 blocks: Mapping[str, BlockClass]) -> None:
+        super().__init__()
+        self.block = block
+        self.values = dict(zip(block.params, args))
+        for node in block.nodes:
+            if not node.op.has_module:
+                continue
+            if node.repeat:
+                self.add_module(node.name, nn.ModuleList(
+                    _build(node, self.values, blocks) for _ in range(node.repeat)))
+            else:
+                self.add_module(node.name, _build(node, self.values, blocks))
+        self.__class__ = _named_class(block.name)
+
+    def forward(self, *inputs: torch.Tensor):
+        env = {t.name: x for t, x in zip(self.block.inputs, inputs)}
+        for node in self.block.nodes:
+            xs = [env[name] for name in node.inputs]
+            if not node.op.has_module:
+                env[node.name] = _call(node, None, xs, self.values)
+                continue
+            module = getattr(self, node.name)
+            if node.repeat:
+                out = xs[0]
+                for layer in module:
+                    out = layer(out, *xs[1:])
+            else:
+                out = module(*xs)
+            env[node.name] = out
+        outs = [env[name] for name in self.block.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_class(name: str) -> type:
+    """A MetaBlock subclass named after the block (tools key on class names)."""
+    return type(name, (MetaBlock,), {"__module__": __name__})
+
+
+def meta_modules(graph: Graph) -> Iterable[tuple[str, nn.Module]]:
+    """``(attribute, module)`` for every layer that owns one, built on meta.
+
+    A repeated layer gives an ``nn.ModuleList`` of fresh instances; block
+    instances are :class:`MetaBlock`\\ s whose class is named after the block.
+    Used by the placement benchmark to hand the same model to other tools.
+    """
+    blocks = {b.name: b for b in graph.blocks}
+    for node in graph.nodes:
+        if not node.op.has_module:
+            continue
+        if node.repeat:
+            yield node.name, nn.ModuleList(_build(node, {}, blocks) for _ in range(node.repeat))
+        else:
+            yield node.name, _build(node, {}, blocks)
+
+
+def human_bytes(n: float) -> str:
+    """``1.2 GiB``, ``512.0 KiB``, ``96 B``: binary units, one decimal."""
+    units = ["B", "KiB", "MiB", "GiB", "TiB"]
+    exponent = 0
+    while n >= 1024 ** (exponent + 1) and exponent < len(units) - 1:
+        exponent += 1
+    if exponent == 0:
+        return f"{int(n)} B"
+    return f"{n / 1024 ** exponent:.1f} {units[exponent]}"
+
+
+def unit_labels(graph: Graph, units: Iterable[tuple[int, int]], whole: bool = False) -> list[str]:
+    """Names for ``(node index, instance)`` pairs, runs compressed: ``h.0-5``.
+
+    Consecutive instances of one repeated layer become one ``name.i-j`` range
+    (``name.i`` alone); with ``whole``, a run of all its instances is ``name``.
+    """
+    runs: list[list[int]] = []  # [node, first, last]
+    for node, instance in units:
+        if runs and runs[-1][0] == node and runs[-1][2] + 1 == instance:
+            runs[-1][2] = instance
+        else:
+            runs.append([node, instance, instance])
+    labels = []
+    for node_index, first, last in runs:
+        node = graph.nodes[node_index]
+        if not node.repeat or (whole and first == 0 and last == node.repeat - 1):
+            labels.append(node.name)
+        elif first == last:
+            labels.append(f"{node.name}.{first}")
+        else:
+            labels.append(f"{node.name}.{first}-{last}")
+    return labels

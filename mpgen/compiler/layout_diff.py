@@ -1,0 +1,205 @@
+"""``mpgen diff OLD NEW``: what a placement change moves, per layer and device.
+
+Each side is a spec path or ``REV:path``, read with ``git show REV:path`` in
+the current directory's repository (the path is relative to the repository
+root, or to the current directory when written ``REV:./path``). Both sides
+are compiled in full; the diff lists the layer instances whose device
+changed (compressed to ranges), the parameters and estimated training memory
+of each device before and after, and the forward transfers added and
+removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+from mpgen.compiler.costs import Costs, human_bytes, unit_labels
+from mpgen.compiler.ir import Graph
+from mpgen.compiler.report import transfer_name
+from mpgen.errors import ErrorList, MpgenError, Position
+
+
+@dataclass(frozen=True)
+class Side:
+    """One compiled side of a diff."""
+
+    label: str  # as the user wrote it
+    graph: Graph
+    costs: Costs
+
+
+@dataclass(frozen=True)
+class DeviceChange:
+    device: str
+    params: tuple[int, int]  # before, after
+    memory: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class TransferKey:
+    tensor: str
+    src: str
+    dst: str
+    shape: str
+    nbytes: int
+
+    def __str__(self) -> str:
+        return (f"{self.tensor} {self.shape}: {self.src} -> {self.dst} "
+                f"({self.nbytes:,} bytes)")
+
+
+@dataclass(frozen=True)
+class LayoutDiff:
+    old: str
+    new: str
+    moved: tuple[tuple[str, str, str], ...]  # (layers, old device, new device)
+    removed: tuple[tuple[str, str], ...]  # (layers, device) only in OLD
+    added: tuple[tuple[str, str], ...]  # (layers, device) only in NEW
+    devices: tuple[DeviceChange, ...]
+    transfers_removed: tuple[TransferKey, ...]
+    transfers_added: tuple[TransferKey, ...]
+
+
+def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
+    """Compile a spec path, or ``REV:path`` from git; errors name ``arg``."""
+    from mpgen.compiler.build import compile_spec
+
+    if Path(arg).is_file() or ":" not in arg:
+        graph = compile_spec(arg, device_map)
+        return Side(arg, graph, graph.costs)
+    text = _git_show(arg)
+    with tempfile.TemporaryDirectory(prefix="mpgen-diff-") as folder:
+        path = os.path.join(folder, os.path.basename(arg.partition(":")[2]) or "spec.yaml")
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        try:
+            graph = compile_spec(path, device_map)
+        except MpgenError as exc:
+            raise _renamed(exc, path, arg) from None
+        return Side(arg, graph, graph.costs)
+
+
+def _git_show(arg: str) -> str:
+    try:
+        done = subprocess.run(["git", "show", arg], capture_output=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise MpgenError(Position(arg, 1, 1), f"cannot run git show: {exc}") from None
+    if done.returncode != 0:
+        message = done.stderr.decode("utf-8", "replace").strip().splitlines()
+        reason = message[0] if message else f"git show exited with {done.returncode}"
+        raise MpgenError(Position(arg, 1, 1), f"cannot read {arg!r} from git: {reason}")
+    try:
+        return done.stdout.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise MpgenError(Position(arg, 1, 1), f"spec is not UTF-8 ({exc.reason})") from None
+
+
+def _renamed(exc: MpgenError, path: str, arg: str) -> MpgenError:
+    """The same error(s) with the temporary file's name replaced by ``arg``."""
+    def one(e: MpgenError) -> MpgenError:
+        pos = e.pos
+        if pos is not None and pos.file == path:
+            pos = dataclasses.replace(pos, file=arg)
+        return MpgenError(pos, e.message.replace(path, arg))
+
+    if isinstance(exc, ErrorList):
+        return ErrorList([one(e) for e in exc.errors])
+    return one(exc)
+
+
+def diff(old: Side, new: Side) -> LayoutDiff:
+    """Compare two compiled layouts."""
+    def placed(side: Side) -> dict[tuple[str, int], tuple[int, str]]:
+        return {(side.graph.nodes[u.node].name, u.instance):
+                (j, side.graph.nodes[u.node].devices[u.instance])
+                for j, u in enumerate(side.costs.units)}
+
+    before, after = placed(old), placed(new)
+    moved_runs = _runs(new, [(key, before[key][1], dev) for key, (_, dev) in after.items()
+                             if key in before and before[key][1] != dev])
+    added = _runs(new, [(key, dev, "") for key, (_, dev) in after.items() if key not in before])
+    removed = _runs(old, [(key, dev, "") for key, (_, dev) in before.items() if key not in after])
+
+    old_totals, new_totals = _totals(old), _totals(new)
+    devices = list(dict.fromkeys([*new_totals, *old_totals]))
+    changes = tuple(DeviceChange(d, (old_totals.get(d, (0, 0))[0], new_totals.get(d, (0, 0))[0]),
+                                 (old_totals.get(d, (0, 0))[1], new_totals.get(d, (0, 0))[1]))
+                    for d in devices)
+    old_t, new_t = _transfers(old), _transfers(new)
+    return LayoutDiff(
+        old=old.label, new=new.label,
+        moved=tuple((label, a, b) for label, a, b in moved_runs),
+        removed=tuple((label, a) for label, a, _ in removed),
+        added=tuple((label, a) for label, a, _ in added),
+        devices=changes,
+        transfers_removed=tuple(t for t in old_t if t not in new_t),
+        transfers_added=tuple(t for t in new_t if t not in old_t),
+    )
+
+
+def _runs(side: Side, items) -> list[tuple[str, str, str]]:
+    """Consecutive instances of one layer with the same change, as one range."""
+    index = {n.name: i for i, n in enumerate(side.graph.nodes)}
+    groups: list[list] = []  # [[(node, instance), ...], a, b]
+    for (name, instance), a, b in items:
+        unit = (index[name], instance)
+        if (groups and groups[-1][1:] == [a, b] and groups[-1][0][-1][0] == unit[0]
+                and groups[-1][0][-1][1] + 1 == instance):
+            groups[-1][0].append(unit)
+        else:
+            groups.append([[unit], a, b])
+    return [(unit_labels(side.graph, units)[0], a, b) for units, a, b in groups]
+
+
+def _totals(side: Side) -> dict[str, tuple[int, int]]:
+    totals: dict[str, tuple[int, int]] = {}
+    for unit in side.costs.units:
+        device = side.graph.nodes[unit.node].devices[unit.instance]
+        params, memory = totals.get(device, (0, 0))
+        totals[device] = (params + unit.params, memory + unit.memory)
+    return totals
+
+
+def _transfers(side: Side) -> list[TransferKey]:
+    keys = []
+    for t in side.graph.plan.transfers:
+        keys.append(TransferKey(transfer_name(side.graph, t), t.src or "caller", t.dst,
+                                str(t.type), side.costs.nbytes(t.value.partition("#")[0])))
+    return keys
+
+
+def format_diff(d: LayoutDiff) -> str:
+    """The diff as plain text, for the terminal."""
+    lines = [f"--- {d.old}", f"+++ {d.new}", ""]
+    if d.moved:
+        lines.append("moved:")
+        lines.extend(f"  {label}: {a} -> {b}" for label, a, b in d.moved)
+    else:
+        lines.append("moved: nothing")
+    if d.removed:
+        lines.append("only in old:")
+        lines.extend(f"  {label}: {device}" for label, device in d.removed)
+    if d.added:
+        lines.append("only in new:")
+        lines.extend(f"  {label}: {device}" for label, device in d.added)
+    lines += ["", "per device (parameters; estimated training memory):"]
+    rows = [("device", "params before", "params after", "memory before", "memory after")]
+    for c in d.devices:
+        rows.append((c.device, f"{c.params[0]:,}", f"{c.params[1]:,}",
+                     human_bytes(c.memory[0]), human_bytes(c.memory[1])))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
+        lines.append("  " + "  ".join(cells).rstrip())
+    lines += ["", "transfers in forward:"]
+    if not d.transfers_removed and not d.transfers_added:
+        lines.append("  unchanged")
+    lines.extend(f"  - {t}" for t in d.transfers_removed)
+    lines.extend(f"  + {t}" for t in d.transfers_added)
+    return "\n".join(lines) + "\n"

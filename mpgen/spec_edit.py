@@ -1,0 +1,262 @@
+"""``mpgen place``: show a spec's layout in the explicit form, or write it back.
+
+# NOTE: [Writing the placement back]
+# The explicit form written names every layer, with a repeated layer's
+# instances compressed to ranges per device (``h.0-5: cuda:1``): each layer's
+# device is visible, a moved layer is a changed line in review, and since
+# every instance is named the bookmark rule never comes into play, so the
+# block reproduces the layout exactly whatever the order of entries.
+#
+# ``--write`` splices the new block into the file's text in place of the old
+# one, using the positions PyYAML gives for the ``placement`` key and the last
+# token of its value: every byte outside that range is kept (comments, blank
+# lines, flow mappings, quoting, line endings), which a YAML round trip
+# (ruamel.yaml included) does not promise for reflowed flow mappings. An
+# automatic block is kept above the new entries as comments, so the settings
+# it was chosen from stay in the file. The rewritten text is compiled before
+# it replaces the file, and must give exactly the same devices.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+import yaml
+
+from mpgen.compiler.costs import unit_labels
+from mpgen.compiler.ir import Graph
+from mpgen.errors import MpgenError, Position
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The layout of one spec, in the explicit form."""
+
+    graph: Graph
+    entries: tuple[tuple[str, str], ...]  # key -> device, in layers order
+    how: str  # one line: how the layout was chosen
+    auto: bool
+    bottleneck: str = ""  # automatic: "bottleneck 42,527,232 parameters on cuda:1"
+    renamed: str = ""  # "devices renamed by --device-map cuda:1=cuda:0"
+
+    def block(self, indent: str = "  ", newline: str = "\n") -> str:
+        """The ``placement:`` block in the explicit form (without a final newline)."""
+        return newline.join(["placement:", *_entry_lines(self, indent)])
+
+
+def explicit_entries(graph: Graph) -> list[tuple[str, str]]:
+    """Every layer -> device; a repeated layer's instances as ranges per device."""
+    entries = []
+    for i, node in enumerate(graph.nodes):
+        runs: list[list] = []
+        for k, device in enumerate(node.devices):
+            if runs and runs[-1][1] == device:
+                runs[-1][0].append((i, k))
+            else:
+                runs.append([[(i, k)], device])
+        for units, device in runs:
+            entries.append((unit_labels(graph, units, whole=True)[0], device))
+    return entries
+
+
+def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Placed:
+    """Compile the spec and return its layout in the explicit form."""
+    from mpgen.compiler.build import compile_spec
+
+    graph = compile_spec(path, device_map)
+    auto = graph.layout.method == "auto"
+    bottleneck = renamed = ""
+    if auto:
+        from mpgen.compiler.auto_placement import BALANCE_UNITS
+
+        choice = graph.layout.choice
+        value = choice.split.bottleneck
+        amount = f"{int(value):,}" if float(value).is_integer() else f"{value:,.1f}"
+        bottleneck = (f"bottleneck {amount} {BALANCE_UNITS[choice.auto.balance]} on "
+                      f"{choice.bottleneck_device}")
+        how = (f"chosen automatically (balance {choice.auto.balance} over "
+               f"{', '.join(choice.devices)}); {bottleneck}")
+    elif graph.layout.method == "explicit":
+        how = "explicit in the spec"
+    else:
+        how = "the default: no placement, everything on cuda:0"
+    if device_map:
+        renamed = "devices renamed by --device-map " + ",".join(
+            f"{k}={v}" for k, v in sorted(device_map.items()))
+        how += f"; {renamed}"
+    return Placed(graph, tuple(explicit_entries(graph)), how, auto, bottleneck, renamed)
+
+
+def write_placement(path: str | Path, placed: Placed) -> bool:
+    """Rewrite ``path``'s placement block into ``placed``'s explicit form.
+
+    Returns False when there is nothing to change (an explicit spec built
+    without a device map). Every line outside the placement block is kept
+    byte for byte; the new text is compiled and checked before it is written.
+    """
+    from mpgen.compiler.build import compile_spec
+
+    text = _read(path)
+    if not placed.auto and not placed.graph.device_map and _find_placement(text, str(path)):
+        return False  # already explicit: the spec's own spelling stays
+    new_text = rewrite_text(text, placed, str(path))
+    if new_text == text:
+        return False
+    target = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(new_text)
+        graph = compile_spec(tmp)
+        got = [(n.name, n.devices) for n in graph.nodes]
+        want = [(n.name, n.devices) for n in placed.graph.nodes]
+        if got != want:  # pragma: no cover - a bug in mpgen, never a user mistake
+            raise MpgenError(Position(str(path), 1, 1), "internal error: the rewritten placement "
+                             "does not reproduce the layout; the spec was not changed")
+        shutil.copymode(target, tmp)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return True
+
+
+def rewrite_text(text: str, placed: Placed, name: str = "spec.yaml") -> str:
+    """``text`` with its placement block replaced by ``placed``'s explicit form."""
+    newline = "\r\n" if "\r\n" in text else "\n"
+    found = _find_placement(text, name)
+    indent = _indent(text, found)
+    if found is None:
+        block = newline.join(["placement:", *_entry_lines(placed, indent, [], written=True)])
+        sep = "" if not text or text.endswith("\n") else newline
+        return f"{text}{sep}{newline}{block}{newline}"
+    key, value = found
+    start = text.rfind("\n", 0, key.start_mark.index) + 1
+    if text[start:key.start_mark.index].strip():
+        raise MpgenError(_pos(name, key), "placement: cannot rewrite a placement key that does "
+                         "not start its line; write the explicit form by hand")
+    content_end = _content_end(value)
+    end = _line_end(text, content_end)
+    rest = text[content_end:end].strip()
+    if rest and not rest.startswith("#"):
+        raise MpgenError(_pos(name, key), "placement: cannot rewrite the placement block: "
+                         "other content follows it on its last line")
+    key_line_end = _line_end(text, key.start_mark.index)
+    if value.start_mark.index >= key_line_end:  # the value starts on a later line
+        first = text[start:key_line_end]
+        old = text[key_line_end:end].lstrip("\r\n")
+    else:
+        first = text[start:key.end_mark.index] + ":"
+        old = text[value.start_mark.index:end]
+    old_lines = _dedent(old.splitlines()) if placed.auto else []
+    block = newline.join([first, *_entry_lines(placed, indent, old_lines, written=True)])
+    return text[:start] + block + text[end:]
+
+
+def _entry_lines(placed: Placed, indent: str, old_lines: Optional[list[str]] = None,
+                 written: bool = False) -> list[str]:
+    lines = []
+    if written:
+        notes = "; ".join(n for n in (placed.bottleneck, placed.renamed) if n)
+        if placed.auto and old_lines:
+            lines.append(f"{indent}# Written by `mpgen place --write` from this automatic "
+                         "placement")
+            lines.append(f"{indent}# ({notes}):")
+            lines.extend(f"{indent}#   {line}".rstrip() for line in old_lines)
+        else:
+            lines.append(f"{indent}# Written by `mpgen place --write`"
+                         + (f" ({notes})." if notes else "."))
+    lines.extend(f"{indent}{_yaml_key(key)}: {device}" for key, device in placed.entries)
+    return lines
+
+
+def _yaml_key(key: str) -> str:
+    try:
+        plain = yaml.safe_load(f"{key}: x")
+    except yaml.YAMLError:
+        plain = None
+    if isinstance(plain, dict) and list(plain) == [key]:
+        return key
+    return "'" + key.replace("'", "''") + "'"
+
+
+def _read(path: str | Path) -> str:
+    try:
+        return Path(path).read_bytes().decode("utf-8")
+    except OSError as exc:
+        raise MpgenError(Position(str(path)), f"cannot read spec: {exc.strerror}") from None
+
+
+def _find_placement(text: str, name: str):
+    """``(key node, value node)`` of the top-level ``placement``, or None."""
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:  # compile_spec has read it: not expected
+        raise MpgenError(Position(name, 1, 1), f"invalid YAML: {exc}") from None
+    if not isinstance(root, yaml.MappingNode):
+        raise MpgenError(Position(name, 1, 1), "spec is not a mapping")
+    for key, value in root.value:
+        if isinstance(key, yaml.ScalarNode) and key.value == "placement":
+            if root.flow_style:
+                raise MpgenError(_pos(name, key), "placement: cannot rewrite a spec written as "
+                                 "one flow mapping ({...}); write the explicit form by hand")
+            return key, value
+    if root.flow_style:
+        raise MpgenError(Position(name, 1, 1), "placement: cannot add a block to a spec written "
+                         "as one flow mapping ({...}); write the explicit form by hand")
+    return None
+
+
+def _content_end(node) -> int:
+    """Index just after the last character of ``node``'s own text."""
+    if isinstance(node, yaml.ScalarNode) or node.flow_style:
+        return node.end_mark.index
+    children = ([n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode)
+                else list(node.value))
+    return max((_content_end(c) for c in children), default=node.start_mark.index)
+
+
+def _line_end(text: str, index: int) -> int:
+    """Index of the end of the line holding ``index`` (before its \\r\\n or \\n)."""
+    end = text.find("\n", index)
+    if end < 0:
+        return len(text)
+    return end - 1 if end > 0 and text[end - 1] == "\r" else end
+
+
+def _dedent(lines: list[str]) -> list[str]:
+    body = [line for line in lines if line.strip()]
+    if not body:
+        return []
+    first_is_inline = bool(lines) and not lines[0][:1].isspace()
+    rest = body[1:] if first_is_inline else body
+    cut = min((len(line) - len(line.lstrip(" ")) for line in rest), default=0)
+    return [line if (first_is_inline and i == 0) else line[cut:]
+            for i, line in enumerate(lines)]
+
+
+def _indent(text: str, found) -> str:
+    """The indentation step the spec uses (from the placement block, else layers)."""
+    if found is not None:
+        value = found[1]
+        if isinstance(value, yaml.MappingNode) and not value.flow_style and value.start_mark.column:
+            return " " * value.start_mark.column
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError:
+        return "  "
+    if isinstance(root, yaml.MappingNode):
+        for key, value in root.value:
+            if (isinstance(value, yaml.MappingNode) and not value.flow_style
+                    and value.start_mark.column > key.start_mark.column):
+                return " " * (value.start_mark.column - key.start_mark.column)
+    return "  "
+
+
+def _pos(name: str, node) -> Position:
+    return Position(name, node.start_mark.line + 1, node.start_mark.column + 1)

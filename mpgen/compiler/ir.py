@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from mpgen.errors import Position
 
@@ -109,6 +109,18 @@ class Node:
     @property
     def instances(self) -> int:
         return self.repeat or 1
+
+
+def device_runs(devices: Sequence[str]) -> list[tuple[int, int, str]]:
+    """Maximal runs of one device in a per-instance device list:
+    ``(start, stop, device)``, e.g. h.0-5 on cuda:0 -> ``(0, 6, "cuda:0")``."""
+    runs: list[tuple[int, int, str]] = []
+    for k, device in enumerate(devices):
+        if runs and runs[-1][2] == device:
+            runs[-1] = (runs[-1][0], k + 1, device)
+        else:
+            runs.append((k, k + 1, device))
+    return runs
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,16 @@ import dataclasses
 import re
 from typing import Optional, Sequence
 
-from mpgen.compiler.ir import ForwardPlan, Graph, Layout, Node, Section, Step, Transfer
+from mpgen.compiler.ir import (
+    ForwardPlan,
+    Graph,
+    Layout,
+    Node,
+    Section,
+    Step,
+    Transfer,
+    device_runs,
+)
 from mpgen.compiler.namespace import Namespace
 from mpgen.errors import Collector, Position, did_you_mean
 from mpgen.spec_schema.load import SourceMap
@@ -142,7 +151,7 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
     # One entry per step: (node, start, stop, device, values read).
     steps: list[tuple[Node, int, int, str, list[str]]] = []
     for node in graph.nodes:
-        runs = _runs(node.devices)
+        runs = device_runs(node.devices)
         for r, (start, stop, device) in enumerate(runs):
             reads = list(node.inputs) if r == 0 else [_link(node, r - 1), *node.inputs[1:]]
             steps.append((node, start, stop, device, reads))
@@ -195,16 +204,6 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
             sections.append(Section(device, tuple(transfers), (step,)))
     returns = tuple(var[o] for o in graph.outputs)
     return ForwardPlan(tuple(sections), returns)
-
-
-def _runs(devices: Sequence[str]) -> list[tuple[int, int, str]]:
-    runs: list[tuple[int, int, str]] = []
-    for k, device in enumerate(devices):
-        if runs and runs[-1][2] == device:
-            runs[-1] = (runs[-1][0], k + 1, device)
-        else:
-            runs.append((k, k + 1, device))
-    return runs
 
 
 def _link(node: Node, run: int) -> str:

@@ -24,6 +24,7 @@ from mpgen.compiler.ir import (
     Step,
     TensorType,
     Transfer,
+    device_runs,
 )
 
 VERSION_NOTE = "mpgen 1"
@@ -178,7 +179,7 @@ def _init_lines(nodes: Sequence[Node], in_block: bool) -> list[str]:
             else:
                 lines.append(f"self.{node.name} = {ctor}")
             continue
-        runs = _device_runs(node.devices)
+        runs = device_runs(node.devices)
         if runs[0][2] != device:
             device = runs[0][2]
             lines.append(f"# {device}")
@@ -189,16 +190,6 @@ def _init_lines(nodes: Sequence[Node], in_block: bool) -> list[str]:
         lines.append(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
         device = runs[-1][2]
     return lines
-
-
-def _device_runs(devices: Sequence[str]) -> list[tuple[int, int, str]]:
-    runs: list[tuple[int, int, str]] = []
-    for k, d in enumerate(devices):
-        if runs and runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], k + 1, d)
-        else:
-            runs.append((k, k + 1, d))
-    return runs
 
 
 def _tensor_params(names: Sequence[str]) -> str:
@@ -377,6 +368,16 @@ def synthetic(t: TensorType, sizes: dict[str, str], high: Optional[int] = None,
     return f"{fn}({shape}{dtype})"
 
 
+def input_code(graph: Graph, ns, sizes: dict[str, str]) -> tuple[list[str], list[str]]:
+    """One line per model input making a random CPU tensor; and the variables."""
+    lines, names = [], []
+    for t in graph.inputs:
+        var = ns.fresh(t.var)
+        lines.append(f"{var} = {synthetic(t.type, sizes, t.high)}  # {t.type}")
+        names.append(var)
+    return lines, names
+
+
 def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], dict[str, str]]:
     """make_batch's parameters and body: one line per input and per target."""
     sizes: dict[str, str] = {}
@@ -388,11 +389,8 @@ def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], 
     if "batch" not in sizes:
         var = ns.fresh("batch_size")
         params.insert(0, f"{var}: int")
-    lines, inputs, targets = [], [], []
-    for t in graph.inputs:
-        var = ns.fresh(t.var)
-        lines.append(f"{var} = {synthetic(t.type, sizes, t.high)}  # {t.type}")
-        inputs.append(var)
+    lines, inputs = input_code(graph, ns, sizes)
+    targets = []
     for loss in graph.train.losses:
         var = ns.fresh("target" if len(graph.train.losses) == 1 else f"{loss.output}_target")
         lines.append(f"{var} = {synthetic(loss.target_type, sizes, loss.classes, loss.target)}"
@@ -511,12 +509,7 @@ def test_context(graph: Graph) -> TestContext:
 
     dims = test_dims(graph)
     sizes = {name: str(size) for name, size in dims.items()}
-    ns = Namespace(GLOBALS | {graph.name})
-    lines, inputs = [], []
-    for t in graph.inputs:
-        var = ns.fresh(t.var)
-        lines.append(f"{var} = {synthetic(t.type, sizes, t.high)}  # {t.type}")
-        inputs.append(var)
+    lines, inputs = input_code(graph, Namespace(GLOBALS | {graph.name}), sizes)
     devices = graph.devices
     cuda = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
     transfers = []

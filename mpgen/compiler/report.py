@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass, field
 
 from mpgen.compiler.costs import Costs, human_bytes, unit_labels
-from mpgen.compiler.ir import Graph, Transfer
+from mpgen.compiler.ir import Graph, Transfer, device_runs
 from mpgen.compiler.placement import map_device
 
 #: Fill and stroke colours of the device classes in the Mermaid graph, in order.
@@ -114,17 +114,7 @@ def transfer_name(graph: Graph, transfer: Transfer) -> str:
         return name
     if not sep:
         return f"{name}.{node.repeat - 1}"
-    return f"{name}.{_runs(node.devices)[int(run)][1] - 1}"
-
-
-def _runs(devices) -> list[tuple[int, int, str]]:
-    runs: list[tuple[int, int, str]] = []
-    for k, device in enumerate(devices):
-        if runs and runs[-1][2] == device:
-            runs[-1] = (runs[-1][0], k + 1, device)
-        else:
-            runs.append((k, k + 1, device))
-    return runs
+    return f"{name}.{device_runs(node.devices)[int(run)][1] - 1}"
 
 
 def report_context(graph: Graph) -> ReportContext:
@@ -308,7 +298,7 @@ def _mermaid(graph: Graph, costs: Costs, devices: list[str]) -> list[str]:
     last: dict[str, tuple[str, str]] = {}
     edges = []
     for i, node in enumerate(graph.nodes):
-        runs = _runs(node.devices)
+        runs = device_runs(node.devices)
         for r, (start, stop, device) in enumerate(runs):
             node_id = f"n{i}" if len(runs) == 1 else f"n{i}r{r}"
             label = unit_labels(graph, [(i, k) for k in range(start, stop)])[0]

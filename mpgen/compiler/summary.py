@@ -5,22 +5,16 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mpgen.compiler.ir import Graph, Node
+from mpgen.compiler.ir import Graph, Node, device_runs
 
 
 def _runs(node: Node) -> list[tuple[str, str, int]]:
     """(label, device, instances) per device run of a node."""
     if node.repeat is None:
         return [(node.name, node.devices[0], 1)]
-    runs: list[list] = []
-    for k, device in enumerate(node.devices):
-        if runs and runs[-1][1] == device:
-            runs[-1][3] = k
-        else:
-            runs.append([k, device, k, k])
     return [
-        (f"{node.name}.{a}" if a == b else f"{node.name}.{a}-{b}", device, b - a + 1)
-        for a, device, _, b in runs
+        (f"{node.name}.{a}" if a == b - 1 else f"{node.name}.{a}-{b - 1}", device, b - a)
+        for a, b, device in device_runs(node.devices)
     ]
 
 

@@ -38,17 +38,29 @@ class MpgenError(Exception):
         return f"{self.pos}: {self.message}" if self.pos else self.message
 
 
+#: At most this many errors are printed; the rest are counted.
+MAX_SHOWN = 100
+
+
 class ErrorList(MpgenError):
-    """Several errors reported together, sorted by position."""
+    """Several errors reported together, sorted by position.
+
+    Exact duplicates (same position and message) are reported once; beyond
+    :data:`MAX_SHOWN` errors, the report ends with how many were left out.
+    """
 
     def __init__(self, errors: Sequence[MpgenError]):
+        unique = {(e.pos, e.message): e for e in errors}
         self.errors = sorted(
-            errors, key=lambda e: (e.pos or Position(""), e.message)
+            unique.values(), key=lambda e: (e.pos or Position(""), e.message)
         )
-        super().__init__(None, "\n".join(str(e) for e in self.errors))
+        super().__init__(None, str(self))
 
     def __str__(self) -> str:
-        return "\n".join(str(e) for e in self.errors)
+        lines = [str(e) for e in self.errors[:MAX_SHOWN]]
+        if len(self.errors) > MAX_SHOWN:
+            lines.append(f"... and {len(self.errors) - MAX_SHOWN} more errors")
+        return "\n".join(lines)
 
 
 class Collector:
@@ -68,12 +80,21 @@ class Collector:
             raise ErrorList(self.errors) if len(self.errors) > 1 else self.errors[0]
 
 
+def shown(value: object, limit: int = 60) -> str:
+    """``repr(value)`` for a message, cut to about ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 4]}...{text[-1]}"
+
+
 def did_you_mean(word: str, candidates: Iterable[str]) -> str:
-    """`` (did you mean 'x'?)`` for the closest candidate, or ``''``."""
-    pool = list(dict.fromkeys(candidates))
+    """`` (did you mean 'x'?)`` for the closest candidate, or ``''``.
+
+    A candidate that differs only in case wins (``Relu`` -> ``ReLU``, not
+    ``F.elu``); otherwise the closest by ``difflib`` above a similarity cutoff.
+    """
+    pool = [c for c in dict.fromkeys(candidates) if c != word]
+    lowered = {c.lower(): c for c in pool}
+    if word.lower() in lowered:
+        return f" (did you mean {lowered[word.lower()]!r}?)"
     match = difflib.get_close_matches(word, pool, n=1, cutoff=0.6)
-    if not match:
-        lowered = {c.lower(): c for c in pool}
-        if word.lower() in lowered:
-            match = [lowered[word.lower()]]
     return f" (did you mean {match[0]!r}?)" if match else ""

@@ -10,17 +10,19 @@ are normalised by ``mode="before"`` validators, so a validation error's
 
 from __future__ import annotations
 
+import keyword
+import math
 import re
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     Tag,
@@ -28,6 +30,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from mpgen.errors import shown
 
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 Dtype = Literal["float32", "float16", "bfloat16", "int64", "int32", "bool"]
@@ -49,8 +53,11 @@ def _error(kind: str, message: str) -> PydanticCustomError:
 
 def check_device(value: Any) -> str:
     """A device string is ``cpu`` or ``cuda:N``; suggest the fix otherwise."""
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1000:
+        raise _error("device", f"invalid device {shown(value)}: expected 'cpu' or 'cuda:N' "
+                     f"(did you mean 'cuda:{value}'?)")
     if not isinstance(value, str):
-        raise PydanticCustomError("device", "expected a device like 'cuda:0' or 'cpu'")
+        raise _error("device", f"invalid device {shown(value)}: expected 'cpu' or 'cuda:N'")
     if _DEVICE.match(value):
         return value
     hint = ""
@@ -62,22 +69,43 @@ def check_device(value: Any) -> str:
         hint = f" (did you mean 'cuda:{int(digits[0])}'?)"
     elif lowered == "cpu":
         hint = " (did you mean 'cpu'?)"
-    raise _error("device", f"invalid device {value!r}: expected 'cpu' or 'cuda:N'{hint}")
+    raise _error("device", f"invalid device {shown(value)}: expected 'cpu' or 'cuda:N'{hint}")
 
 
 def parse_size(value: Any) -> int:
     """``40GiB``, ``512MB``, ``1e9`` or a plain integer number of bytes."""
     if isinstance(value, bool):
         raise PydanticCustomError("size", "expected a memory size like '40GiB'")
-    if isinstance(value, (int, float)) and value > 0:
+    if isinstance(value, (int, float)) and value > 0 and math.isfinite(value):
         return int(value)
     match = _SIZE.match(value) if isinstance(value, str) else None
     if not match:
         raise _error(
-            "size", f"invalid memory size {value!r}: expected e.g. '40GiB', '512MB' or bytes"
+            "size", f"invalid memory size {shown(value)}: expected e.g. '40GiB', '512MB' or bytes"
         )
     number, unit = match.groups()
-    return int(float(number) * _UNITS[(unit or "").lower()])
+    size = int(float(number) * _UNITS[(unit or "").lower()])
+    if size < 1:
+        raise _error("size", f"invalid memory size {shown(value)}: must be at least 1 byte")
+    return size
+
+
+def kwarg_problem(name: str) -> Optional[str]:
+    """Why ``name`` cannot be a keyword argument in generated code, or None."""
+    if not (name.isidentifier() and name.isascii()):
+        return f"{shown(name)} is not a valid keyword argument name"
+    if keyword.iskeyword(name):
+        return f"{shown(name)} is a Python keyword, not a keyword argument name"
+    if name.startswith("__"):
+        return f"{shown(name)} must not start with '__'"
+    return None
+
+
+def _check_kwarg_name(name: str) -> str:
+    problem = kwarg_problem(name)
+    if problem:
+        raise _error("kwarg_name", problem)
+    return name
 
 
 def _is_value(value: Any, depth: int = 0) -> bool:
@@ -89,18 +117,69 @@ def _is_value(value: Any, depth: int = 0) -> bool:
 
 
 def _check_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        raise _error("value", "expected a scalar (number, string, bool, null) or a list of "
+                     "them, not a mapping")
     if not _is_value(value):
-        raise PydanticCustomError(
-            "value", "expected a scalar (number, string, bool, null) or a list of them"
-        )
+        raise _error("value", "expected a scalar (number, string, bool, null) or a list of "
+                     "them (lists nest at most two deep)")
     return value
 
 
+#: The largest size of one input dim: more is a typo, and overflows torch's int64.
+MAX_DIM = 2**31 - 1
+
+
+def _check_dim(dim: Any) -> Any:
+    if isinstance(dim, int) and not isinstance(dim, bool):
+        if dim < 1:
+            raise _error("dim", f"sizes must be positive, got {dim}")
+        if dim > MAX_DIM:
+            raise _error("dim", f"sizes must be at most {MAX_DIM:,}, got {shown(dim)}")
+        return dim
+    if isinstance(dim, str):
+        if not dim.isidentifier():
+            raise _error("dim", f"a symbolic dim must be a name like 'batch' or 'seq', "
+                         f"got {shown(dim)}")
+        return dim
+    raise _error("dim", f"a dim is a positive integer or a name like 'batch', got {shown(dim)}")
+
+
+def _check_version(value: Any) -> Any:
+    if type(value) is not int or value != 1:
+        raise _error("version", f"expected the spec format version, the integer 1, "
+                     f"got {shown(value)}")
+    return value
+
+
+def _check_speed(value: Any) -> Any:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _error("speed", f"expected a number, got {shown(value)}")
+    if not (value > 0 and math.isfinite(value)):
+        raise _error("speed", f"speeds must be positive numbers, got {shown(value)}")
+    return value
+
+
+def _mapping_of(what: str, example: str):
+    """A ``mode="before"`` check: the value must be a mapping (``what``)."""
+    def check(value: Any) -> Any:
+        if not isinstance(value, dict):
+            raise _error("mapping", f"expected {what}, like {example}")
+        return value
+    return BeforeValidator(check)
+
+
 #: A device string, ``cpu`` or ``cuda:N``.
-Device = Annotated[StrictStr, AfterValidator(check_device)]
+Device = Annotated[Any, AfterValidator(check_device)]
 
 #: An argument value: a YAML scalar or a (nested) list of scalars.
 Value = Annotated[Any, AfterValidator(_check_value)]
+
+#: A dim of an input shape: a positive size or a symbolic name.
+Dim = Annotated[Any, AfterValidator(_check_dim)]
+
+#: The name of a keyword argument, pasted into generated code: an identifier.
+KwargName = Annotated[str, AfterValidator(_check_kwarg_name)]
 
 
 def _one_or_many(value: Any) -> Any:
@@ -114,31 +193,26 @@ class _Model(BaseModel):
 class InputSpec(_Model):
     """A model input: its shape (ints and symbolic dims) and dtype."""
 
-    shape: list[Union[StrictInt, StrictStr]] = Field(min_length=1)
+    shape: list[Dim] = Field(min_length=1)
     dtype: Dtype = "float32"
 
     @model_validator(mode="before")
     @classmethod
     def _shape_only(cls, data: Any) -> Any:
-        return {"shape": data} if isinstance(data, list) else data
-
-    @field_validator("shape")
-    @classmethod
-    def _dims(cls, shape: list[int | str]) -> list[int | str]:
-        for dim in shape:
-            if isinstance(dim, int) and dim < 1:
-                raise _error("dim", f"sizes must be positive, got {dim}")
-            if isinstance(dim, str) and not dim.isidentifier():
-                raise _error(
-                    "dim", f"a symbolic dim must be a name like 'batch' or 'seq', got {dim!r}"
-                )
-        return shape
+        if isinstance(data, list):
+            return {"shape": data}
+        if not isinstance(data, dict):
+            raise _error("input", "expected a shape like [batch, 10], or "
+                         "{shape: [batch, 10], dtype: int64}")
+        return data
 
 
 class LayerSpec(_Model):
     """One entry of ``layers``; keys other than the four below are kwargs."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    # Extra keys are keyword arguments: names become code, values literals.
+    __pydantic_extra__: dict[KwargName, Value]
 
     op: StrictStr
     in_: Optional[list[StrictStr]] = Field(default=None, alias="in", min_length=1)
@@ -147,14 +221,12 @@ class LayerSpec(_Model):
 
     _one_input = field_validator("in_", mode="before")(_one_or_many)
 
-    @model_validator(mode="after")
-    def _kwarg_values(self) -> "LayerSpec":
-        for key, value in (self.model_extra or {}).items():
-            if not _is_value(value):
-                raise _error(
-                    "kwarg", f"keyword argument {key!r} must be a scalar or a list of scalars"
-                )
-        return self
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _error("layer", "expected a layer, like {op: Linear, args: [10, 20]}")
+        return data
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -167,8 +239,18 @@ class BlockSpec(_Model):
 
     params: list[StrictStr] = Field(default_factory=list)
     inputs: list[StrictStr] = Field(default_factory=lambda: ["x"], min_length=1)
-    layers: dict[str, LayerSpec] = Field(min_length=1)
+    layers: Annotated[
+        dict[str, LayerSpec],
+        _mapping_of("a mapping of layer name -> layer", "{fc: {op: Linear, args: [8, 8]}}"),
+    ] = Field(min_length=1)
     outputs: Optional[list[StrictStr]] = Field(default=None, min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _error("block", "expected a block, like {params: [dim], layers: {...}}")
+        return data
 
     _one_output = field_validator("outputs", mode="before")(_one_or_many)
     _one_input = field_validator("inputs", mode="before")(_one_or_many)
@@ -179,30 +261,20 @@ class AutoPlacementSpec(_Model):
 
     devices: list[Device] = Field(min_length=1)
     balance: Literal["params", "memory", "flops"] = "params"
-    capacity: dict[Device, int] = Field(default_factory=dict)
-    speed: dict[Device, Union[StrictFloat, StrictInt]] = Field(default_factory=dict)
+    capacity: dict[Device, Annotated[Any, AfterValidator(parse_size)]] = Field(
+        default_factory=dict
+    )
+    speed: dict[Device, Annotated[Any, AfterValidator(_check_speed)]] = Field(
+        default_factory=dict
+    )
 
     @field_validator("devices", mode="after")
     @classmethod
     def _devices(cls, devices: list[str]) -> list[str]:
-        if len(set(devices)) != len(devices):
-            raise PydanticCustomError("devices", "a device is listed twice")
+        twice = [d for i, d in enumerate(devices) if d in devices[:i]]
+        if twice:
+            raise _error("devices", f"device {shown(twice[0])} is listed twice")
         return devices
-
-    @field_validator("capacity", mode="before")
-    @classmethod
-    def _capacity(cls, value: Any) -> Any:
-        if isinstance(value, dict):
-            return {k: parse_size(v) for k, v in value.items()}
-        return value
-
-    @field_validator("speed", mode="after")
-    @classmethod
-    def _speed(cls, value: dict[str, float]) -> dict[str, float]:
-        for speed in value.values():
-            if not speed > 0:
-                raise PydanticCustomError("speed", "speeds must be positive")
-        return value
 
 
 class PlacementSpec(_Model):
@@ -214,75 +286,90 @@ class PlacementSpec(_Model):
     @model_validator(mode="before")
     @classmethod
     def _forms(cls, data: Any) -> Any:
-        if isinstance(data, dict) and isinstance(data.get("auto"), dict):
+        if isinstance(data, dict) and isinstance(data.get("auto"), (dict, list)):
             return data
         if isinstance(data, dict):
             return {"explicit": data}
-        return data
+        raise _error("placement", "expected a mapping of layer -> device, like "
+                     "{layer1: cuda:0, layer2: cuda:1}, or {auto: {devices: [...]}}")
 
 
 class CallSpec(_Model):
     """``{op: Name, **kwargs}`` for losses and optimizers."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+    __pydantic_extra__: dict[KwargName, Value]
     op: StrictStr
+
+    #: How the value is written, for the message when it is neither form.
+    example: ClassVar[str] = "'Name' or {op: Name, ...}"
 
     @model_validator(mode="before")
     @classmethod
     def _name_only(cls, data: Any) -> Any:
-        return {"op": data} if isinstance(data, str) else data
-
-    @model_validator(mode="after")
-    def _values(self) -> "CallSpec":
-        for key, value in (self.model_extra or {}).items():
-            if not _is_value(value):
-                raise _error("kwarg", f"{key!r} must be a scalar or a list of scalars")
-        return self
+        if isinstance(data, str):
+            return {"op": data}
+        if not isinstance(data, dict):
+            raise _error("call", f"expected {cls.example}, got {shown(data)}")
+        return data
 
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
 
 
+class LossSpec(CallSpec):
+    """``train.loss``: a ``torch.nn`` loss name, or ``{op: Name, **kwargs}``."""
+
+    example: ClassVar[str] = "a loss like 'MSELoss' or {op: CrossEntropyLoss, label_smoothing: 0.1}"
+
+
+class OptimizerSpec(CallSpec):
+    """``train.optimizer``: a ``torch.optim`` class name, or ``{op: Name, **kwargs}``."""
+
+    example: ClassVar[str] = "an optimizer like 'SGD' or {op: AdamW, lr: 3.0e-4}"
+
+
 def _loss_form(value: Any) -> str:
     # ``Name`` or ``{op: Name, ...}`` is one loss; a mapping without ``op``
     # gives a loss per output: ``{head_a: CrossEntropyLoss, head_b: MSELoss}``.
-    if isinstance(value, (str, CallSpec)) or (isinstance(value, dict) and "op" in value):
-        return "one"
-    return "each"
+    if isinstance(value, dict) and "op" not in value:
+        return "each"
+    return "one"
 
 
 class TrainSpec(_Model):
     """Settings of the generated training script."""
 
     loss: Annotated[
-        Union[Annotated[CallSpec, Tag("one")], Annotated[dict[str, CallSpec], Tag("each")]],
+        Union[Annotated[LossSpec, Tag("one")], Annotated[dict[str, LossSpec], Tag("each")]],
         Discriminator(_loss_form),
-    ] = Field(default_factory=lambda: CallSpec(op="MSELoss"))
-    optimizer: CallSpec = Field(default_factory=lambda: CallSpec(op="SGD", lr=0.01))
+    ] = Field(default_factory=lambda: LossSpec(op="MSELoss"))
+    optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(op="SGD", lr=0.01))
     batch_size: StrictInt = Field(default=32, ge=1)
     steps: StrictInt = Field(default=100, ge=1)
     seed: StrictInt = 0
     log_every: StrictInt = Field(default=1, ge=1)
-    dims: dict[str, StrictInt] = Field(default_factory=dict)
-
-    @field_validator("dims", mode="after")
-    @classmethod
-    def _dims(cls, value: dict[str, int]) -> dict[str, int]:
-        for size in value.values():
-            if size < 1:
-                raise PydanticCustomError("dims", "dim sizes must be positive")
-        return value
+    dims: dict[str, Annotated[StrictInt, Field(ge=1)]] = Field(default_factory=dict)
 
 
 class Spec(_Model):
     """A whole spec file."""
 
-    mpgen: Literal[1]
+    mpgen: Annotated[Literal[1], BeforeValidator(_check_version)]
     name: StrictStr
-    inputs: dict[str, InputSpec] = Field(min_length=1)
-    blocks: dict[str, BlockSpec] = Field(default_factory=dict)
-    layers: dict[str, LayerSpec] = Field(min_length=1)
+    inputs: Annotated[
+        dict[str, InputSpec],
+        _mapping_of("a mapping of input name -> shape", "{x: [batch, 10]}"),
+    ] = Field(min_length=1)
+    blocks: Annotated[
+        dict[str, BlockSpec],
+        _mapping_of("a mapping of block name -> block", "{MLP: {params: [dim], layers: ...}}"),
+    ] = Field(default_factory=dict)
+    layers: Annotated[
+        dict[str, LayerSpec],
+        _mapping_of("a mapping of layer name -> layer", "{fc: {op: Linear, args: [10, 20]}}"),
+    ] = Field(min_length=1)
     outputs: Optional[list[StrictStr]] = Field(default=None, min_length=1)
     placement: Optional[PlacementSpec] = None
     train: Optional[TrainSpec] = None

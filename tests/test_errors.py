@@ -40,29 +40,7 @@ REGENERATE = "MPGEN_UPDATE_EXPECTED=1 .venv/bin/python -m pytest tests/test_erro
 
 #: Cases whose current output is a known compiler bug (reported, not fixed
 #: here); their .expected files say what the message should be.
-XFAIL = {
-    "placement_placed_twice": (
-        "compiler/placement.py _units_of/place_explicit: a range placed again is reported "
-        "once per instance (h.1, h.2) instead of once per key"
-    ),
-    "placement_range_out_of_range": (
-        "compiler/placement.py _units_of: a reversed range 'h.3-1' is reported as out of "
-        "range instead of 'start is after end'"
-    ),
-    "ref_to_failed_layer": (
-        "compiler/resolve.py _Resolver.layer: a layer that failed is left out of the known "
-        "names, so a later reader of it is told it 'is defined later'"
-    ),
-    "shape_linear_on_integers": (
-        "compiler/shapes.py _Runner.precheck: an integer input to Linear passes the meta run "
-        "(meta kernels do not check dtypes), so the build succeeds and the generated model "
-        "fails at run time"
-    ),
-    "cli_two_specs_same_name": (
-        "compiler/build.py generate_all: a name clash of two specs is reported once per "
-        "generated file, at 1:1, instead of once at the second spec's name"
-    ),
-}
+XFAIL: dict[str, str] = {}
 
 #: One line of a report: a position in a fixture (or a CLI flag), a message.
 _LINE = re.compile(

@@ -266,9 +266,6 @@ def test_dangerous_op_names_are_refused_without_running_anything(tmp_path, senti
     assert_reported(result)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/ops.py resolve_op: any public torch.NAME callable is an op and is run on meta "
-    "tensors at build time, so torch.save writes a file while compiling"))
 def test_torch_save_is_not_an_op(tmp_path):
     target = tmp_path / "written_at_build_time.pt"
     text = textwrap.dedent(f"""\
@@ -284,9 +281,6 @@ def test_torch_save_is_not_an_op(tmp_path):
     assert not target.exists(), "torch.save ran at build time"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/ops.py _user_op: a dotted op imports any module, so a standard-library module "
-    "with import side effects (this, antigravity) runs them at build time"))
 def test_import_side_effects_of_stdlib_modules_do_not_run(tmp_path):
     result = build_text(tmp_path, "mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\n"
                                   "layers:\n  a: {op: this.Zen}\n")
@@ -403,12 +397,9 @@ def test_odd_spec_file_names_in_errors(tmp_path, name):
 
 
 # --------------------------------------------------------------------------
-# known compiler bugs (reported; see the xfail reasons)
+# compiler bugs this suite found (each fixed; kept as regression tests)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/render.py literal: a non-finite float is emitted as bare 'inf'/'nan', "
-    "a NameError when the generated module runs"))
 def test_non_finite_floats_are_emitted_as_valid_python(tmp_path):
     text = "mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\nlayers:\n" \
            "  a: {op: Hardtanh, min_val: -.inf, max_val: .inf}\n"
@@ -420,10 +411,6 @@ def test_non_finite_floats_are_emitted_as_valid_python(tmp_path):
     import_model(result.out_dir / "m.py").M()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/resolve.py check_call: keyword arguments of a block op are accepted without "
-    "checking args/inputs and ignored by shapes.py (KeyError traceback, or a generated "
-    "MLP(10, 32, dim=3) that fails at run time)"))
 @pytest.mark.parametrize("layer", ["{op: MLP, dim: 10, hidden: 3}",
                                    "{op: MLP, args: [10, 3], dim: 10}"])
 def test_block_keyword_arguments(tmp_path, layer):
@@ -450,9 +437,6 @@ def test_block_keyword_arguments(tmp_path, layer):
     import_model(result.out_dir / "m.py").M()(torch.randn(2, 10))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/shapes.py _Symbols: more than 20 symbolic dims raise MpgenError(None, ...), "
-    "an error without FILE:LINE:COL"))
 def test_too_many_symbolic_dims_has_a_position(tmp_path):
     dims = ", ".join(f"d{i}" for i in range(21))
     result = build_text(tmp_path, f"mpgen: 1\nname: M\ninputs:\n  x: [{dims}]\n"
@@ -605,10 +589,6 @@ def test_fuzz_never_tracebacks_and_success_compiles(tmp_path):
     assert elapsed < 60, f"fuzz took {elapsed:.0f}s"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/shapes.py run_node: parameters are counted with p.numel() outside the error "
-    "handling, and lazy modules (LazyLinear, LazyConv2d) have uninitialized parameters: "
-    "ValueError traceback"))
 def test_lazy_modules_do_not_crash(tmp_path):
     result = build_text(tmp_path, "mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\n"
                                   "layers:\n  a: {op: LazyLinear, args: [4]}\n")
@@ -618,10 +598,6 @@ def test_lazy_modules_do_not_crash(tmp_path):
         assert_safe_code(result.files())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/shapes.py _Symbols.tensor (called outside any error handling in infer): "
-    "symbolic dims are ~10^4 each on meta, so an input with 5 of them overflows int64: "
-    "RuntimeError traceback"))
 def test_five_symbolic_dims_do_not_crash(tmp_path):
     result = build_text(tmp_path, "mpgen: 1\nname: M\ninputs:\n  x: [batch, t, c, h, w]\n"
                                   "layers:\n  a: {op: ReLU}\n")
@@ -631,10 +607,6 @@ def test_five_symbolic_dims_do_not_crash(tmp_path):
         assert_safe_code(result.files())
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/shapes.py: torch warnings raised while running layers on meta tensors "
-    "(e.g. 'Initializing zero-element tensors is a no-op') are printed to stderr between "
-    "the FILE:LINE:COL lines"))
 def test_torch_warnings_do_not_reach_stderr(tmp_path):
     spec = tmp_path / "warn.yaml"
     spec.write_text("mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\nlayers:\n"
@@ -644,10 +616,6 @@ def test_torch_warnings_do_not_reach_stderr(tmp_path):
     assert all(line.startswith(f"{spec}:") for line in proc.stderr.splitlines()), proc.stderr
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "compiler/write.py write_files (via cli.main): an -o path that is a file raises "
-    "FileExistsError with a traceback; a write that fails midway leaves earlier files "
-    "replaced"))
 def test_output_path_that_is_a_file_is_reported(tmp_path):
     target = tmp_path / "taken"
     target.write_text("a file, not a folder\n")

@@ -94,9 +94,10 @@ placement:
 @pytest.mark.parametrize("placement, message", [
     ("  hh.0: cuda:1\n", "'hh.0' matches no layer (did you mean 'h'?)"),
     ("  h.6: cuda:1\n", "'h.6': layer 'h' has instances 0-5"),
-    ("  h.4-2: cuda:1\n", "'h.4-2': layer 'h' has instances 0-5"),
+    ("  h.4-2: cuda:1\n", "'h.4-2': a range goes from the lower to the higher instance, "
+                         "e.g. 'h.2-4'"),
     ("  norm.0: cuda:1\n", "'norm.0': layer 'norm' is not repeated"),
-    ("  h: cuda:0\n  h.3-5: cuda:1\n", "'h.3-5' places h.3 again (already placed by 'h')"),
+    ("  h: cuda:0\n  h.3-5: cuda:1\n", "'h.3-5' places h.3-5 again (already placed by 'h')"),
     ("  head: cuda:x\n", "invalid device 'cuda:x'"),
     ("  head: gpu1\n", "invalid device 'gpu1': expected 'cpu' or 'cuda:N' (did you mean 'cuda:1'?)"),
 ])

@@ -24,7 +24,7 @@ from mpgen.compiler import (
 from mpgen.compiler.format import format_source
 from mpgen.compiler.ir import Graph
 from mpgen.compiler.write import diff_files, write_files
-from mpgen.errors import Collector, MpgenError, Position
+from mpgen.errors import Collector, MpgenError
 from mpgen.spec_schema.load import load_file
 from mpgen.spec_schema.validate import validate
 
@@ -73,18 +73,24 @@ def generate_all(paths: Iterable[str | Path],
     """Generate every spec; all errors of all specs are raised together."""
     errors = Collector()
     results: list[Generated] = []
-    owners: dict[str, str] = {}
+    owners: dict[str, Generated] = {}
     for path in paths:
         try:
             result = generate(path, device_map)
         except MpgenError as exc:
             errors.extend(exc)
             continue
-        for name in result.files:
-            if name in owners:
-                errors.add(Position(str(path), 1, 1), f"generates {name}, as does {owners[name]}; "
-                           "give the models different names")
-            owners[name] = str(path)
+        clash = next((n for n in result.files if n in owners), None)
+        if clash is not None:
+            other = owners[clash]
+            name, other_name = result.graph.name, other.graph.name
+            what = (f"is also the name of the model in {other.spec_path}"
+                    if name == other_name else
+                    f"and {other_name!r} in {other.spec_path} have the same file name")
+            errors.add(result.graph.pos, f"name: {name!r} {what}, and both would generate "
+                       f"{clash}; give the models different names")
+            continue
+        owners.update(dict.fromkeys(result.files, result))
         results.append(result)
     errors.raise_if_any()
     return results
@@ -94,10 +100,7 @@ def build(paths: Iterable[str | Path], out_dir: str | Path,
           device_map: Optional[Mapping[str, str]] = None) -> list[Path]:
     """Generate all specs, then (only if all succeeded) write the files."""
     results = generate_all(paths, device_map)
-    written: list[Path] = []
-    for result in results:
-        written.extend(write_files(Path(out_dir), result.files))
-    return written
+    return write_files(Path(out_dir), {n: t for r in results for n, t in r.files.items()})
 
 
 def check(paths: Iterable[str | Path], out_dir: str | Path,

@@ -48,6 +48,7 @@ placement report and ``mpgen diff`` show them.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import functools
 from dataclasses import dataclass
@@ -163,7 +164,9 @@ def measure_graph(graph: Graph) -> Graph:
     train = graph.train
     optimizer = train.optimizer if train else "SGD"
     kwargs = dict(train.optimizer_kwargs) if train else {}
-    costs = measure(graph, dict(graph.dims), optimizer, kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's warnings on meta tensors are noise
+        costs = measure(graph, dict(graph.dims), optimizer, kwargs)
     flops = {u.node: u.flops for u in costs.units if u.instance == 0}
     nodes = tuple(dataclasses.replace(n, flops=flops.get(i, 0))
                   for i, n in enumerate(graph.nodes))

@@ -246,7 +246,7 @@ class Graph:
     nodes: tuple[Node, ...]
     outputs: tuple[str, ...]
     blocks: tuple[BlockClass, ...]
-    pos: Position
+    pos: Position  # where the model's ``name`` is written
     dims: tuple[tuple[str, int], ...] = ()  # symbolic dims -> sizes for byte estimates
     train: Optional[TrainConfig] = None
     plan: Optional[ForwardPlan] = None

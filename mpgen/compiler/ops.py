@@ -73,8 +73,15 @@ def resolve_op(spelled: str, blocks: Iterable[str], search_path: Iterable[str] =
         fn = getattr(module, name, None) if not name.startswith("_") else None
         if fn is None or inspect.isclass(fn) or inspect.ismodule(fn) or not callable(fn):
             raise OpError(f"unknown op {spelled!r}")
+        if prefix == "torch" and not _is_tensor_operator(fn):
+            # torch.save, torch.manual_seed, torch.randn, ...: not a layer, and
+            # running it on meta tensors at build time could have side effects.
+            raise OpError(f"{spelled!r} is not a tensor operation a layer can apply")
         return Op(OpKind.FUNCTION, spelled, spelled, target=fn, seq_input=_takes_sequence(fn))
     if "." not in spelled:
+        if spelled.startswith("Lazy") and spelled[4:] in nn_module_names():
+            raise OpError(f"{spelled!r} infers its sizes at run time; use {spelled[4:]!r} "
+                          "with the sizes, which mpgen checks at build time")
         obj = getattr(nn, spelled, None)
         if spelled in nn_module_names() and obj is not None:
             return Op(OpKind.MODULE, spelled, f"nn.{spelled}", target=obj)
@@ -89,6 +96,14 @@ def _user_op(spelled: str, search_path: Iterable[str]) -> Op:
     if not all(p.isidentifier() for p in parts):
         raise OpError(f"unknown op {spelled!r}: not a dotted Python path")
     module_name, class_name = ".".join(parts[:-1]), parts[-1]
+    if parts[0] in ("torch", "mpgen"):
+        raise OpError(f"{spelled!r} is not an op: use a torch.nn class name (Linear), "
+                      "torch.NAME or F.NAME")
+    if parts[0] in sys.stdlib_module_names:
+        # Never import the standard library for an op (``this``, ``os``...):
+        # importing it can have effects, and a user op lives in the user's package.
+        raise OpError(f"{spelled!r} is in the standard library, not an nn.Module class; a "
+                      "dotted op names your own class, e.g. 'mypkg.layers.Gate'")
     added = [p for p in search_path if p not in sys.path]
     sys.path[:0] = added
     try:
@@ -168,6 +183,20 @@ def _schemas(fn: Callable) -> list:
         s for s in schemas
         if s.arguments and "Tensor" in str(s.arguments[0].type) and not s.overload_name.endswith("out")
     ]
+
+
+def _is_tensor_operator(fn: Callable) -> bool:
+    """A torch function with an ATen schema that takes a tensor (or a tensor
+    list) first, or a Python function of torch's that is defined over one."""
+    if _schemas(fn):
+        return True
+    try:
+        first = next(iter(inspect.signature(fn).parameters.values()), None)
+    except (TypeError, ValueError):
+        return False
+    module = getattr(fn, "__module__", "") or ""
+    return (first is not None and first.name in ("input", "tensor", "tensors")
+            and module.startswith("torch.functional"))
 
 
 def _takes_sequence(fn: Callable) -> bool:

@@ -79,13 +79,13 @@ def place_explicit(graph: Graph, spec: Optional[PlacementSpec], source: SourceMa
     for key, device in explicit.items():
         pos = source.key(("placement", key))
         units = _units_of(key, nodes, index, pos, errors)
+        again = [u for u in units if u in named]
+        if again:
+            others = ", ".join(dict.fromkeys(repr(named[u][2]) for u in again))
+            errors.add(pos, f"placement: {key!r} places {_units_label(nodes, again)} again "
+                       f"(already placed by {others})")
         for unit in units:
-            if unit in named:
-                other = named[unit][2]
-                errors.add(pos, f"placement: {key!r} places {_unit_name(nodes, unit)} again "
-                           f"(already placed by {other!r})")
-            else:
-                named[unit] = (device, pos, key)
+            named.setdefault(unit, (device, pos, key))
     errors.raise_if_any()
     graph = dataclasses.replace(graph, layout=Layout("explicit" if explicit else "default"))
     order = [(i, k) for i, n in enumerate(nodes) for k in range(n.instances)]
@@ -130,16 +130,30 @@ def _units_of(key, nodes: Sequence[Node], index, pos, errors) -> list[tuple[int,
         return []
     start = int(match.group("start"))
     stop = int(match.group("stop")) if match.group("stop") is not None else start
-    if start > stop or stop >= node.repeat:
+    if start > stop:
+        errors.add(pos, f"placement: {key!r}: a range goes from the lower to the higher "
+                   f"instance, e.g. '{node.name}.{stop}-{start}'")
+        return []
+    if stop >= node.repeat:
         errors.add(pos, f"placement: {key!r}: layer {node.name!r} has instances "
                    f"0-{node.repeat - 1}")
         return []
     return [(node_i, k) for k in range(start, stop + 1)]
 
 
-def _unit_name(nodes, unit) -> str:
-    node = nodes[unit[0]]
-    return f"{node.name}.{unit[1]}" if node.repeat else node.name
+def _units_label(nodes: Sequence[Node], units: Sequence[tuple[int, int]]) -> str:
+    """``h.1-2``, ``h.4``, ``embed``: units of one node, runs compressed."""
+    node = nodes[units[0][0]]
+    if not node.repeat:
+        return node.name
+    ks = sorted(k for _, k in units)
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and runs[-1][1] == k - 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    return ", ".join(f"{node.name}.{a}" if a == b else f"{node.name}.{a}-{b}" for a, b in runs)
 
 
 def plan_transfers(graph: Graph) -> ForwardPlan:

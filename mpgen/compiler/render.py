@@ -8,6 +8,7 @@ the templates, which only arrange them; black does the layout afterwards.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Sequence
@@ -26,6 +27,7 @@ from mpgen.compiler.ir import (
     Transfer,
     device_runs,
 )
+from mpgen.compiler.namespace import identifier_problem
 
 VERSION_NOTE = "mpgen 1"
 
@@ -55,12 +57,19 @@ def literal(value: Any) -> str:
         return value.code
     if isinstance(value, list):
         return "[" + ", ".join(literal(v) for v in value) + "]"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f'float("{value}")'  # inf, -inf, nan have no literal
     if isinstance(value, (bool, int, float, str)) or value is None:
         return repr(value)
     raise TypeError(f"not a spec literal: {value!r}")
 
 
 def call(callee: str, args: Sequence[str], kwargs: Iterable[tuple[str, Any]]) -> str:
+    kwargs = list(kwargs)
+    for key, _ in kwargs:
+        # Validated at the schema stage; checked again because it is pasted.
+        if identifier_problem(key):
+            raise ValueError(f"not a keyword argument name: {key!r}")
     parts = list(args) + [f"{k}={literal(v)}" for k, v in kwargs]
     return f"{callee}({', '.join(parts)})"
 

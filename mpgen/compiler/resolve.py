@@ -114,7 +114,7 @@ class _Resolver:
             nodes=tuple(nodes),
             outputs=tuple(outputs),
             blocks=tuple(blocks),
-            pos=Position(self.loaded.path, 1, 1),
+            pos=self.value("name"),
         )
 
     def forward_namespace(self, inputs: list[InputTensor]) -> Namespace:
@@ -173,6 +173,7 @@ class _Resolver:
         input_names = [t.name for t in inputs]
         all_names = list(layers)
         nodes: list[Node] = []
+        failed: set[str] = set()  # reading these is not a second error
         for index, (name, layer) in enumerate(layers.items()):
             where = self.key(*path, name)
             problem = identifier_problem(name)
@@ -182,15 +183,19 @@ class _Resolver:
                 problem = f"{name!r} is also the name of an input"
             if problem:
                 self.errors.add(where, f"layer {name!r}: {problem}")
+                failed.add(name)
                 continue
             node = self.layer(path, name, layer, index, nodes, input_names, all_names,
-                              blocks, params, ns)
-            if node is not None:
+                              blocks, params, ns, failed)
+            if node is None:
+                failed.add(name)
+            else:
                 nodes.append(node)
         return nodes
 
     def layer(self, path, name, layer: LayerSpec, index, earlier: list[Node],
-              input_names, all_names, blocks, params, ns: Namespace) -> Optional[Node]:
+              input_names, all_names, blocks, params, ns: Namespace,
+              failed: set[str]) -> Optional[Node]:
         lpath = (*path, name)
         try:
             op = ops.resolve_op(layer.op, blocks, self.search_path)
@@ -203,7 +208,7 @@ class _Resolver:
             return None
         # Inputs: default is the previous layer, or the first input.
         if layer.in_ is None:
-            refs = [earlier[-1].name] if earlier else input_names[:1]
+            refs = [all_names[index - 1]] if index else input_names[:1]
             ref_pos = [self.key(*lpath)] * len(refs)
         else:
             refs = list(layer.in_)
@@ -217,6 +222,8 @@ class _Resolver:
             if ref in known:
                 continue
             ok = False
+            if ref in failed:
+                continue  # its own error is reported
             if ref == name:
                 msg = f"layer {name!r} cannot read its own output"
             elif ref in all_names:
@@ -270,7 +277,10 @@ class _Resolver:
         if op.kind is OpKind.BLOCK:
             block = self.spec.blocks[op.target]
             if kwargs:
-                return self._unknown_kw(lpath, name, kwargs, block.params, op)
+                self.errors.add(self.key(*lpath, kwargs[0][0]), f"layer {name!r}: block "
+                                f"{op.spelled} takes its params ({', '.join(block.params)}) as "
+                                "args, in order")
+                return False
             if len(args) != len(block.params):
                 self.errors.add(self.value(*lpath, "args") if args else self.key(*lpath),
                                 f"layer {name!r}: block {op.spelled} takes {len(block.params)} "
@@ -297,9 +307,13 @@ class _Resolver:
                 return False
         if sig.bind is not None and not any(isinstance(v, Param) for v in _flat(args, kwargs)):
             try:
-                sig.bind(*args, **dict(kwargs))
+                bound = sig.bind(*args, **dict(kwargs))
             except TypeError as exc:
                 self.errors.add(self.key(*lpath), f"layer {name!r}: {op.spelled}: {exc}")
+                return False
+            if "device" in bound.arguments:
+                self.errors.add(self.value(*lpath, "args"), f"layer {name!r}: the device "
+                                "is set by placement, not by an argument")
                 return False
         return True
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -38,6 +39,11 @@ from mpgen.errors import Collector, MpgenError
 
 _PRIMES = (10007, 10009, 10037, 10039, 10061, 10067, 10069, 10079, 10091, 10093,
            10099, 10103, 10111, 10133, 10139, 10141, 10151, 10159, 10163, 10169)
+# Smaller primes for inputs with 5 or 6 symbolic dims (10007**5 overflows int64).
+_SMALL_PRIMES = (1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049, 1051, 1061,
+                 1063, 1069, 1087, 1091, 1093, 1097, 1103, 1109, 1117, 1123)
+MAX_SYMBOLS = len(_PRIMES)
+MAX_SYMBOLS_PER_INPUT = 6
 _TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
@@ -49,11 +55,29 @@ _INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 class _Symbols:
     """Symbolic dim names <-> the prime sizes used for them on meta."""
 
-    def __init__(self, names: Sequence[str]) -> None:
-        if len(names) > len(_PRIMES):
-            raise MpgenError(None, f"at most {len(_PRIMES)} symbolic dims are supported")
-        self.value = {n: p for n, p in zip(names, _PRIMES)}
+    def __init__(self, names: Sequence[str], small: bool = False) -> None:
+        primes = _SMALL_PRIMES if small else _PRIMES
+        self.floor = primes[0]
+        self.value = {n: p for n, p in zip(names, primes)}
         self.name = {p: n for n, p in self.value.items()}
+
+    @classmethod
+    def of(cls, inputs: Sequence[InputTensor]) -> "_Symbols":
+        """Symbols of the inputs' shapes; too many is an error at the input."""
+        names: list[str] = []
+        widest = 0
+        for t in inputs:
+            symbolic = [d for d in t.type.shape if isinstance(d, str)]
+            names += [d for d in symbolic if d not in names]
+            widest = max(widest, len(symbolic))
+            if len(names) > MAX_SYMBOLS:
+                raise MpgenError(t.pos, f"input {t.name!r}: at most {MAX_SYMBOLS} different "
+                                 "symbolic dims are supported in a spec")
+            if len(symbolic) > MAX_SYMBOLS_PER_INPUT:
+                raise MpgenError(t.pos, f"input {t.name!r}: at most {MAX_SYMBOLS_PER_INPUT} "
+                                 "symbolic dims per input are supported; give the others "
+                                 "as sizes")
+        return cls(names, small=widest > 4)
 
     def size(self, dim) -> int:
         return dim if isinstance(dim, int) else self.value[dim]
@@ -68,7 +92,7 @@ class _Symbols:
                 rest //= prime
         if not factors:
             return size
-        if rest >= _PRIMES[0]:
+        if rest >= self.floor:
             return "?"
         return "*".join(factors + ([str(rest)] if rest != 1 else []))
 
@@ -77,7 +101,7 @@ class _Symbols:
                           _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", "")))
 
     def text(self, message: str) -> str:
-        return re.sub(r"\d{5,}", lambda m: str(self.dim(int(m.group()))), message)
+        return re.sub(r"\d{4,}", lambda m: str(self.dim(int(m.group()))), message)
 
     def tensor(self, t: TensorType) -> torch.Tensor:
         return torch.empty([self.size(d) for d in t.shape], dtype=_TORCH_DTYPES[t.dtype],
@@ -86,13 +110,20 @@ class _Symbols:
 
 def infer(graph: Graph) -> Graph:
     """Fill ``out`` and ``params`` of every node (and blocks' shape comments)."""
-    names = list(dict.fromkeys(
-        d for t in graph.inputs for d in t.type.shape if isinstance(d, str)))
-    symbols = _Symbols(names)
+    symbols = _Symbols.of(graph.inputs)
     blocks = {b.name: b for b in graph.blocks}
     runner = _Runner(symbols, blocks)
-    env = {t.name: symbols.tensor(t.type) for t in graph.inputs}
-    nodes = runner.run_nodes(graph.nodes, env, params={}, where="")
+    env = {}
+    for t in graph.inputs:
+        try:
+            env[t.name] = symbols.tensor(t.type)
+        except RuntimeError as exc:
+            raise MpgenError(t.pos, f"input {t.name!r}: {t.type} is too large to check "
+                             f"({_clean(exc)})") from None
+    with warnings.catch_warnings():
+        # Warnings of torch's modules on meta tensors are noise among errors.
+        warnings.simplefilter("ignore")
+        nodes = runner.run_nodes(graph.nodes, env, params={}, where="")
     runner.errors.raise_if_any()
     inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
     block_classes = tuple(_block_facts(b, runner.block_uses.get(b.name, [])) for b in graph.blocks)
@@ -194,8 +225,13 @@ class _Runner:
                              f"input {expected} but {node.inputs[0]} gives {got}")
         # Meta kernels do not check dtypes; CUDA and CPU kernels do.
         weight = next((p for p in module.parameters() if p.is_floating_point()), None)
-        if weight is not None and x.is_floating_point() and x.dtype != weight.dtype \
-                and not isinstance(module, nn.Embedding):
+        if weight is None or isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            return
+        if not x.is_floating_point():
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} expects "
+                             f"floating-point input but {node.inputs[0]} gives {got} "
+                             f"{got.dtype}")
+        if x.dtype != weight.dtype:
             raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} has "
                              f"{_DTYPE_NAMES.get(weight.dtype)} weights but "
                              f"{node.inputs[0]} gives {got.dtype}")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from typing import Optional
 
 import torch
@@ -114,6 +115,9 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
             default = inspect.signature(cls.__init__).parameters.get("lr")
             if default is not None and isinstance(default.default, (int, float)):
                 lr = float(default.default)
+        if not errors.errors:
+            _try_build(lambda: cls([nn.Parameter(torch.zeros(1))], lr=lr, **dict(opt_kwargs)),
+                       source.value(opt_path), f"train.optimizer: {opt.op}", errors)
     errors.raise_if_any()
     train = TrainConfig(
         losses=tuple(losses), optimizer=opt.op, optimizer_kwargs=tuple(opt_kwargs), lr=lr,
@@ -121,6 +125,20 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
         dims=tuple(dims.items()),
     )
     return dataclasses.replace(graph, train=train, dims=train.dims)
+
+
+def _try_build(make, pos, what: str, errors: Collector) -> bool:
+    """Construct a loss or optimizer now, so a bad keyword value is a build
+    error at its line rather than a crash of the training script."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            make()
+    except Exception as exc:  # whatever torch raises for a bad value
+        text = str(exc).strip().splitlines()
+        errors.add(pos, f"{what} cannot be built: {text[0] if text else type(exc).__name__}")
+        return False
+    return True
 
 
 def _raw_keys(source: SourceMap, path) -> set:
@@ -143,6 +161,9 @@ def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
             errors.add(source.key((*path, key)), f"train.loss: unknown keyword argument "
                        f"{key!r} for {call.op}{did_you_mean(key, sig.names)}")
             return None
+    if not _try_build(lambda: getattr(nn, call.op)(**call.kwargs), source.value(path),
+                      f"train.loss: {call.op}", errors):
+        return None
     node = graph.node(out)
     shape = node.out.shape if node.out else ()
     if call.op in _CLASS_LOSSES:

@@ -70,7 +70,14 @@ class _Resolver:
         # so no generated name may shadow them.
         self.globals = Namespace(GLOBALS | _user_roots(spec))
 
-    # -- positions -------------------------------------------------------
+    # -- positions and names ---------------------------------------------
+    @staticmethod
+    def label(lpath) -> str:
+        """``layer 'fc1'``, or ``layer 'fc1' of block 'MLPBlock'``, for messages."""
+        if lpath[0] == "blocks":
+            return f"layer {lpath[-1]!r} of block {lpath[1]!r}"
+        return f"layer {lpath[-1]!r}"
+
     def key(self, *path: Any) -> Position:
         return self.src.key(tuple(path))
 
@@ -182,7 +189,7 @@ class _Resolver:
             if problem is None and name in input_names:
                 problem = f"{name!r} is also the name of an input"
             if problem:
-                self.errors.add(where, f"layer {name!r}: {problem}")
+                self.errors.add(where, f"{self.label((*path, name))}: {problem}")
                 failed.add(name)
                 continue
             node = self.layer(path, name, layer, index, nodes, input_names, all_names,
@@ -204,7 +211,7 @@ class _Resolver:
             if layer.op in self.spec.blocks and layer.op not in blocks:
                 hint = " (a block can only use blocks defined before it)" if params is not None \
                     else ""
-            self.errors.add(self.value(*lpath, "op"), f"layer {name!r}: {exc}{hint}")
+            self.errors.add(self.value(*lpath, "op"), f"{self.label(lpath)}: {exc}{hint}")
             return None
         # Inputs: default is the previous layer, or the first input.
         if layer.in_ is None:
@@ -225,20 +232,23 @@ class _Resolver:
             if ref in failed:
                 continue  # its own error is reported
             if ref == name:
-                msg = f"layer {name!r} cannot read its own output"
+                msg = f"{self.label(lpath)} cannot read its own output"
             elif ref in all_names:
-                msg = (f"layer {name!r} reads {ref!r}, which is defined later; "
+                msg = (f"{self.label(lpath)} reads {ref!r}, which is defined later; "
                        "layers may only read inputs and earlier layers")
             else:
-                msg = f"layer {name!r} reads unknown {ref!r}{did_you_mean(ref, known)}"
+                hint = did_you_mean(ref, known) or (
+                    f" (it can read {', '.join(known)})" if len(known) <= 8 else "")
+                msg = f"{self.label(lpath)} reads unknown {ref!r}{hint}"
             self.errors.add(pos, msg)
         if layer.repeat is not None and op.kind is OpKind.FUNCTION:
             self.errors.add(self.value(*lpath, "repeat"),
-                            f"layer {name!r}: repeat needs a module or block op, not a function")
+                            f"{self.label(lpath)}: repeat needs a module or block op, not a function")
             ok = False
-        args = tuple(self.literal(v, (*lpath, "args", i), params, name)
+        label = self.label(lpath)
+        args = tuple(self.literal(v, (*lpath, "args", i), params, label)
                      for i, v in enumerate(layer.args))
-        kwargs = tuple((k, self.literal(v, (*lpath, k), params, name, key=k))
+        kwargs = tuple((k, self.literal(v, (*lpath, k), params, label, key=k))
                        for k, v in layer.kwargs.items())
         ok = self.check_call(op, lpath, name, args, kwargs, len(refs)) and ok
         if not ok:
@@ -253,22 +263,22 @@ class _Resolver:
             node = node[part]
         return node
 
-    def literal(self, value, path, params: Optional[list[str]], layer: str, key: str = ""):
+    def literal(self, value, path, params: Optional[list[str]], label: str, key: str = ""):
         """A spec value as IR data: ``$p`` -> Param, dtypes -> Expr."""
         if isinstance(value, list):
-            return [self.literal(v, (*path, i), params, layer) for i, v in enumerate(value)]
+            return [self.literal(v, (*path, i), params, label) for i, v in enumerate(value)]
         if isinstance(value, str) and value.startswith("$"):
             pname = value[1:]
             if params is None:
-                self.errors.add(self.value(*path), f"layer {layer!r}: {value!r} is a block "
+                self.errors.add(self.value(*path), f"{label}: {value!r} is a block "
                                 "parameter, but this layer is not inside a block")
             elif pname not in params:
-                self.errors.add(self.value(*path), f"layer {layer!r}: unknown block parameter "
+                self.errors.add(self.value(*path), f"{label}: unknown block parameter "
                                 f"{value!r}{did_you_mean(pname, params)}")
             return Param(pname)
         if key == "dtype" and isinstance(value, str):
             if value not in DTYPES:
-                self.errors.add(self.value(*path), f"layer {layer!r}: unknown dtype "
+                self.errors.add(self.value(*path), f"{label}: unknown dtype "
                                 f"{value!r}{did_you_mean(value, DTYPES)}")
             return Expr(f"torch.{value}")
         return value
@@ -277,24 +287,24 @@ class _Resolver:
         if op.kind is OpKind.BLOCK:
             block = self.spec.blocks[op.target]
             if kwargs:
-                self.errors.add(self.key(*lpath, kwargs[0][0]), f"layer {name!r}: block "
+                self.errors.add(self.key(*lpath, kwargs[0][0]), f"{self.label(lpath)}: block "
                                 f"{op.spelled} takes its params ({', '.join(block.params)}) as "
                                 "args, in order")
                 return False
             if len(args) != len(block.params):
                 self.errors.add(self.value(*lpath, "args") if args else self.key(*lpath),
-                                f"layer {name!r}: block {op.spelled} takes {len(block.params)} "
+                                f"{self.label(lpath)}: block {op.spelled} takes {len(block.params)} "
                                 f"args ({', '.join(block.params) or 'none'}), got {len(args)}")
                 return False
             want = len(block.inputs)
             if n_inputs != want:
-                self.errors.add(self.key(*lpath), f"layer {name!r}: block {op.spelled} takes "
+                self.errors.add(self.key(*lpath), f"{self.label(lpath)}: block {op.spelled} takes "
                                 f"{want} input(s) ({', '.join(block.inputs)}), got {n_inputs}")
                 return False
             return True
         for key, _ in kwargs:
             if key == "device":
-                self.errors.add(self.key(*lpath, key), f"layer {name!r}: 'device' is set by "
+                self.errors.add(self.key(*lpath, key), f"{self.label(lpath)}: 'device' is set by "
                                 "placement, not by a keyword argument")
                 return False
         if op.kind is OpKind.FUNCTION:
@@ -309,10 +319,10 @@ class _Resolver:
             try:
                 bound = sig.bind(*args, **dict(kwargs))
             except TypeError as exc:
-                self.errors.add(self.key(*lpath), f"layer {name!r}: {op.spelled}: {exc}")
+                self.errors.add(self.key(*lpath), f"{self.label(lpath)}: {op.spelled}: {exc}")
                 return False
             if "device" in bound.arguments:
-                self.errors.add(self.value(*lpath, "args"), f"layer {name!r}: the device "
+                self.errors.add(self.value(*lpath, "args"), f"{self.label(lpath)}: the device "
                                 "is set by placement, not by an argument")
                 return False
         return True
@@ -322,7 +332,7 @@ class _Resolver:
         for key, _ in kwargs:
             if key not in allowed:
                 hint = did_you_mean(key, [*allowed, "op", "in", "args", "repeat"])
-                self.errors.add(self.key(*lpath, key), f"layer {name!r}: unknown keyword "
+                self.errors.add(self.key(*lpath, key), f"{self.label(lpath)}: unknown keyword "
                                 f"argument {key!r} for {op.spelled}{hint}")
                 ok = False
         return ok

@@ -193,3 +193,23 @@ def test_block_input_arity(tmp_path):
           p: {op: Pair}
     """)
     assert "layer 'p': block Pair takes 2 input(s) (a, b), got 1" in message
+
+
+def test_a_block_may_take_integer_input(tmp_path):
+    # The dtype checks apply to the layers inside, not to the block as a whole.
+    graph = compile_text(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          ids: {shape: [batch, seq], dtype: int64}
+        blocks:
+          Embed:
+            params: [vocab, dim]
+            layers:
+              emb: {op: Embedding, args: [$vocab, $dim]}
+              norm: {op: LayerNorm, args: [$dim]}
+        layers:
+          embed: {op: Embed, args: [100, 16]}
+    """)
+    assert graph.node("embed").out.shape == ("batch", "seq", 16)
+    assert graph.node("embed").params == 100 * 16 + 2 * 16

@@ -49,15 +49,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-
-import functools
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
-from mpgen.compiler.ir import BlockClass, Expr, Graph, Node, OpKind, Param, TensorType
+from mpgen.compiler import meta
+from mpgen.compiler.ir import Graph, Node, TensorType
 
 #: Optimizer state kept per parameter element, in units of the parameter's own
 #: bytes, by ``torch.optim`` class. A callable gets the optimizer's keyword
@@ -191,7 +190,7 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         module = None
         if node.op.has_module:
             try:
-                module = _build(node, {}, blocks)
+                module = meta.build(node, {}, blocks)
             except Exception:  # shapes.infer built it; only exotic modules get here
                 module = None
         weights, trainable = _weight_bytes(module, node)
@@ -200,7 +199,7 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         measured: list[tuple[int, int, int, bool]] = []  # (activations, flops, out, ok)
         x = [env.get(name) for name in node.inputs]
         for _ in range(min(node.instances, 2)):
-            out, act, flops = recorder.run(lambda: _call(node, module, x))
+            out, act, flops = recorder.run(lambda: meta.run(node, module, x, {}))
             ok = out is not None
             out_bytes = _nbytes(out) if ok else fallback_out
             measured.append((act if ok else out_bytes, flops if ok else 0, out_bytes, ok))
@@ -296,13 +295,8 @@ class _Recorder:
         return out, self.current, int(counter.get_total_flops())
 
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "int64": torch.int64, "int32": torch.int32, "bool": torch.bool}
-
-
 def _meta_tensor(t: TensorType, dims: Mapping[str, int]) -> torch.Tensor:
-    shape = [TensorType((d,)).numel(dims) for d in t.shape]
-    return torch.empty(shape, dtype=_DTYPES.get(t.dtype, torch.float32), device="meta")
+    return meta.meta_tensor([TensorType((d,)).numel(dims) for d in t.shape], t.dtype)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -318,88 +312,11 @@ def _weight_bytes(module: Optional[nn.Module], node: Node) -> tuple[int, int]:
     return weights, sum(_nbytes(p) for p in params if p.requires_grad)
 
 
-def _value(value: Any, params: Mapping[str, Any]) -> Any:
-    if isinstance(value, Param):
-        return params[value.name]
-    if isinstance(value, Expr):  # the only Exprs are dtypes: torch.float16
-        return getattr(torch, value.code.removeprefix("torch."))
-    if isinstance(value, list):
-        return [_value(v, params) for v in value]
-    return value
-
-
-def _build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass]) -> nn.Module:
-    """One instance of a module or block node, on meta."""
-    args = [_value(a, params) for a in node.args]
-    kwargs = {k: _value(v, params) for k, v in node.kwargs}
-    if node.op.kind is OpKind.BLOCK:
-        return MetaBlock(blocks[node.op.target], args, blocks)
-    with torch.device("meta"):
-        return node.op.target(*args, **kwargs)
-
-
-def _call(node: Node, module: Optional[nn.Module], inputs: list, params=None) -> Any:
-    if node.op.kind is OpKind.FUNCTION:
-        args = [_value(a, params or {}) for a in node.args]
-        kwargs = {k: _value(v, params or {}) for k, v in node.kwargs}
-        call_inputs = [inputs] if node.op.seq_input else inputs
-        return node.op.target(*call_inputs, *args, **kwargs)
-    return module(*inputs)
-
-
-class MetaBlock(nn.Module):
-    """A block instance as a real ``nn.Module`` (built on meta by :func:`_build`).
-
-    Children are named as in the generated block class (``fc1``, ``fc``
-    as an ``nn.ModuleList`` when repeated), so parameter names match the
-    generated state dict.
-    """
-
-    def __init__(self, block: BlockClass, args: Sequence[Any],
-                 blocks: Mapping[str, BlockClass]) -> None:
-        super().__init__()
-        self.block = block
-        self.values = dict(zip(block.params, args))
-        for node in block.nodes:
-            if not node.op.has_module:
-                continue
-            if node.repeat:
-                self.add_module(node.name, nn.ModuleList(
-                    _build(node, self.values, blocks) for _ in range(node.repeat)))
-            else:
-                self.add_module(node.name, _build(node, self.values, blocks))
-        self.__class__ = _named_class(block.name)
-
-    def forward(self, *inputs: torch.Tensor):
-        env = {t.name: x for t, x in zip(self.block.inputs, inputs)}
-        for node in self.block.nodes:
-            xs = [env[name] for name in node.inputs]
-            if not node.op.has_module:
-                env[node.name] = _call(node, None, xs, self.values)
-                continue
-            module = getattr(self, node.name)
-            if node.repeat:
-                out = xs[0]
-                for layer in module:
-                    out = layer(out, *xs[1:])
-            else:
-                out = module(*xs)
-            env[node.name] = out
-        outs = [env[name] for name in self.block.outputs]
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-@functools.lru_cache(maxsize=None)
-def _named_class(name: str) -> type:
-    """A MetaBlock subclass named after the block (tools key on class names)."""
-    return type(name, (MetaBlock,), {"__module__": __name__})
-
-
 def meta_modules(graph: Graph) -> Iterable[tuple[str, nn.Module]]:
     """``(attribute, module)`` for every layer that owns one, built on meta.
 
     A repeated layer gives an ``nn.ModuleList`` of fresh instances; block
-    instances are :class:`MetaBlock`\\ s whose class is named after the block.
+    instances are :class:`~mpgen.compiler.meta.MetaBlock`\\ s named after the block.
     Used by the placement benchmark to hand the same model to other tools.
     """
     blocks = {b.name: b for b in graph.blocks}
@@ -407,9 +324,10 @@ def meta_modules(graph: Graph) -> Iterable[tuple[str, nn.Module]]:
         if not node.op.has_module:
             continue
         if node.repeat:
-            yield node.name, nn.ModuleList(_build(node, {}, blocks) for _ in range(node.repeat))
+            yield node.name, nn.ModuleList(meta.build(node, {}, blocks)
+                                           for _ in range(node.repeat))
         else:
-            yield node.name, _build(node, {}, blocks)
+            yield node.name, meta.build(node, {}, blocks)
 
 
 def human_bytes(n: float) -> str:

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from mpgen.compiler import meta
 from mpgen.compiler.ir import (
     BlockClass,
     Expr,
@@ -44,11 +45,6 @@ _SMALL_PRIMES = (1009, 1013, 1019, 1021, 1031, 1033, 1039, 1049, 1051, 1061,
                  1063, 1069, 1087, 1091, 1093, 1097, 1103, 1109, 1117, 1123)
 MAX_SYMBOLS = len(_PRIMES)
 MAX_SYMBOLS_PER_INPUT = 6
-_TORCH_DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "bool": torch.bool,
-}
-_DTYPE_NAMES = {v: k for k, v in _TORCH_DTYPES.items()}
 _INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 
 
@@ -98,13 +94,13 @@ class _Symbols:
 
     def type(self, tensor: torch.Tensor) -> TensorType:
         return TensorType(tuple(self.dim(int(s)) for s in tensor.shape),
-                          _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", "")))
+                          meta.DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).replace("torch.", "")))
 
     def text(self, message: str) -> str:
         return re.sub(r"\d{4,}", lambda m: str(self.dim(int(m.group()))), message)
 
     def tensor(self, t: TensorType) -> torch.Tensor:
-        return torch.empty([self.size(d) for d in t.shape], dtype=_TORCH_DTYPES[t.dtype],
+        return torch.empty([self.size(d) for d in t.shape], dtype=meta.TORCH_DTYPES[t.dtype],
                            device="meta")
 
 
@@ -123,14 +119,16 @@ def infer(graph: Graph) -> Graph:
     with warnings.catch_warnings():
         # Warnings of torch's modules on meta tensors are noise among errors.
         warnings.simplefilter("ignore")
-        nodes = runner.run_nodes(graph.nodes, env, params={}, where="")
+        nodes = runner.run_nodes(graph.nodes, env)
     runner.errors.raise_if_any()
     inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
     block_classes = tuple(_block_facts(b, runner.block_uses.get(b.name, [])) for b in graph.blocks)
     return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
 
 
-class _Runner:
+class _Runner(meta.Hooks):
+    """Runs the graph on meta tensors, turning failures into spec errors."""
+
     def __init__(self, symbols: _Symbols, blocks: Mapping[str, BlockClass]) -> None:
         self.symbols = symbols
         self.blocks = blocks
@@ -138,12 +136,11 @@ class _Runner:
         # block name -> [(param values, {node: type}, params count)] per use
         self.block_uses: dict[str, list[tuple[dict, dict, int]]] = {}
 
-    def run_nodes(self, nodes: Sequence[Node], env: dict[str, Any], params: Mapping[str, Any],
-                  where: str) -> list[Node]:
+    def run_nodes(self, nodes: Sequence[Node], env: dict[str, Any]) -> list[Node]:
         result = []
         for node in nodes:
             try:
-                out, count = self.run_node(node, env, params, where)
+                out, count = self.run_node(node, env)
             except MpgenError as exc:
                 self.errors.extend(exc)
                 return result
@@ -151,49 +148,48 @@ class _Runner:
             result.append(dataclasses.replace(node, out=self.symbols.type(out), params=count))
         return result
 
-    def run_node(self, node: Node, env, params, where) -> tuple[torch.Tensor, int]:
-        args = [_value(a, params) for a in node.args]
-        kwargs = {k: _value(v, params) for k, v in node.kwargs}
+    def run_node(self, node: Node, env) -> tuple[torch.Tensor, int]:
         inputs = [env[name] for name in node.inputs]
-        label = f"{where}{node.name}"
-        if node.op.kind is OpKind.FUNCTION:
-            call_inputs = [inputs] if node.op.seq_input else inputs
-            out = self.call(node, label, node.op.target, call_inputs, args, kwargs, inputs)
-            return out, 0
-        if node.op.kind is OpKind.BLOCK:
-            module = _BlockOnMeta(self, self.blocks[node.op.target], args, f"{label}.")
-        else:
-            try:
-                with torch.device("meta"):
-                    module = node.op.target(*args, **kwargs)
-            except Exception as exc:
-                raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} cannot "
-                                 f"be built: {_clean(exc)}") from None
-        count = sum(p.numel() for p in module.parameters())
-        self.precheck(node, label, module, inputs, params)
-        out = self.call(node, label, module, inputs, [], {}, inputs)
+        module = meta.build(node, {}, self.blocks, self) if node.op.has_module else None
+        count = sum(p.numel() for p in module.parameters()) if module is not None else 0
+        out = meta.run(node, module, inputs, {}, self)
         if node.repeat and node.repeat > 1:
             chained = inputs[0]
             if out.shape != chained.shape or out.dtype != chained.dtype:
-                raise MpgenError(node.pos, f"layer {label!r}: repeat needs the output to match "
-                                 f"the input, but {self.symbols.type(chained)} becomes "
+                raise MpgenError(node.pos, f"layer {node.name!r}: repeat needs the output to "
+                                 f"match the input, but {self.symbols.type(chained)} becomes "
                                  f"{self.symbols.type(out)}")
         return out, count
 
-    def call(self, node, label, fn, call_inputs, args, kwargs, inputs) -> torch.Tensor:
+    # -- meta.Hooks --------------------------------------------------------
+    def build(self, node, label, params, make) -> nn.Module:
         try:
-            out = fn(*call_inputs, *args, **kwargs)
+            return make()
+        except Exception as exc:
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} cannot "
+                             f"be built: {_clean(exc)}") from None
+
+    def run(self, node, label, params, module, fn, inputs, call) -> torch.Tensor:
+        if module is not None and not isinstance(module, meta.MetaBlock):
+            self.precheck(node, label, module, inputs, params)
+        try:
+            out = call()
         except MpgenError:
             raise
         except Exception as exc:
             given = ", ".join(f"{name} {self.symbols.type(t)}"
                               for name, t in zip(node.inputs, inputs))
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, {})} fails on "
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} fails on "
                              f"{given}: {self.symbols.text(_clean(exc))}") from None
         if not isinstance(out, torch.Tensor):
             raise MpgenError(node.pos, f"layer {label!r}: {node.op.spelled} returns "
                              f"{type(out).__name__}, not a single tensor")
         return out
+
+    def block_done(self, block, params, outputs, module) -> None:
+        types = {n.name: self.symbols.type(outputs[n.name]) for n in block.nodes}
+        count = sum(p.numel() for p in module.parameters())
+        self.block_uses.setdefault(block.name, []).append((dict(params), types, count))
 
     def precheck(self, node: Node, label, module: nn.Module, inputs, params) -> None:
         """Explain the common mismatches in the spec's own terms."""
@@ -233,75 +229,8 @@ class _Runner:
                              f"{got.dtype}")
         if x.dtype != weight.dtype:
             raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} has "
-                             f"{_DTYPE_NAMES.get(weight.dtype)} weights but "
+                             f"{meta.DTYPE_NAMES.get(weight.dtype)} weights but "
                              f"{node.inputs[0]} gives {got.dtype}")
-
-
-class _BlockOnMeta(nn.Module):
-    """A block instance interpreted on meta tensors (for shapes and counts)."""
-
-    def __init__(self, runner: _Runner, block: BlockClass, args: list, where: str) -> None:
-        super().__init__()
-        self.runner, self.block, self.where = runner, block, where
-        self.values = dict(zip(block.params, args))
-        self.layers = nn.ModuleDict()
-        for node in block.nodes:
-            if node.op.kind is OpKind.FUNCTION:
-                continue
-            a = [_value(v, self.values) for v in node.args]
-            kw = {k: _value(v, self.values) for k, v in node.kwargs}
-            if node.op.kind is OpKind.BLOCK:
-                self.layers[node.name] = _BlockOnMeta(runner, runner.blocks[node.op.target], a,
-                                                      f"{where}{node.name}.")
-                continue
-            try:
-                with torch.device("meta"):
-                    self.layers[node.name] = node.op.target(*a, **kw)
-            except Exception as exc:
-                raise MpgenError(node.pos, f"layer {where}{node.name!r}: "
-                                 f"{_call_text(node, self.values)} cannot be built: "
-                                 f"{_clean(exc)}") from None
-
-    def forward(self, *inputs):
-        block, runner = self.block, self.runner
-        env = {t.name: x for t, x in zip(block.inputs, inputs)}
-        types: dict[str, TensorType] = {}
-        for node in block.nodes:
-            args = [_value(a, self.values) for a in node.args]
-            kwargs = {k: _value(v, self.values) for k, v in node.kwargs}
-            xs = [env[n] for n in node.inputs]
-            label = f"{self.where}{node.name}"
-            if node.op.kind is OpKind.FUNCTION:
-                out = runner.call(node, label, node.op.target, [xs] if node.op.seq_input else xs,
-                                  args, kwargs, xs)
-            else:
-                module = self.layers[node.name]
-                runner.precheck(node, label, module, xs, self.values)
-                out = runner.call(node, label, module, xs, [], {}, xs)
-                for _ in range((node.repeat or 1) - 1):
-                    out = runner.call(node, label, module, [out, *xs[1:]], [], {}, xs)
-            env[node.name] = out
-            types[node.name] = runner.symbols.type(out)
-        uses = runner.block_uses.setdefault(block.name, [])
-        uses.append((dict(self.values), types, sum(p.numel() for p in self.parameters())))
-        outs = [env[name] for name in block.outputs]
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-    def parameters(self, recurse: bool = True):  # count repeats inside blocks
-        for node in self.block.nodes:
-            if node.name in self.layers:
-                for _ in range(node.repeat or 1):
-                    yield from self.layers[node.name].parameters()
-
-
-def _value(value, params: Mapping[str, Any]):
-    if isinstance(value, Param):
-        return params[value.name]
-    if isinstance(value, Expr):
-        return _TORCH_DTYPES[value.code.removeprefix("torch.")]
-    if isinstance(value, list):
-        return [_value(v, params) for v in value]
-    return value
 
 
 def _call_text(node: Node, params: Mapping[str, Any]) -> str:

@@ -188,3 +188,40 @@ def test_functions_and_multiple_inputs(tmp_path):
     graph = build.compile_spec(spec)
     assert [(t.value, t.src, t.dst) for t in graph.plan.transfers] == [
         ("a", None, "cuda:0"), ("b", None, "cuda:1"), ("tb", "cuda:1", "cuda:0")]
+
+
+def test_output_picks_an_element_of_a_returned_tuple(tmp_path):
+    spec = write_spec(tmp_path, """
+        mpgen: 1
+        name: SeqTagger
+        inputs:
+          tokens: {shape: [batch, seq], dtype: int64}
+        blocks:
+          AttnBlock:
+            params: [dim, heads]
+            layers:
+              norm: {op: LayerNorm, args: [$dim]}
+              attn: {op: MultiheadAttention, args: [$dim, $heads], batch_first: true,
+                     in: [norm, norm, norm], output: 0}
+              res: {op: torch.add, in: [x, attn]}
+        layers:
+          embed: {op: Embedding, args: [1000, 64]}
+          lstm: {op: LSTM, args: [64, 64], batch_first: true, output: 0}
+          blocks: {op: AttnBlock, args: [64, 4], repeat: 2}
+          head: {op: Linear, args: [64, 9]}
+        placement:
+          embed: cuda:0
+          blocks.1: cuda:1
+        train:
+          loss: CrossEntropyLoss
+          dims: {seq: 12}
+    """)
+    result = build_to(spec, tmp_path / "out")
+    text = result.files["seq_tagger.py"]
+    assert "lstm = self.lstm(embed)[0]  # [batch, seq, 64]" in text
+    assert "attn = self.attn(norm, norm, norm)[0]  # [batch, seq, 64]" in text
+    assert result.graph.node("head").out.shape == ("batch", "seq", 9)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(tmp_path / "out" / "test_seq_tagger.py")],
+                         capture_output=True, text=True, timeout=600, cwd=tmp_path / "out")
+    assert "5 passed, 4 skipped" in run.stdout, run.stdout[-2000:]

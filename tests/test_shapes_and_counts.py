@@ -213,3 +213,27 @@ def test_a_block_may_take_integer_input(tmp_path):
     """)
     assert graph.node("embed").out.shape == ("batch", "seq", 16)
     assert graph.node("embed").params == 100 * 16 + 2 * 16
+
+
+def test_a_tuple_output_needs_output_and_output_needs_a_tuple(tmp_path):
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, seq, 8]
+        layers:
+          rnn: {op: GRU, args: [8, 8], batch_first: true}
+          fc: {op: Linear, args: [8, 2], output: 0}
+    """)
+    assert "layer 'rnn': GRU returns tuple, not a single tensor; make one element the " \
+           "layer's output with 'output: 0' (0 to 1)" in message
+    message = error_of(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 8]
+        layers:
+          fc: {op: Linear, args: [8, 2], output: 0}
+    """)
+    assert "layer 'fc': Linear returns a single Tensor; 'output: 0' selects from a tuple, " \
+           "remove it" in message

@@ -99,6 +99,7 @@ class Node:
     inputs: tuple[str, ...]  # names of values read: inputs or earlier nodes
     pos: Position
     repeat: Optional[int] = None
+    output: Optional[int] = None  # the element of a returned tuple that is the output
     # Filled by compiler.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance

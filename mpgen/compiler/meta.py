@@ -85,8 +85,26 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
         tensors = [list(inputs)] if node.op.seq_input else list(inputs)
         fn = node.op.target
         return hooks.run(node, label, params, None, fn, inputs,
-                         lambda: fn(*tensors, *args, **kwargs))
-    return hooks.run(node, label, params, module, module, inputs, lambda: module(*inputs))
+                         lambda: pick(node, fn(*tensors, *args, **kwargs)))
+    return hooks.run(node, label, params, module, module, inputs,
+                     lambda: pick(node, module(*inputs)))
+
+
+class OutputError(Exception):
+    """``output:`` does not fit what the layer returns (message is user-facing)."""
+
+
+def pick(node: Node, result: Any) -> Any:
+    """The layer's output: ``result``, or its element ``node.output``."""
+    if node.output is None:
+        return result
+    if not isinstance(result, (tuple, list)):
+        raise OutputError(f"returns a single {type(result).__name__}; 'output: "
+                          f"{node.output}' selects from a tuple, remove it")
+    if not -len(result) <= node.output < len(result):
+        raise OutputError(f"returns {len(result)} values, so 'output: {node.output}' is "
+                          "out of range")
+    return result[node.output]
 
 
 class MetaBlock(nn.Module):

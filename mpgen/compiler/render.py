@@ -144,8 +144,14 @@ def header(graph: Graph) -> list[str]:
 def _step_call(node: Node, reads: Sequence[str], target: str) -> str:
     if node.op.kind is OpKind.FUNCTION:
         tensors = [f"[{', '.join(reads)}]"] if node.op.seq_input else list(reads)
-        return call(node.op.callee, tensors + [literal(a) for a in node.args], node.kwargs)
-    return f"{target}({', '.join(reads)})"
+        code = call(node.op.callee, tensors + [literal(a) for a in node.args], node.kwargs)
+    else:
+        code = f"{target}({', '.join(reads)})"
+    return code + _pick(node)
+
+
+def _pick(node: Node) -> str:
+    return f"[{node.output}]" if node.output is not None else ""
 
 
 def _node_lines(node: Node, step: Step, comment: Optional[TensorType] = None) -> list[str]:
@@ -164,8 +170,8 @@ def _node_lines(node: Node, step: Step, comment: Optional[TensorType] = None) ->
     else:
         seq = f"self.{node.name}[{step.start}:{step.stop}]"
     lines.append(f"for {step.loop_var} in {seq}:")
-    body = commented(f"{out} = {step.loop_var}({', '.join([out, *extra])})", shape,
-                     BODY_INDENT + 4)
+    body = commented(f"{out} = {step.loop_var}({', '.join([out, *extra])}){_pick(node)}",
+                     shape, BODY_INDENT + 4)
     lines.extend(f"    {line}" for line in body)
     return lines
 
@@ -195,7 +201,8 @@ def _init_lines(nodes: Sequence[Node], in_block: bool) -> list[str]:
         if node.repeat is None:
             lines.append(f'self.{node.name} = {ctor}.to("{device}")')
             continue
-        parts = [f'[{ctor}.to("{d}") for _ in range({stop - start})]' for start, stop, d in runs]
+        parts = [f'[{ctor}.to("{d}")]' if stop - start == 1 else
+                 f'[{ctor}.to("{d}") for _ in range({stop - start})]' for start, stop, d in runs]
         lines.append(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
         device = runs[-1][2]
     return lines

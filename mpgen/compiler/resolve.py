@@ -255,7 +255,7 @@ class _Resolver:
             return None
         var = ns.fresh(name)
         return Node(name=name, var=var, op=op, args=args, kwargs=kwargs, inputs=tuple(refs),
-                    pos=self.key(*lpath), repeat=layer.repeat)
+                    pos=self.key(*lpath), repeat=layer.repeat, output=layer.output)
 
     def _raw(self, path):
         node = self.loaded.data
@@ -331,7 +331,7 @@ class _Resolver:
         ok = True
         for key, _ in kwargs:
             if key not in allowed:
-                hint = did_you_mean(key, [*allowed, "op", "in", "args", "repeat"])
+                hint = did_you_mean(key, [*allowed, "op", "in", "args", "repeat", "output"])
                 self.errors.add(self.key(*lpath, key), f"{self.label(lpath)}: unknown keyword "
                                 f"argument {key!r} for {op.spelled}{hint}")
                 ok = False

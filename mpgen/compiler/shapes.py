@@ -176,14 +176,18 @@ class _Runner(meta.Hooks):
             out = call()
         except MpgenError:
             raise
+        except meta.OutputError as exc:
+            raise MpgenError(node.pos, f"layer {label!r}: {node.op.spelled} {exc}") from None
         except Exception as exc:
             given = ", ".join(f"{name} {self.symbols.type(t)}"
                               for name, t in zip(node.inputs, inputs))
             raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} fails on "
                              f"{given}: {self.symbols.text(_clean(exc))}") from None
         if not isinstance(out, torch.Tensor):
+            hint = (f"; make one element the layer's output with 'output: 0' (0 to "
+                    f"{len(out) - 1})" if isinstance(out, (tuple, list)) else "")
             raise MpgenError(node.pos, f"layer {label!r}: {node.op.spelled} returns "
-                             f"{type(out).__name__}, not a single tensor")
+                             f"{type(out).__name__}, not a single tensor{hint}")
         return out
 
     def block_done(self, block, params, outputs, module) -> None:

@@ -208,7 +208,7 @@ class InputSpec(_Model):
 
 
 class LayerSpec(_Model):
-    """One entry of ``layers``; keys other than the four below are kwargs."""
+    """One entry of ``layers``; keys other than the five below are kwargs."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     # Extra keys are keyword arguments: names become code, values literals.
@@ -218,6 +218,9 @@ class LayerSpec(_Model):
     in_: Optional[list[StrictStr]] = Field(default=None, alias="in", min_length=1)
     args: list[Value] = Field(default_factory=list)
     repeat: Optional[StrictInt] = Field(default=None, ge=1, le=100_000)
+    # mpgen extension: the element of a returned tuple that is the layer's
+    # output (LSTM, MultiheadAttention return tuples): ``output: 0``.
+    output: Optional[StrictInt] = Field(default=None, ge=-100, le=100)
 
     _one_input = field_validator("in_", mode="before")(_one_or_many)
 
@@ -380,7 +383,7 @@ class Spec(_Model):
 #: Field names per model, for did-you-mean suggestions on unknown keys.
 FIELDS = {
     "Spec": list(Spec.model_fields),
-    "LayerSpec": ["op", "in", "args", "repeat"],
+    "LayerSpec": ["op", "in", "args", "repeat", "output"],
     "BlockSpec": list(BlockSpec.model_fields),
     "InputSpec": list(InputSpec.model_fields),
     "AutoPlacementSpec": list(AutoPlacementSpec.model_fields),

@@ -252,3 +252,13 @@ def test_diff_errors_have_positions_and_no_traceback(repo):
     assert result.returncode == 2
     assert result.stderr.startswith("HEAD:spec.yaml:10:10: ")
     assert "Traceback" not in result.stderr
+
+
+def test_diff_never_passes_an_option_to_git(tmp_path, capsys):
+    from mpgen.cli import main
+
+    target = tmp_path / "written"
+    code = main(["diff", "--", f"--output={target}:spec.yaml", "examples/seed.yaml"])
+    assert code == 2
+    assert "is not a revision:path" in capsys.readouterr().err
+    assert not target.exists()

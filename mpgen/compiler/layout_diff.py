@@ -86,6 +86,8 @@ def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
 
 
 def _git_show(arg: str) -> str:
+    if arg.startswith("-"):  # never let a revision be read as an option of git
+        raise MpgenError(Position(arg, 1, 1), f"{arg!r} is not a revision:path")
     try:
         done = subprocess.run(["git", "show", arg], capture_output=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:

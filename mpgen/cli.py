@@ -74,11 +74,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         device_map = _device_map(args.device_map)
         if args.command == "build":
-            written = build.build(args.specs, args.out, device_map)
+            results, written = build.build(args.specs, args.out, device_map)
             for path in written:
                 print(f"wrote {path}")
             if not written:
                 print(f"{args.out}: up to date")
+            for result in results:
+                print(build.summary_line(result))
             return Exit.OK
         if args.command == "show":
             from mpgen.compiler import summary

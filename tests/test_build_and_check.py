@@ -17,10 +17,13 @@ from mpgen.compiler import build
 SEED = EXAMPLES / "seed.yaml"
 
 
-def test_build_writes_model_training_script_and_tests(tmp_path):
+def test_build_writes_model_training_script_and_tests(tmp_path, capsys):
     assert main(["build", str(SEED), "-o", str(tmp_path)]) == 0
     names = {p.name for p in tmp_path.iterdir()}
-    assert {"simple_model.py", "train_simple_model.py", "test_simple_model.py"} <= names
+    assert {"simple_model.py", "train_simple_model.py", "test_simple_model.py",
+            "simple_model.placement.md"} <= names
+    assert capsys.readouterr().out.endswith(
+        "SimpleModel, 430 parameters on cuda:0 (220), cuda:1 (210); 2 transfers in forward\n")
 
 
 def test_generated_files_are_standalone(tmp_path):

@@ -144,8 +144,10 @@ def test_backward_and_an_optimizer_step_keep_every_tensor_in_place(devices):
 def run_eval(weights=None, **virtual) -> tuple[dict, list[torch.Tensor]]:
     """Build the model (under mpgen.testing virtual devices when given their
     options), load ``weights``, run make_inputs(); return weights and outputs."""
-    testing = pytest.importorskip("mpgen.testing") if virtual else None
-    context = testing.virtual_devices(**virtual) if virtual else torch.no_grad()
+    if virtual:
+        context = pytest.importorskip("mpgen.testing").virtual_devices(**virtual)
+    else:  # real GPUs: full float32 convolutions (no TF32), to compare with the CPU
+        context = torch.backends.cudnn.flags(enabled=True, allow_tf32=False)
     with context, torch.no_grad():
         torch.manual_seed(0)
         model = SimpleModel().eval()

@@ -31,7 +31,10 @@ class Side:
 
     label: str  # as the user wrote it
     graph: Graph
-    costs: Costs
+
+    @property
+    def costs(self) -> Costs:
+        return self.graph.costs
 
 
 @dataclass(frozen=True)
@@ -72,7 +75,7 @@ def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
 
     if Path(arg).is_file() or ":" not in arg:
         graph = compile_spec(arg, device_map)
-        return Side(arg, graph, graph.costs)
+        return Side(arg, graph)
     text = _git_show(arg)
     with tempfile.TemporaryDirectory(prefix="mpgen-diff-") as folder:
         path = os.path.join(folder, os.path.basename(arg.partition(":")[2]) or "spec.yaml")
@@ -82,7 +85,7 @@ def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
             graph = compile_spec(path, device_map)
         except MpgenError as exc:
             raise _renamed(exc, path, arg) from None
-        return Side(arg, graph, graph.costs)
+        return Side(arg, graph)
 
 
 def _git_show(arg: str) -> str:

@@ -532,8 +532,7 @@ def test_context(graph: Graph) -> TestContext:
     for t in graph.plan.transfers:
         if (t.src or "cpu") == t.dst:
             continue  # a CPU input to a CPU layer: .to() returns it unchanged
-        known = all(isinstance(d, int) or all(f.isdigit() or f in dims for f in d.split("*"))
-                    for d in t.type.shape)
+        known = None not in _concrete(t.type, dims)
         transfers.append((t.value.split("#")[0], t.src or "cpu", t.dst,
                           t.type.nbytes(dims) if known else None))
     train = graph.train

@@ -415,6 +415,12 @@ def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], 
     return ", ".join(params), lines, inputs, targets, sizes
 
 
+def optimizer_call(train, lr: Any) -> str:
+    """``torch.optim.X(model.parameters(), lr=..., **kwargs)`` from ``train``."""
+    return call(f"torch.optim.{train.optimizer}", ["model.parameters()"],
+                [("lr", lr), *train.optimizer_kwargs])
+
+
 def train_context(graph: Graph) -> TrainContext:
     from mpgen.compiler.namespace import GLOBALS, Namespace
 
@@ -448,8 +454,7 @@ def train_context(graph: Graph) -> TrainContext:
             loss_lines.append(f"loss = {expr}  # on {device}")
     if multi:
         loss_lines.append(f"loss = {' + '.join(parts)}  # on {loss_device}")
-    opt_kwargs = [("lr", Expr("args.lr"))] + list(train.optimizer_kwargs)
-    optimizer = call(f"torch.optim.{train.optimizer}", ["model.parameters()"], opt_kwargs)
+    optimizer = optimizer_call(train, Expr("args.lr"))
     return TrainContext(
         header=header(graph), model=graph.name, model_module=names["model"][:-3],
         spec_path=graph.spec_path, file=names["train"], batch_params=params,
@@ -535,9 +540,7 @@ def test_context(graph: Graph) -> TestContext:
         known = None not in _concrete(t.type, dims)
         transfers.append((t.value.split("#")[0], t.src or "cpu", t.dst,
                           t.type.nbytes(dims) if known else None))
-    train = graph.train
-    optimizer = call(f"torch.optim.{train.optimizer}", ["model.parameters()"],
-                     [("lr", train.lr), *train.optimizer_kwargs])
+    optimizer = optimizer_call(graph.train, graph.train.lr)
     return TestContext(
         header=header(graph), model=graph.name, model_module=file_names(graph)["model"][:-3],
         spec_path=graph.spec_path, devices=repr(devices), devices_text=", ".join(devices),

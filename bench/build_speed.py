@@ -68,7 +68,7 @@ def main() -> None:
             for depth in depths:
                 path = Path(tmp) / f"deep_{depth}_{repeated}.yaml"
                 path.write_text(spec(depth, repeated))
-                code = (f"from mpgen.compiler import build; "
+                code = (f"from mpgen.compiler import pipeline as build; "
                         f"build.generate({str(path)!r})")
                 seconds = timed(code)
                 per_layer = (seconds - base) / (depth + 2) * 1000

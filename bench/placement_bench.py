@@ -34,10 +34,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mpgen.compiler import costs as costs_mod  # noqa: E402
-from mpgen.compiler.build import compile_spec  # noqa: E402
-from mpgen.compiler.partition import greedy_fill  # noqa: E402
-from mpgen.compiler.report import graph_costs  # noqa: E402
+from mpgen.compiler.analysis import costs as costs_mod  # noqa: E402
+from mpgen.compiler.pipeline import compile_spec  # noqa: E402
+from mpgen.compiler.placement.partition import greedy_fill  # noqa: E402
+from mpgen.compiler.codegen.report import graph_costs  # noqa: E402
 
 UNEVEN = """\
 mpgen: 1

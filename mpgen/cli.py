@@ -1,4 +1,4 @@
-"""``mpgen`` command line: thin over :mod:`mpgen.compiler.build`."""
+"""``mpgen`` command line: thin over :mod:`mpgen.compiler.pipeline`."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ class Exit(enum.IntEnum):
 
 
 def _device_map(text: Optional[str]) -> dict[str, str]:
-    from mpgen.compiler.placement import parse_device_map
+    from mpgen.compiler.placement.devices import parse_device_map
 
     if not text:
         return {}
@@ -69,7 +69,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = _parser().parse_args(argv)
-    from mpgen.compiler import build
+    from mpgen.commands import build
+    from mpgen.compiler import pipeline
 
     try:
         device_map = _device_map(args.device_map)
@@ -83,9 +84,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(build.summary_line(result))
             return Exit.OK
         if args.command == "show":
-            from mpgen.compiler import summary
+            from mpgen.commands import show as summary
 
-            graph = build.compile_spec(args.spec, device_map)
+            graph = pipeline.compile_spec(args.spec, device_map)
             print(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
             return Exit.OK
         if args.command == "check":
@@ -101,7 +102,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"{args.out}: up to date")
             return Exit.OK
         if args.command == "place":
-            from mpgen import spec_edit
+            from mpgen.commands import place as spec_edit
 
             placed = spec_edit.place(args.spec, device_map)
             if args.write:
@@ -112,7 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(placed.block())
             return Exit.OK
         if args.command == "diff":
-            from mpgen.compiler import layout_diff
+            from mpgen.commands import diff as layout_diff
 
             old = layout_diff.load_side(args.old)
             new = layout_diff.load_side(args.new)

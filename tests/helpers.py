@@ -9,7 +9,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
-from mpgen.compiler import build
+from mpgen.compiler import pipeline as build
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -36,7 +36,7 @@ def import_generated(path: Path):
 def build_to(spec: Path, out: Path, device_map: dict | None = None) -> build.Generated:
     """Generate one spec and write its files to ``out``."""
     result = build.generate(spec, device_map)
-    from mpgen.compiler.write import write_files
+    from mpgen.compiler.codegen.write import write_files
 
     write_files(out, result.files)
     return result

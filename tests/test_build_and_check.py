@@ -12,7 +12,7 @@ import pytest
 
 from helpers import EXAMPLES, ROOT, mpgen, write_spec
 from mpgen.cli import main
-from mpgen.compiler import build
+from mpgen.compiler import pipeline as build
 
 SEED = EXAMPLES / "seed.yaml"
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import write_spec
-from mpgen.compiler.build import compile_spec
-from mpgen.compiler.costs import human_bytes, optimizer_state, unit_labels
+from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.analysis.costs import human_bytes, optimizer_state, unit_labels
 
 MLP = """
     mpgen: 1

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from helpers import EXAMPLES, build_to, import_generated, write_spec
-from mpgen.compiler import build, render
+from mpgen.compiler import pipeline as build
+from mpgen.compiler.codegen import common as render
 
 EXAMPLE_SPECS = sorted(EXAMPLES.glob("*.yaml"))
 SMALL = [p for p in EXAMPLE_SPECS if p.stem in ("seed", "small_cnn", "multitask", "residual_mlp")]

@@ -77,7 +77,7 @@ def test_an_extra_transfer_fails(seed):
 def test_generated_tests_of_larger_examples_pass(tmp_path, name):
     result = build_to(EXAMPLES / f"{name}.yaml", tmp_path)
     stem = result.graph.name
-    from mpgen.compiler.render import file_names
+    from mpgen.compiler.codegen.common import file_names
 
     run = run_pytest(tmp_path / file_names(result.graph)["test"])
     assert run.returncode == 0, f"{stem}: " + run.stdout[-3000:]

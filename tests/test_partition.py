@@ -1,4 +1,4 @@
-"""Tests for mpgen.compiler.partition: exactness against brute force."""
+"""Tests for mpgen.compiler.placement.partition: exactness against brute force."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from mpgen.compiler.partition import (
+from mpgen.compiler.placement.partition import (
     Partition,
     PartitionError,
     greedy_fill,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import write_spec
-from mpgen.compiler import build
-from mpgen.compiler.placement import parse_device_map
+from mpgen.compiler import pipeline as build
+from mpgen.compiler.placement.devices import parse_device_map
 from mpgen.errors import MpgenError
 
 STACK = """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import EXAMPLES, write_spec
-from mpgen.compiler import build
+from mpgen.compiler import pipeline as build
 from mpgen.errors import MpgenError
 
 

@@ -21,10 +21,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from mpgen.compiler import placement
-from mpgen.compiler.costs import Costs, human_bytes
+from mpgen.compiler.placement.transfers import assign
+from mpgen.compiler.analysis.costs import Costs, human_bytes
 from mpgen.compiler.ir import Graph, Layout
-from mpgen.compiler.partition import Partition, PartitionError, partition
+from mpgen.compiler.placement.partition import Partition, PartitionError, partition
 from mpgen.errors import Collector, MpgenError
 from mpgen.spec_schema.load import SourceMap
 from mpgen.spec_schema.models import AutoPlacementSpec
@@ -79,14 +79,14 @@ def choose(graph: Graph, auto: AutoPlacementSpec, source: SourceMap) -> AutoChoi
 
 def place_auto(graph: Graph, auto: AutoPlacementSpec, source: SourceMap,
                device_map: Optional[Mapping[str, str]] = None) -> Graph:
-    """Choose devices for every unit, then plan transfers (``placement.assign``)."""
+    """Choose devices for every unit, then plan transfers (``transfers.assign``)."""
     choice = choose(graph, auto, source)
     per_unit = choice.unit_devices()
     devices: list[list[str]] = [[] for _ in graph.nodes]
     for unit, device in zip(choice.costs.units, per_unit):
         devices[unit.node].append(device)
     graph = dataclasses.replace(graph, layout=Layout("auto", choice))
-    return placement.assign(graph, [tuple(d) for d in devices], dict(device_map or {}))
+    return assign(graph, [tuple(d) for d in devices], dict(device_map or {}))
 
 
 def _check_device_keys(auto: AutoPlacementSpec, source: SourceMap) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from mpgen.compiler import meta
+from mpgen.compiler.analysis import meta
 from mpgen.compiler.ir import (
     BlockClass,
     Expr,

@@ -17,9 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from mpgen.compiler.costs import Costs, human_bytes, unit_labels
+from mpgen.compiler.analysis.costs import Costs, human_bytes, unit_labels
 from mpgen.compiler.ir import Graph, Transfer, device_runs
-from mpgen.compiler.placement import map_device
+from mpgen.compiler.placement.devices import map_device
 
 #: Fill and stroke colours of the device classes in the Mermaid graph, in order.
 PALETTE = (
@@ -332,6 +332,6 @@ def _edge(src: tuple[str, str], dst: tuple[str, str], nbytes: int) -> str:
 
 def render_report(graph: Graph) -> str:
     """The report's Markdown."""
-    from mpgen.compiler.render import environment
+    from mpgen.compiler.codegen.common import environment
 
     return environment().get_template("placement.md.jinja").render(ctx=report_context(graph))

@@ -55,7 +55,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from mpgen.compiler import meta
+from mpgen.compiler.analysis import meta
 from mpgen.compiler.ir import Graph, Node, TensorType
 
 #: Optimizer state kept per parameter element, in units of the parameter's own
@@ -148,7 +148,7 @@ def unit_names(graph: Graph) -> list[tuple[int, int, str]]:
 
 def train_dims(graph: Graph, batch_size: int, dims: Mapping[str, int]) -> dict[str, int]:
     """Symbolic dim -> size at training time (as ``compiler.training`` sets them)."""
-    from mpgen.compiler.training import DEFAULT_DIM
+    from mpgen.compiler.frontend.training import DEFAULT_DIM
 
     symbols = dict.fromkeys(d for t in graph.inputs for d in t.type.shape if isinstance(d, str))
     sizes = {name: int(dims.get(name, DEFAULT_DIM)) for name in symbols}
@@ -316,7 +316,7 @@ def meta_modules(graph: Graph) -> Iterable[tuple[str, nn.Module]]:
     """``(attribute, module)`` for every layer that owns one, built on meta.
 
     A repeated layer gives an ``nn.ModuleList`` of fresh instances; block
-    instances are :class:`~mpgen.compiler.meta.MetaBlock`\\ s named after the block.
+    instances are :class:`~mpgen.compiler.analysis.meta.MetaBlock`\\ s named after the block.
     Used by the placement benchmark to hand the same model to other tools.
     """
     blocks = {b.name: b for b in graph.blocks}

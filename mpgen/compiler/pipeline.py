@@ -1,8 +1,8 @@
-"""The pipeline: load -> validate -> resolve -> shapes -> place -> render.
+"""The pipeline: load -> validate -> frontend -> analysis -> placement -> codegen.
 
-This is the library entry point under the CLI: :func:`compile_spec` gives the
-IR of one spec, :func:`generate` the formatted files, :func:`build` and
-:func:`check` do it for several specs and write or compare the results.
+The library entry point under the commands: :func:`compile_spec` gives the
+IR of one spec, :func:`generate` its formatted files, :func:`generate_all`
+those of several specs with every error of every spec.
 """
 
 from __future__ import annotations
@@ -11,19 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from mpgen.compiler import (
-    auto_placement,
-    costs,
-    placement,
-    render,
-    report,
-    resolve,
-    shapes,
-    training,
-)
-from mpgen.compiler.format import format_source
+from mpgen.compiler.analysis import costs, shapes
+from mpgen.compiler.codegen import common, model, report, tests, train
+from mpgen.compiler.codegen.format import format_source
+from mpgen.compiler.frontend import resolve, training
 from mpgen.compiler.ir import Graph
-from mpgen.compiler.write import diff_files, write_files
+from mpgen.compiler.placement import auto as auto_placement
+from mpgen.compiler.placement import explicit
 from mpgen.errors import Collector, MpgenError
 from mpgen.spec_schema.load import load_file
 from mpgen.spec_schema.validate import validate
@@ -49,18 +43,18 @@ def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = Non
     if spec.placement is not None and spec.placement.auto is not None:
         return auto_placement.place_auto(graph, spec.placement.auto, loaded.source,
                                          dict(device_map or {}))
-    return placement.place_explicit(graph, spec.placement, loaded.source,
+    return explicit.place_explicit(graph, spec.placement, loaded.source,
                                     dict(device_map or {}))
 
 
 def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Generated:
     """Compile one spec and render its files, formatted."""
     graph = compile_spec(path, device_map)
-    names = render.file_names(graph)
+    names = common.file_names(graph)
     sources = {
-        names["model"]: render.render_model(graph),
-        names["train"]: render.render_train(graph),
-        names["test"]: render.render_test(graph),
+        names["model"]: model.render_model(graph),
+        names["train"]: train.render_train(graph),
+        names["test"]: tests.render_test(graph),
         names["report"]: report.render_report(graph),
     }
     files = {name: format_source(text, name) if name.endswith(".py") else text
@@ -94,32 +88,3 @@ def generate_all(paths: Iterable[str | Path],
         results.append(result)
     errors.raise_if_any()
     return results
-
-
-def build(paths: Iterable[str | Path], out_dir: str | Path,
-          device_map: Optional[Mapping[str, str]] = None) -> tuple[list[Generated], list[Path]]:
-    """Generate all specs, then (only if all succeeded) write the files.
-
-    Returns what was generated and the files that changed on disk.
-    """
-    results = generate_all(paths, device_map)
-    files = {n: t for r in results for n, t in r.files.items()}
-    return results, write_files(Path(out_dir), files)
-
-
-def summary_line(result: Generated) -> str:
-    """``spec: Model, N parameters on cuda:0 (a), cuda:1 (b); T transfers in forward``."""
-    graph = result.graph
-    devices = ", ".join(f"{d} ({n:,})" for d, n in graph.params_by_device().items())
-    moves = len(graph.plan.transfers)
-    return (f"{result.spec_path}: {graph.name}, {graph.total_params:,} parameters on "
-            f"{devices}; {moves} transfer{'s' if moves != 1 else ''} in forward")
-
-
-def check(paths: Iterable[str | Path], out_dir: str | Path,
-          device_map: Optional[Mapping[str, str]] = None) -> list[str]:
-    """Unified diffs for every generated file that is stale, missing or edited."""
-    diffs: list[str] = []
-    for result in generate_all(paths, device_map):
-        diffs.extend(diff_files(Path(out_dir), result.files))
-    return diffs

@@ -28,8 +28,10 @@ from typing import Mapping, Optional
 
 import yaml
 
-from mpgen.compiler.costs import unit_labels
+from mpgen.compiler.analysis.costs import unit_labels
+from mpgen.compiler.placement.auto import BALANCE_UNITS
 from mpgen.compiler.ir import Graph
+from mpgen.compiler.pipeline import compile_spec
 from mpgen.errors import MpgenError, Position
 
 
@@ -66,13 +68,13 @@ def explicit_entries(graph: Graph) -> list[tuple[str, str]]:
 
 def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Placed:
     """Compile the spec and return its layout in the explicit form."""
-    from mpgen.compiler.build import compile_spec
+
 
     graph = compile_spec(path, device_map)
     auto = graph.layout.method == "auto"
     bottleneck = renamed = ""
     if auto:
-        from mpgen.compiler.auto_placement import BALANCE_UNITS
+
 
         choice = graph.layout.choice
         value = choice.split.bottleneck
@@ -99,7 +101,7 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
     without a device map). Every line outside the placement block is kept
     byte for byte; the new text is compiled and checked before it is written.
     """
-    from mpgen.compiler.build import compile_spec
+
 
     text = _read(path)
     if not placed.auto and not placed.graph.device_map and _find_placement(text, str(path)):

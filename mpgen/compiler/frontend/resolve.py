@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from mpgen.compiler import ops
+from mpgen.compiler.frontend import ops
 from mpgen.compiler.ir import (
     BlockClass,
     Expr,
@@ -28,7 +28,7 @@ from mpgen.compiler.ir import (
     Param,
     TensorType,
 )
-from mpgen.compiler.namespace import GLOBALS, Namespace, identifier_problem
+from mpgen.compiler.frontend.namespace import GLOBALS, Namespace, identifier_problem
 from mpgen.errors import Collector, Position, did_you_mean
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec

@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from mpgen.compiler.costs import Costs, human_bytes, unit_labels
+from mpgen.compiler.analysis.costs import Costs, human_bytes, unit_labels
 from mpgen.compiler.ir import Graph
-from mpgen.compiler.report import transfer_name
+from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.codegen.report import transfer_name
 from mpgen.errors import ErrorList, MpgenError, Position
 
 
@@ -71,7 +72,7 @@ class LayoutDiff:
 
 def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
     """Compile a spec path, or ``REV:path`` from git; errors name ``arg``."""
-    from mpgen.compiler.build import compile_spec
+
 
     if Path(arg).is_file() or ":" not in arg:
         graph = compile_spec(arg, device_map)

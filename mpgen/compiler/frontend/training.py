@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from mpgen.compiler import ops
+from mpgen.compiler.frontend import ops
 from mpgen.compiler.ir import Graph, Loss, TensorType, TrainConfig
 from mpgen.errors import Collector, did_you_mean
 from mpgen.spec_schema.load import SourceMap

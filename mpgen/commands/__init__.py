@@ -1,0 +1,1 @@
+"""The commands beside ``build``: each a library function the CLI calls."""

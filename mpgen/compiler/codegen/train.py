@@ -1,0 +1,109 @@
+"""IR -> ``train_<name>.py``: the training script."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpgen.compiler.codegen.common import (
+    _tuple,
+    call,
+    environment,
+    file_names,
+    header,
+    input_code,
+    optimizer_call,
+    synthetic,
+)
+from mpgen.compiler.ir import Expr, Graph
+
+
+@dataclass
+class TrainContext:
+    header: list[str]
+    model: str
+    model_module: str
+    spec_path: str
+    file: str
+    batch_params: str
+    batch_lines: list[str]
+    input_vars: str
+    target_vars: str
+    steps: int
+    batch_size: int
+    lr: str
+    seed: int
+    log_every: int
+    loss_init: list[str]
+    optimizer: str
+    outputs: str
+    loss_lines: list[str]
+
+
+def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], dict[str, str]]:
+    """make_batch's parameters and body: one line per input and per target."""
+    sizes: dict[str, str] = {}
+    params = []
+    for name, size in graph.train.dims:
+        var = ns.fresh("batch_size" if name == "batch" else name)
+        sizes[name] = var
+        params.append(f"{var}: int" + ("" if name == "batch" else f" = {size}"))
+    if "batch" not in sizes:
+        var = ns.fresh("batch_size")
+        params.insert(0, f"{var}: int")
+    lines, inputs = input_code(graph, ns, sizes)
+    targets = []
+    for loss in graph.train.losses:
+        var = ns.fresh("target" if len(graph.train.losses) == 1 else f"{loss.output}_target")
+        lines.append(f"{var} = {synthetic(loss.target_type, sizes, loss.classes, loss.target)}"
+                     f"  # {loss.target_type}")
+        targets.append(var)
+    return ", ".join(params), lines, inputs, targets, sizes
+
+
+def train_context(graph: Graph) -> TrainContext:
+    from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
+
+    names = file_names(graph)
+    train = graph.train
+    batch_ns = Namespace(GLOBALS | {graph.name})
+    params, batch_lines, inputs, targets, _ = batch_code(graph, batch_ns)
+    ns = Namespace(GLOBALS | {graph.name, "main", "make_batch", "args", "parser", "model",
+                              "optimizer", "step", "inputs", "targets", "loss", "start",
+                              "elapsed"})
+    plan_devices = {n.name: n.devices[-1] for n in graph.nodes}
+    out_vars = [ns.fresh(o) for o in graph.outputs]
+    loss_init, loss_lines, parts = [], [], []
+    multi = len(train.losses) > 1
+    loss_device = plan_devices[train.losses[0].output] if train.losses else "cpu"
+    for i, loss in enumerate(train.losses):
+        fn = ns.fresh(f"{loss.output}_loss_fn" if multi else "loss_fn")
+        loss_init.append(f"{fn} = {call(loss.callee, [], loss.kwargs)}")
+        out = out_vars[graph.outputs.index(loss.output)]
+        device = plan_devices[loss.output]
+        target = f'targets[{i}].to("{device}")'
+        if loss.flatten:
+            expr = f"{fn}({out}.flatten(0, -2), {target}.flatten())"
+        else:
+            expr = f"{fn}({out}, {target})"
+        if multi:
+            var = ns.fresh(f"{loss.output}_loss")
+            loss_lines.append(f"{var} = {expr}  # on {device}")
+            parts.append(var if device == loss_device else f'{var}.to("{loss_device}")')
+        else:
+            loss_lines.append(f"loss = {expr}  # on {device}")
+    if multi:
+        loss_lines.append(f"loss = {' + '.join(parts)}  # on {loss_device}")
+    optimizer = optimizer_call(train, Expr("args.lr"))
+    return TrainContext(
+        header=header(graph), model=graph.name, model_module=names["model"][:-3],
+        spec_path=graph.spec_path, file=names["train"], batch_params=params,
+        batch_lines=batch_lines, input_vars=_tuple(inputs), target_vars=_tuple(targets),
+        steps=train.steps, batch_size=train.batch_size, lr=repr(train.lr), seed=train.seed,
+        log_every=train.log_every, loss_init=loss_init, optimizer=optimizer,
+        outputs=_tuple(out_vars) if len(out_vars) > 1 else out_vars[0],
+        loss_lines=loss_lines,
+    )
+
+
+def render_train(graph: Graph) -> str:
+    return environment().get_template("train.py.jinja").render(ctx=train_context(graph))

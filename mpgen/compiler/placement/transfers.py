@@ -1,0 +1,114 @@
+"""Per-instance devices -> the transfer plan of ``forward``.
+
+# NOTE: [Transfer plan]
+# A value is produced on one device (model inputs: on the caller's device).
+# Each device that reads a value gets exactly one copy, made by one
+# ``.to(device)`` placed in the section of its first reader; later readers on
+# that device reuse the copy. When nothing reads the original after the copy,
+# and the value has no other copy, the copy takes over the variable name
+# (``h = h.to("cuda:1")``) as hand-written code does; otherwise every copy gets
+# a name saying where it lives (``trunk_cuda1``, ``trunk_cuda2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+from mpgen.compiler.ir import (
+    ForwardPlan,
+    Graph,
+    Node,
+    Section,
+    Step,
+    Transfer,
+    device_runs,
+)
+from mpgen.compiler.frontend.namespace import Namespace
+from mpgen.compiler.placement.devices import map_device
+
+
+def assign(graph: Graph, devices: Sequence[tuple[str, ...]],
+           device_map: Optional[dict[str, str]] = None) -> Graph:
+    """Set per-instance devices (after ``device_map``) and plan transfers."""
+    device_map = device_map or {}
+    nodes = tuple(
+        dataclasses.replace(n, devices=tuple(map_device(d, device_map) for d in ds))
+        for n, ds in zip(graph.nodes, devices)
+    )
+    graph = dataclasses.replace(graph, nodes=nodes,
+                                device_map=tuple(sorted(device_map.items())))
+    return dataclasses.replace(graph, plan=plan_transfers(graph))
+
+
+def plan_transfers(graph: Graph) -> ForwardPlan:
+    """Sections of forward, with one transfer per (value, reading device)."""
+    ns = Namespace({"self", *(t.var for t in graph.inputs), *(n.var for n in graph.nodes)})
+    home: dict[str, Optional[str]] = {t.name: None for t in graph.inputs}
+    var: dict[str, str] = {t.name: t.var for t in graph.inputs}
+    types = {t.name: t.type for t in graph.inputs}
+    # One entry per step: (node, start, stop, device, values read).
+    steps: list[tuple[Node, int, int, str, list[str]]] = []
+    for node in graph.nodes:
+        runs = device_runs(node.devices)
+        for r, (start, stop, device) in enumerate(runs):
+            reads = list(node.inputs) if r == 0 else [_link(node, r - 1), *node.inputs[1:]]
+            steps.append((node, start, stop, device, reads))
+            out = node.name if r == len(runs) - 1 else _link(node, r)
+            home[out] = device
+            var[out] = node.var
+            types[out] = node.out
+    # Which (value, device) pairs are read, and where the last read of each
+    # value's original (on its home device, or as an output) happens.
+    last_home_read: dict[str, int] = {}
+    for i, (node, _, _, device, reads) in enumerate(steps):
+        for value in reads:
+            if home[value] == device:
+                last_home_read[value] = i
+    for value in graph.outputs:
+        last_home_read[value] = len(steps)
+    copies: dict[tuple[str, str], str] = {}
+    pending: dict[str, list[str]] = {}  # value -> devices it still has to reach
+    for node, _, _, device, reads in steps:
+        for value in reads:
+            if home[value] != device and device not in pending.setdefault(value, []):
+                pending[value].append(device)
+    n_copies = {value: len(devices) for value, devices in pending.items()}
+    sections: list[Section] = []
+    loop_names: dict[str, str] = {}
+    for i, (node, start, stop, device, reads) in enumerate(steps):
+        transfers = []
+        read_vars = []
+        for value in reads:
+            if home[value] == device:
+                read_vars.append(var[value])
+                continue
+            if (value, device) not in copies:
+                pending[value].remove(device)
+                reuse = n_copies[value] == 1 and last_home_read.get(value, -1) < i
+                dst_var = var[value] if reuse else ns.fresh(f"{var[value]}_{_tag(device)}")
+                transfers.append(Transfer(value, home[value], device, var[value], dst_var,
+                                          types[value]))
+                copies[(value, device)] = dst_var
+            read_vars.append(copies[(value, device)])
+        loop_var = None
+        if node.repeat is not None and stop - start > 1:
+            kind = "block" if node.op.kind.value == "block" else "layer"
+            loop_var = loop_names.get(kind) or loop_names.setdefault(kind, ns.fresh(kind))
+        step = Step(node.name, device, tuple(read_vars), node.var, start, stop, loop_var)
+        if sections and sections[-1].device == device:
+            last = sections[-1]
+            sections[-1] = Section(device, last.transfers + tuple(transfers), last.steps + (step,))
+        else:
+            sections.append(Section(device, tuple(transfers), (step,)))
+    returns = tuple(var[o] for o in graph.outputs)
+    return ForwardPlan(tuple(sections), returns)
+
+
+def _link(node: Node, run: int) -> str:
+    """The value flowing between two device runs of a repeated layer."""
+    return f"{node.name}#{run}"
+
+
+def _tag(device: str) -> str:
+    return device.replace(":", "")

@@ -111,6 +111,11 @@ class State:
             )
         return 0 if self.merge else i
 
+    def set_merge(self, merge: bool) -> None:
+        """Turn merging of every cuda:i into cuda:0 on or off from now on."""
+        self.merge = merge
+        self._str_cache.clear()  # parsed device strings depend on it
+
     # ---- transfers ----
     def record(self, t: Transfer) -> None:
         self.transfers.append(t)

@@ -1,0 +1,211 @@
+"""The checks behind every generated ``test_<name>.py``.
+
+A generated test file states what mpgen planned for one model -- its
+devices, where each layer lives, the output shapes, the transfers in
+forward, the parameter count, how to make inputs and the optimizer -- in a
+subclass of :class:`ModelSuite`; pytest collects the test methods it
+inherits.  A hand-written test can do the same::
+
+    class TestSimpleModel(ModelSuite):
+        model = SimpleModel
+        devices = ("cuda:0", "cuda:1")
+        placement = {"layer1": "cuda:0", "layer2": "cuda:1"}
+        total_params = 430
+        output_shapes = [(2, 10)]
+        transfers = [("x", "cpu", "cuda:0", 80), ("layer1", "cuda:0", "cuda:1", 160)]
+
+        def make_inputs(self):
+            torch.manual_seed(1)
+            return (torch.randn(2, 10),)
+
+        def make_optimizer(self, model):
+            return torch.optim.SGD(model.parameters(), lr=0.01)
+
+Every check runs twice, through the ``virtual`` fixture: on the real GPUs
+when the machine has them (skipped, with the reason, when it does not), and
+on virtual devices (:func:`~mpgen.testing.virtual_devices`), which run the
+same code on the CPU while tracking the device every tensor would live on.
+Needs pytest.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Optional
+
+import pytest
+import torch
+
+from mpgen.testing._torch_compat import full_float32_on_gpu
+from mpgen.testing.compare import check_split_outputs
+from mpgen.testing.merge import merged_devices
+from mpgen.testing.virtual import VirtualDevices, virtual_devices
+
+__all__ = ["ModelSuite"]
+
+
+def _as_tuple(outputs: Any) -> tuple[torch.Tensor, ...]:
+    return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+class ModelSuite:
+    """Checks of one generated model; subclass it as ``Test<Model>``.
+
+    The checks:
+
+    * parameters and buffers live on the devices the spec places them on,
+      and the model has ``total_params`` parameters;
+    * forward gives ``output_shapes``;
+    * forward makes exactly the planned ``transfers``, with their bytes
+      (virtual devices only: real GPUs do not report copies);
+    * backward and an optimizer step leave every parameter, gradient and
+      optimizer state on its device;
+    * the outputs equal those of the same code merged onto one device
+      (:func:`~mpgen.testing.check_split_outputs`): bit for bit on virtual
+      devices; on real GPUs within a reduction-order tolerance, and within
+      a loose tolerance of the CPU.
+    """
+
+    #: The generated model class.
+    model: type[torch.nn.Module]
+    #: Every device the model uses, e.g. ``("cuda:0", "cuda:1")``.
+    devices: tuple[str, ...]
+    #: State-dict prefix -> the device the spec puts it on.
+    placement: dict[str, str]
+    total_params: int
+    #: Output shapes at the sizes of make_inputs() (None: a size not known
+    #: at build time).
+    output_shapes: list[tuple[Optional[int], ...]]
+    #: Forward transfers in order: (tensor, from, to, bytes at the sizes of
+    #: make_inputs(), None if not known at build time).
+    transfers: list[tuple[str, str, str, Optional[int]]]
+
+    def make_inputs(self) -> tuple[torch.Tensor, ...]:
+        """Small inputs on the CPU, the same on every call."""
+        raise NotImplementedError
+
+    def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+    # ---- devices ----
+    @property
+    def cuda_count(self) -> int:
+        """How many CUDA devices the model needs (highest index + 1)."""
+        cuda = [int(d.split(":")[1]) for d in self.devices if d.startswith("cuda:")]
+        return max(cuda) + 1 if cuda else 0
+
+    def missing_gpus(self) -> Optional[str]:
+        """Why the real devices cannot run here, or None when they can."""
+        needed = self.cuda_count
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have >= needed:
+            return None
+        return (
+            f"real-GPU run skipped: {self.model.__name__} needs {needed} CUDA devices "
+            f"({', '.join(self.devices)}) and this machine has {have}; the virtual "
+            "run checks the same code on the CPU"
+        )
+
+    @pytest.fixture(params=["real", "virtual"])
+    def virtual(self, request) -> Iterator[Optional[VirtualDevices]]:
+        """None on the real devices; the virtual devices' handle otherwise."""
+        if request.param == "real":
+            reason = self.missing_gpus()
+            if reason:
+                pytest.skip(reason)
+            yield None
+            return
+        with virtual_devices(cuda=max(self.cuda_count, 1)) as devices:
+            yield devices
+
+    def expected_device(self, name: str) -> str:
+        """The planned device of a parameter or buffer, by its longest prefix."""
+        parts = name.split(".")
+        for end in range(len(parts), 0, -1):
+            prefix = ".".join(parts[:end])
+            if prefix in self.placement:
+                return self.placement[prefix]
+        raise AssertionError(f"{name} belongs to no placed layer")
+
+    def build(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return self.model()
+
+    # ---- the checks ----
+    def test_parameters_and_buffers_live_where_the_spec_says(self, virtual):
+        model = self.build()
+        for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+            want = self.expected_device(name)
+            assert str(tensor.device) == want, (
+                f"{name} is on {tensor.device}, but the spec places it on {want}"
+            )
+        assert sum(p.numel() for p in model.parameters()) == self.total_params
+
+    def test_forward_gives_the_inferred_shapes(self, virtual):
+        outputs = _as_tuple(self.build()(*self.make_inputs()))
+        assert len(outputs) == len(self.output_shapes)
+        for output, shape in zip(outputs, self.output_shapes):
+            got = tuple(output.shape)
+            assert len(got) == len(shape), f"{got} != {shape}"
+            assert all(w is None or g == w for g, w in zip(got, shape)), f"{got} != {shape}"
+
+    def test_forward_makes_exactly_the_planned_transfers(self, virtual):
+        if virtual is None:
+            pytest.skip("transfers are recorded on virtual devices only")
+        model, inputs = self.build(), self.make_inputs()
+        with virtual.record() as recording:
+            model(*inputs)
+        made = [(t.src, t.dst, t.nbytes) for t in recording.forward_transfers]
+        planned = [(src, dst, nbytes) for _, src, dst, nbytes in self.transfers]
+        assert [m[:2] for m in made] == [p[:2] for p in planned], (
+            f"forward moved tensors {[m[:2] for m in made]}, but mpgen planned "
+            f"{[p[:2] for p in planned]}"
+        )
+        for (src, dst, got), (_, _, want) in zip(made, planned):
+            assert want is None or got == want, f"{src} -> {dst}: {got} bytes, planned {want}"
+
+    def test_backward_and_an_optimizer_step_keep_every_tensor_in_place(self, virtual):
+        model = self.build()
+        optimizer = self.make_optimizer(model)
+        outputs = _as_tuple(model(*self.make_inputs()))
+        loss = sum(out.float().mean().to(outputs[0].device) for out in outputs)
+        loss.backward()
+        for name, param in model.named_parameters():
+            if param.requires_grad:
+                assert param.grad is not None, f"{name} got no gradient"
+                assert param.grad.device == param.device, f"{name}: gradient on another device"
+        optimizer.step()
+        for name, param in model.named_parameters():
+            assert str(param.device) == self.expected_device(name), f"{name} moved in the step"
+        for param, state in optimizer.state.items():
+            for name, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    assert value.device == param.device, f"optimizer state {name} off its device"
+
+    def run_eval(self, weights: Optional[dict] = None) -> tuple[dict, list[torch.Tensor]]:
+        """Build the model in eval mode, load ``weights`` if given, run
+        make_inputs(); return its weights and outputs, on the CPU."""
+        with torch.no_grad():
+            model = self.build().eval()
+            if weights is not None:
+                model.load_state_dict(weights)
+            outputs = [out.cpu() for out in _as_tuple(model(*self.make_inputs()))]
+            weights = {k: v.cpu() for k, v in model.state_dict().items()}
+        return weights, outputs
+
+    def test_outputs_equal_the_same_model_on_one_device(self, virtual):
+        if virtual is not None:
+            # The same CPU kernels either way: equal bit for bit.
+            weights, split = self.run_eval()
+            with merged_devices("cuda:0"):
+                _, merged = self.run_eval(weights)
+            check_split_outputs(split, merged, exact=True)
+            return
+        if not self.cuda_count:  # a CPU-only model: nothing is split
+            pytest.skip("the model uses no GPU; the virtual run compares it")
+        with full_float32_on_gpu():
+            weights, split = self.run_eval()
+            with merged_devices("cuda:0"):
+                _, merged = self.run_eval(weights)
+        with virtual_devices(cuda=self.cuda_count, merge=True):
+            _, cpu = self.run_eval(weights)
+        check_split_outputs(split, merged, cpu)

@@ -60,12 +60,17 @@ class BertBase(nn.Module):
         self.token_type_embeddings = nn.Embedding(2, 768).to("cuda:0")
         self.embeddings_norm = nn.LayerNorm(768, eps=1e-12).to("cuda:0")
         self.embeddings_dropout = nn.Dropout(p=0.1).to("cuda:0")
+        # encoder.0-2 on cuda:0
+        # encoder.3-5 on cuda:1
+        # encoder.6-8 on cuda:2
+        # encoder.9-11 on cuda:3
         self.encoder = nn.ModuleList(
             [EncoderLayer(768, 12, 3072).to("cuda:0") for _ in range(3)]
             + [EncoderLayer(768, 12, 3072).to("cuda:1") for _ in range(3)]
             + [EncoderLayer(768, 12, 3072).to("cuda:2") for _ in range(3)]
             + [EncoderLayer(768, 12, 3072).to("cuda:3") for _ in range(3)]
         )
+        # cuda:3
         self.pooler = nn.Linear(768, 768).to("cuda:3")
         self.pooler_act = nn.Tanh().to("cuda:3")
         self.classifier = nn.Linear(768, 2).to("cuda:3")

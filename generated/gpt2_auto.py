@@ -56,7 +56,7 @@ class GPT2Auto(nn.Module):
         # cuda:0
         self.wte = nn.Embedding(50257, 768).to("cuda:0")
         self.wpe = nn.Embedding(1024, 768).to("cuda:0")
-        # cuda:1
+        # h.0-5 on cuda:1, h.6-11 on cuda:2
         self.h = nn.ModuleList(
             [DecoderBlock(768, 12).to("cuda:1") for _ in range(6)]
             + [DecoderBlock(768, 12).to("cuda:2") for _ in range(6)]

@@ -52,10 +52,12 @@ class GPT2Small(nn.Module):
         # cuda:0
         self.wte = nn.Embedding(50257, 768).to("cuda:0")
         self.wpe = nn.Embedding(1024, 768).to("cuda:0")
+        # h.0-5 on cuda:0, h.6-11 on cuda:1
         self.h = nn.ModuleList(
             [DecoderBlock(768, 12).to("cuda:0") for _ in range(6)]
             + [DecoderBlock(768, 12).to("cuda:1") for _ in range(6)]
         )
+        # cuda:1
         self.ln_f = nn.LayerNorm(768).to("cuda:1")
         self.lm_head = nn.Linear(768, 50257, bias=False).to("cuda:1")
 

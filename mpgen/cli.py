@@ -18,7 +18,7 @@ class Exit(enum.IntEnum):
 
 
 def _device_map(text: Optional[str]) -> dict[str, str]:
-    from mpgen.compiler.placement.devices import parse_device_map
+    from mpgen.compiler.frontend.device_map import parse_device_map
 
     if not text:
         return {}

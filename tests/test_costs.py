@@ -6,7 +6,7 @@ import pytest
 
 from helpers import write_spec
 from mpgen.compiler.pipeline import compile_spec
-from mpgen.compiler.analysis.costs import human_bytes, optimizer_state, unit_labels
+from mpgen.compiler.analysis.costs import human_bytes, optimizer_state
 
 MLP = """
     mpgen: 1
@@ -147,22 +147,6 @@ def test_symbolic_dims_use_the_training_sizes(tmp_path):
     assert dict(costs.dims) == {"batch": 3, "seq": 5}
     assert costs.units[0].out_bytes == 3 * 5 * 4 * 4
     assert costs.units[0].flops == 2 * 3 * 5 * 8 * 4
-
-
-def test_unit_labels_compress_runs(tmp_path):
-    graph, _ = costs_of(tmp_path, """
-        mpgen: 1
-        name: Rep
-        inputs:
-          x: [batch, 8]
-        layers:
-          a: {op: Linear, args: [8, 8]}
-          h: {op: Linear, args: [8, 8], repeat: 6}
-    """)
-    units = [(0, 0), (1, 0), (1, 1), (1, 2), (1, 4)]
-    assert unit_labels(graph, units) == ["a", "h.0-2", "h.4"]
-    assert unit_labels(graph, [(1, k) for k in range(6)], whole=True) == ["h"]
-    assert unit_labels(graph, [(1, k) for k in range(6)]) == ["h.0-5"]
 
 
 def test_human_bytes():

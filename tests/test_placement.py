@@ -6,7 +6,7 @@ import pytest
 
 from helpers import write_spec
 from mpgen.compiler import pipeline as build
-from mpgen.compiler.placement.devices import parse_device_map
+from mpgen.compiler.frontend.device_map import parse_device_map
 from mpgen.errors import MpgenError
 
 STACK = """
@@ -59,7 +59,7 @@ placement:
 """)
     assert devices(graph)["h"] == ("cuda:0",) * 3 + ("cuda:1",) * 3
     assert devices(graph)["head"] == ("cuda:1",)
-    moves = [(t.value.split("#")[0], t.src, t.dst) for t in graph.plan.transfers]
+    moves = [(t.value.name, t.src, t.dst) for t in graph.plan.transfers]
     assert moves == [("x", None, "cuda:0"), ("h", "cuda:0", "cuda:1")]
 
 
@@ -130,7 +130,7 @@ def test_each_tensor_moves_once_per_reading_device(tmp_path):
           c: cuda:1
     """)
     graph = build.compile_spec(spec)
-    moves = [(t.value, t.src, t.dst) for t in graph.plan.transfers]
+    moves = [(str(t.value), t.src, t.dst) for t in graph.plan.transfers]
     assert moves == [("x", None, "cuda:0"), ("trunk", "cuda:0", "cuda:1"),
                      ("trunk", "cuda:0", "cuda:2"), ("x", None, "cuda:1")]
     text = build.generate(spec).files["fan.py"]

@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from mpgen.compiler.analysis.costs import Costs, human_bytes, unit_labels
-from mpgen.compiler.ir import Graph
+from mpgen.compiler.analysis.costs import human_bytes
+from mpgen.compiler.ir import Costs, Graph, UnitRef, unit_labels
 from mpgen.compiler.pipeline import compile_spec
-from mpgen.compiler.codegen.report import transfer_name
 from mpgen.errors import ErrorList, MpgenError, Position
 
 
@@ -72,8 +71,6 @@ class LayoutDiff:
 
 def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
     """Compile a spec path, or ``REV:path`` from git; errors name ``arg``."""
-
-
     if Path(arg).is_file() or ":" not in arg:
         graph = compile_spec(arg, device_map)
         return Side(arg, graph)
@@ -121,16 +118,14 @@ def _renamed(exc: MpgenError, path: str, arg: str) -> MpgenError:
 
 def diff(old: Side, new: Side) -> LayoutDiff:
     """Compare two compiled layouts."""
-    def placed(side: Side) -> dict[tuple[str, int], tuple[int, str]]:
-        return {(side.graph.nodes[u.node].name, u.instance):
-                (j, side.graph.nodes[u.node].devices[u.instance])
-                for j, u in enumerate(side.costs.units)}
+    def placed(side: Side) -> dict[UnitRef, str]:
+        return {u.unit: side.graph.nodes[u.node].devices[u.instance] for u in side.costs.units}
 
     before, after = placed(old), placed(new)
-    moved_runs = _runs(new, [(key, before[key][1], dev) for key, (_, dev) in after.items()
-                             if key in before and before[key][1] != dev])
-    added = _runs(new, [(key, dev, "") for key, (_, dev) in after.items() if key not in before])
-    removed = _runs(old, [(key, dev, "") for key, (_, dev) in before.items() if key not in after])
+    moved_runs = _runs([(unit, before[unit], dev) for unit, dev in after.items()
+                        if unit in before and before[unit] != dev])
+    added = _runs([(unit, dev, "") for unit, dev in after.items() if unit not in before])
+    removed = _runs([(unit, dev, "") for unit, dev in before.items() if unit not in after])
 
     old_totals, new_totals = _totals(old), _totals(new)
     devices = list(dict.fromkeys([*new_totals, *old_totals]))
@@ -149,18 +144,17 @@ def diff(old: Side, new: Side) -> LayoutDiff:
     )
 
 
-def _runs(side: Side, items) -> list[tuple[str, str, str]]:
+def _runs(items) -> list[tuple[str, str, str]]:
     """Consecutive instances of one layer with the same change, as one range."""
-    index = {n.name: i for i, n in enumerate(side.graph.nodes)}
-    groups: list[list] = []  # [[(node, instance), ...], a, b]
-    for (name, instance), a, b in items:
-        unit = (index[name], instance)
-        if (groups and groups[-1][1:] == [a, b] and groups[-1][0][-1][0] == unit[0]
-                and groups[-1][0][-1][1] + 1 == instance):
+    groups: list[list] = []  # [[unit, ...], a, b]
+    for unit, a, b in items:
+        last = groups[-1][0][-1] if groups else None
+        if (last is not None and groups[-1][1:] == [a, b] and last.node == unit.node
+                and last.instance is not None and last.instance + 1 == unit.instance):
             groups[-1][0].append(unit)
         else:
             groups.append([[unit], a, b])
-    return [(unit_labels(side.graph, units)[0], a, b) for units, a, b in groups]
+    return [(unit_labels(units)[0], a, b) for units, a, b in groups]
 
 
 def _totals(side: Side) -> dict[str, tuple[int, int]]:
@@ -175,8 +169,8 @@ def _totals(side: Side) -> dict[str, tuple[int, int]]:
 def _transfers(side: Side) -> list[TransferKey]:
     keys = []
     for t in side.graph.plan.transfers:
-        keys.append(TransferKey(transfer_name(side.graph, t), t.src or "caller", t.dst,
-                                str(t.type), side.costs.nbytes(t.value.partition("#")[0])))
+        keys.append(TransferKey(str(t.value), t.src or "caller", t.dst,
+                                str(t.type), side.costs.nbytes(t.value)))
     return keys
 
 

@@ -28,9 +28,8 @@ from typing import Mapping, Optional
 
 import yaml
 
-from mpgen.compiler.analysis.costs import unit_labels
 from mpgen.compiler.placement.auto import BALANCE_UNITS
-from mpgen.compiler.ir import Graph
+from mpgen.compiler.ir import Graph, device_runs, unit_labels
 from mpgen.compiler.pipeline import compile_spec
 from mpgen.errors import MpgenError, Position
 
@@ -53,35 +52,23 @@ class Placed:
 
 def explicit_entries(graph: Graph) -> list[tuple[str, str]]:
     """Every layer -> device; a repeated layer's instances as ranges per device."""
-    entries = []
-    for i, node in enumerate(graph.nodes):
-        runs: list[list] = []
-        for k, device in enumerate(node.devices):
-            if runs and runs[-1][1] == device:
-                runs[-1][0].append((i, k))
-            else:
-                runs.append([[(i, k)], device])
-        for units, device in runs:
-            entries.append((unit_labels(graph, units, whole=True)[0], device))
-    return entries
+    return [(unit_labels([node.unit(k) for k in range(start, stop)], graph.repeats,
+                         whole=True)[0], device)
+            for node in graph.nodes for start, stop, device in device_runs(node.devices)]
 
 
 def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Placed:
     """Compile the spec and return its layout in the explicit form."""
-
-
     graph = compile_spec(path, device_map)
     auto = graph.layout.method == "auto"
     bottleneck = renamed = ""
     if auto:
-
-
-        choice = graph.layout.choice
+        choice = graph.layout.auto
         value = choice.split.bottleneck
         amount = f"{int(value):,}" if float(value).is_integer() else f"{value:,.1f}"
-        bottleneck = (f"bottleneck {amount} {BALANCE_UNITS[choice.auto.balance]} on "
+        bottleneck = (f"bottleneck {amount} {BALANCE_UNITS[choice.request.balance]} on "
                       f"{choice.bottleneck_device}")
-        how = (f"chosen automatically (balance {choice.auto.balance} over "
+        how = (f"chosen automatically (balance {choice.request.balance} over "
                f"{', '.join(choice.devices)}); {bottleneck}")
     elif graph.layout.method == "explicit":
         how = "explicit in the spec"

@@ -5,17 +5,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from mpgen.compiler.ir import Graph, Node, device_runs
+from mpgen.compiler.ir import Graph, Node, TensorType, device_runs, unit_labels
 
 
 def _runs(node: Node) -> list[tuple[str, str, int]]:
     """(label, device, instances) per device run of a node."""
-    if node.repeat is None:
-        return [(node.name, node.devices[0], 1)]
-    return [
-        (f"{node.name}.{a}" if a == b - 1 else f"{node.name}.{a}-{b - 1}", device, b - a)
-        for a, b, device in device_runs(node.devices)
-    ]
+    return [(unit_labels([node.unit(k) for k in range(a, b)])[0], device, b - a)
+            for a, b, device in device_runs(node.devices)]
+
+
+def _shape(t: TensorType) -> list:
+    return [d if isinstance(d, int) else str(d) for d in t.shape]
 
 
 def rows(graph: Graph) -> list[dict[str, Any]]:
@@ -28,7 +28,7 @@ def rows(graph: Graph) -> list[dict[str, Any]]:
                 "op": node.op.spelled,
                 "device": device,
                 "instances": n,
-                "shape": list(node.out.shape) if node.out else None,
+                "shape": _shape(node.out) if node.out else None,
                 "dtype": node.out.dtype if node.out else None,
                 "params": node.params * n,
             })
@@ -39,15 +39,15 @@ def to_json(graph: Graph) -> str:
     data = {
         "name": graph.name,
         "spec": graph.spec_path,
-        "inputs": {t.name: {"shape": list(t.type.shape), "dtype": t.type.dtype}
+        "inputs": {t.name: {"shape": _shape(t.type), "dtype": t.type.dtype}
                    for t in graph.inputs},
         "outputs": list(graph.outputs),
         "layers": rows(graph),
         "devices": graph.params_by_device(),
         "total_params": graph.total_params,
         "transfers": [
-            {"tensor": t.value.split("#")[0], "from": t.src, "to": t.dst,
-             "shape": list(t.type.shape), "dtype": t.type.dtype}
+            {"tensor": t.value.name, "from": t.src, "to": t.dst,
+             "shape": _shape(t.type), "dtype": t.type.dtype}
             for t in graph.plan.transfers
         ],
     }
@@ -78,5 +78,5 @@ def to_table(graph: Graph) -> str:
     out.append("")
     out.append(f"transfers in forward: {len(transfers)}")
     for t in transfers:
-        out.append(f"  {t.value.split('#')[0]} {t.type}: {t.src or 'input'} -> {t.dst}")
+        out.append(f"  {t.value.name} {t.type}: {t.src or 'input'} -> {t.dst}")
     return "\n".join(out)

@@ -1,25 +1,73 @@
 """The intermediate representation: resolved facts, no pydantic, no YAML.
 
 Stages fill it in order, each returning new frozen objects:
-``resolve`` builds the :class:`Graph` (ops, edges, identifiers, positions),
-``shapes`` adds output types, parameter counts and flops, ``placement`` adds
-a device per unit and the :class:`ForwardPlan` with its :class:`Transfer`\\ s.
-Templates read only these objects.
+
+- ``frontend`` builds the :class:`Graph`: ops, edges, identifiers, positions,
+  the resolved :class:`TrainConfig` and the placement request
+  (:class:`ExplicitPlacement` or :class:`AutoPlacement`);
+- ``analysis`` adds output types, parameter counts, loss targets and the
+  per-unit :class:`Costs`;
+- ``placement`` adds a device per instance, the :class:`Layout` and the
+  :class:`ForwardPlan` with its :class:`Transfer`\\ s;
+- ``codegen`` reads only these objects.
+
+# NOTE: [Names in the IR]
+# Three small types carry what used to be string conventions: a
+# :class:`SymDim` is a size known by name (``batch``, ``batch*seq*768``); a
+# :class:`UnitRef` is one placement unit (``wte``, ``h.3``), and
+# :func:`unit_labels` / :meth:`UnitRange.parse` are the one formatter and the
+# one parser of their labels (``h.0-5``); a :class:`ValueRef` names a tensor
+# forward computes: a model input, a layer's output, or the output of one
+# instance of a repeated layer that crosses to another device (``h.5``).
 """
 
 from __future__ import annotations
 
 import enum
 import math
+import re
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from mpgen.errors import Position
 
-#: A dimension: a size, or a symbolic expression such as ``batch`` or ``batch*seq``.
-Dim = Union[int, str]
-
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
+
+
+# -- dims and tensor types ----------------------------------------------------
+
+@dataclass(frozen=True)
+class SymDim:
+    """A size known at build time only by name: ``batch``, a product of
+    symbols and a constant (``batch*seq*768``), or not known at all (``?``)."""
+
+    symbols: tuple[str, ...] = ()
+    factor: int = 1
+    known: bool = True
+
+    @classmethod
+    def named(cls, name: str) -> "SymDim":
+        return cls((name,))
+
+    def __str__(self) -> str:
+        if not self.known:
+            return "?"
+        return "*".join([*self.symbols, *([str(self.factor)] if self.factor != 1 else [])])
+
+    def size(self, sizes: Mapping[str, int]) -> Optional[int]:
+        """The size with the symbols set to ``sizes``; None if one is missing."""
+        if not self.known or any(s not in sizes for s in self.symbols):
+            return None
+        return self.factor * math.prod(sizes[s] for s in self.symbols)
+
+
+#: A dimension: a size, or a :class:`SymDim`.
+Dim = Union[int, SymDim]
+
+
+def dim_size(dim: Dim, sizes: Mapping[str, int]) -> Optional[int]:
+    """The size of ``dim`` at ``sizes`` (None: not known at those sizes)."""
+    return dim if isinstance(dim, int) else dim.size(sizes)
 
 
 @dataclass(frozen=True)
@@ -32,22 +80,107 @@ class TensorType:
     def __str__(self) -> str:
         return "[" + ", ".join(str(d) for d in self.shape) + "]"
 
-    def numel(self, dims: Mapping[str, int]) -> int:
-        """Number of elements with symbolic dims set to ``dims`` (unknown: 1)."""
-        return math.prod(_eval_dim(d, dims) for d in self.shape)
+    @property
+    def symbols(self) -> tuple[str, ...]:
+        """The symbol names in the shape, in first-use order."""
+        names: dict[str, None] = {}
+        for d in self.shape:
+            if isinstance(d, SymDim):
+                names.update(dict.fromkeys(d.symbols))
+        return tuple(names)
 
-    def nbytes(self, dims: Mapping[str, int]) -> int:
-        return self.numel(dims) * DTYPE_BYTES.get(self.dtype, 4)
+    def concrete(self, sizes: Mapping[str, int]) -> tuple[Optional[int], ...]:
+        """The shape at ``sizes``; None for a dim not known there."""
+        return tuple(dim_size(d, sizes) for d in self.shape)
+
+    def numel(self, sizes: Mapping[str, int]) -> int:
+        """Number of elements at ``sizes``, a dim not known there counted as 1."""
+        return math.prod(s if s is not None else 1 for s in self.concrete(sizes))
+
+    def nbytes(self, sizes: Mapping[str, int]) -> int:
+        return self.numel(sizes) * DTYPE_BYTES.get(self.dtype, 4)
 
 
-def _eval_dim(dim: Dim, dims: Mapping[str, int]) -> int:
-    if isinstance(dim, int):
-        return dim
-    total = 1
-    for factor in dim.split("*"):
-        total *= int(factor) if factor.isdigit() else dims.get(factor, 1)
-    return total
+# -- placement units and values -----------------------------------------------
 
+@dataclass(frozen=True)
+class UnitRef:
+    """One placement unit: a layer (``instance`` None), or one instance of a
+    repeated layer (``h.3``). A block instance is one unit."""
+
+    node: str
+    instance: Optional[int] = None
+
+    def __str__(self) -> str:
+        return self.node if self.instance is None else f"{self.node}.{self.instance}"
+
+
+_RANGE = re.compile(r"^(?P<node>[^.]+)(?:\.(?P<start>[0-9]+)(?:-(?P<stop>[0-9]+))?)?$")
+
+
+@dataclass(frozen=True)
+class UnitRange:
+    """A label naming units: a layer (``h``), an instance (``h.3``) or an
+    inclusive range of instances (``h.0-5``)."""
+
+    node: str
+    first: Optional[int] = None
+    last: Optional[int] = None  # inclusive; equal to ``first`` for one instance
+
+    @classmethod
+    def parse(cls, text: str) -> Optional["UnitRange"]:
+        """The range a label names, or None when it is not a label."""
+        match = _RANGE.match(text)
+        if not match:
+            return None
+        if match.group("start") is None:
+            return cls(match.group("node"))
+        first = int(match.group("start"))
+        last = int(match.group("stop")) if match.group("stop") is not None else first
+        return cls(match.group("node"), first, last)
+
+    def __str__(self) -> str:
+        if self.first is None:
+            return self.node
+        if self.first == self.last:
+            return f"{self.node}.{self.first}"
+        return f"{self.node}.{self.first}-{self.last}"
+
+
+def unit_labels(units: Iterable[UnitRef], repeats: Mapping[str, Optional[int]] = {},
+                whole: bool = False) -> list[str]:
+    """Labels for units in order, consecutive instances of a layer compressed
+    (``h.0-5``); with ``whole``, a run of all ``repeats[node]`` instances of a
+    layer is labelled by the layer alone."""
+    runs: list[list] = []  # [node, first, last]
+    for unit in units:
+        if (runs and runs[-1][0] == unit.node and unit.instance is not None
+                and runs[-1][2] is not None and runs[-1][2] + 1 == unit.instance):
+            runs[-1][2] = unit.instance
+        else:
+            runs.append([unit.node, unit.instance, unit.instance])
+    labels = []
+    for node, first, last in runs:
+        if first is not None and whole and first == 0 and last == (repeats.get(node) or 0) - 1:
+            first = last = None
+        labels.append(str(UnitRange(node, first, last)))
+    return labels
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """A tensor forward computes: a model input or a layer's output
+    (``instance`` None for an input or a layer that is not repeated), or the
+    output of instance ``instance`` of a repeated layer."""
+
+    name: str
+    instance: Optional[int] = None
+
+    def __str__(self) -> str:
+        return self.name if self.instance is None else f"{self.name}.{self.instance}"
+
+
+# -- values in calls -----------------------------------------------------------
 
 @dataclass(frozen=True)
 class Param:
@@ -62,6 +195,20 @@ class Expr:
 
     code: str
 
+
+@dataclass(frozen=True)
+class Args:
+    """Arguments of one call, as IR values: literals, :class:`Param`,
+    :class:`Expr`, and (nested) lists of them."""
+
+    positional: tuple[Any, ...] = ()
+    keyword: tuple[tuple[str, Any], ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.positional or self.keyword)
+
+
+# -- the graph -----------------------------------------------------------------
 
 class OpKind(enum.Enum):
     MODULE = "module"  # a torch.nn class, rendered nn.Name(...)
@@ -94,8 +241,8 @@ class Node:
     name: str  # spec name; the attribute name for module ops
     var: str  # the local variable holding its output in forward
     op: Op
-    args: tuple[Any, ...]
-    kwargs: tuple[tuple[str, Any], ...]
+    init: Args  # constructor arguments (modules, user modules, blocks)
+    call: Args  # arguments after the tensors in the call (functions)
     inputs: tuple[str, ...]  # names of values read: inputs or earlier nodes
     pos: Position
     repeat: Optional[int] = None
@@ -110,6 +257,20 @@ class Node:
     @property
     def instances(self) -> int:
         return self.repeat or 1
+
+    def unit(self, instance: int) -> UnitRef:
+        """Placement unit ``instance`` of this node (0 for a plain layer)."""
+        return UnitRef(self.name, instance if self.repeat else None)
+
+    @property
+    def units(self) -> tuple[UnitRef, ...]:
+        return tuple(self.unit(k) for k in range(self.instances))
+
+    def value(self, instance: Optional[int] = None) -> ValueRef:
+        """The value instance ``instance`` (default: the last) produces."""
+        if not self.repeat:
+            return ValueRef(self.name)
+        return ValueRef(self.name, self.repeat - 1 if instance is None else instance)
 
 
 def device_runs(devices: Sequence[str]) -> list[tuple[int, int, str]]:
@@ -156,7 +317,7 @@ class Transfer:
     ``src`` is None for model inputs, whose device is the caller's.
     """
 
-    value: str
+    value: ValueRef
     src: Optional[str]
     dst: str
     src_var: str
@@ -200,15 +361,23 @@ class ForwardPlan:
 
 @dataclass(frozen=True)
 class Loss:
-    """The loss applied to one output in the training script."""
+    """The loss applied to one output in the training script.
+
+    The front end resolves the loss; ``analysis.targets`` fills the target's
+    type from the output's shape."""
 
     output: str
-    callee: str
+    op: str  # the torch.nn loss class
     kwargs: tuple[tuple[str, Any], ...]
     target: str  # "classes" | "like_output" | "probabilities"
-    target_type: TensorType
+    pos: Position  # where the loss is written
+    target_type: Optional[TensorType] = None
     classes: Optional[int] = None
     flatten: bool = False  # (N, ..., C) outputs: flatten to (N*..., C)
+
+    @property
+    def callee(self) -> str:
+        return f"nn.{self.op}"
 
 
 @dataclass(frozen=True)
@@ -226,14 +395,146 @@ class TrainConfig:
     dims: tuple[tuple[str, int], ...]  # symbolic dim -> size used for synthetic data
 
 
+# -- costs ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One placement unit and its costs at the training sizes
+    (``analysis.costs`` says how each is measured)."""
+
+    unit: UnitRef
+    node: int  # index into Graph.nodes
+    instance: int  # 0 for a layer that is not repeated
+    params: int
+    weight_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    flops: int
+    out_bytes: int
+    measured: bool = True  # False: activations fell back to the output bytes
+
+    @property
+    def name(self) -> str:
+        return str(self.unit)
+
+    @property
+    def memory(self) -> int:
+        """Bytes for training: weights + gradients + optimizer + activations."""
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+
+#: The per-unit quantities automatic placement can balance.
+BALANCES = ("params", "memory", "flops")
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Every unit's costs and the cut bytes between neighbouring units."""
+
+    units: tuple[UnitCost, ...]
+    cuts: tuple[int, ...]  # cuts[j]: between units j and j + 1
+    value_bytes: tuple[tuple[str, int], ...]  # value (input or node) -> bytes
+    dims: tuple[tuple[str, int], ...]
+    optimizer: str
+    state_factor: int
+
+    def of(self, balance: str) -> list[int]:
+        """The per-unit quantity balanced by ``balance``."""
+        if balance not in BALANCES:
+            raise ValueError(f"unknown balance {balance!r}")
+        return [getattr(u, balance) for u in self.units]
+
+    def nbytes(self, value: Union[str, ValueRef]) -> int:
+        """Bytes of a value (model input or layer output) at the training sizes."""
+        return dict(self.value_bytes)[value.name if isinstance(value, ValueRef) else value]
+
+
+# -- placement -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PlacementEntry:
+    """One ``key: device`` line of the explicit placement form."""
+
+    key: str  # a unit label as written: ``h``, ``h.3``, ``h.0-5``
+    device: str
+    pos: Position
+
+
+@dataclass(frozen=True)
+class ExplicitPlacement:
+    """The explicit form (no entries: no ``placement``, everything on cuda:0)."""
+
+    entries: tuple[PlacementEntry, ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoPlacement:
+    """``placement: {auto: ...}``: the devices in stage order and the rules."""
+
+    devices: tuple[str, ...]
+    balance: str  # one of BALANCES
+    capacity: tuple[tuple[str, int], ...]  # device -> bytes, for devices that have one
+    speed: tuple[tuple[str, float], ...]  # device -> relative speed, when not 1
+    pos: Position  # the ``placement`` key
+
+
+PlacementRequest = Union[ExplicitPlacement, AutoPlacement]
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A split of ``n`` units into ``len(bounds) - 1`` contiguous stages.
+
+    Stage ``k`` (on device ``k``) holds units ``bounds[k]:bounds[k + 1]``;
+    ``bounds[0] == 0`` and ``bounds[-1] == n``.  ``loads[k]`` is the stage's
+    cost sum divided by the device speed, ``bottleneck == max(loads)`` and
+    ``cut_bytes`` the sum of the cut costs over the distinct interior
+    boundaries used.
+    """
+
+    bounds: tuple[int, ...]
+    loads: tuple[float, ...]
+    bottleneck: float
+    cut_bytes: float
+
+    @property
+    def stages(self) -> tuple[range, ...]:
+        """The unit indices of every stage, as ranges."""
+        b = self.bounds
+        return tuple(range(b[k], b[k + 1]) for k in range(len(b) - 1))
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The split automatic placement chose, and what it was chosen from."""
+
+    request: AutoPlacement
+    split: Partition
+    speeds: tuple[float, ...]
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return self.request.devices
+
+    def unit_devices(self) -> list[str]:
+        """The device of every unit, in unit order (before ``--device-map``)."""
+        return [device for device, stage in zip(self.devices, self.split.stages)
+                for _ in stage]
+
+    @property
+    def bottleneck_device(self) -> str:
+        """The first device whose load is the bottleneck."""
+        return self.devices[self.split.loads.index(self.split.bottleneck)]
+
+
 @dataclass(frozen=True)
 class Layout:
     """How the devices were chosen: ``default`` (no placement), ``explicit``,
-    or ``auto``, with the automatic choice (``compiler.auto_placement.AutoChoice``:
-    the settings, unit costs and the optimal split)."""
+    or ``auto`` with the automatic choice."""
 
     method: str
-    choice: Any = field(default=None, compare=False, repr=False)
+    auto: Optional[AutoChoice] = None
 
 
 @dataclass(frozen=True)
@@ -250,10 +551,12 @@ class Graph:
     pos: Position  # where the model's ``name`` is written
     dims: tuple[tuple[str, int], ...] = ()  # symbolic dims -> sizes for byte estimates
     train: Optional[TrainConfig] = None
+    placement: PlacementRequest = ExplicitPlacement()  # what the spec asks for
+    # Filled by analysis.costs: per-unit costs at the training sizes.
+    costs: Optional[Costs] = field(default=None, compare=False, repr=False)
+    # Filled by placement:
     plan: Optional[ForwardPlan] = None
     device_map: tuple[tuple[str, str], ...] = ()
-    # Filled by compiler.costs: per-unit costs at the training sizes.
-    costs: Any = field(default=None, compare=False, repr=False)
     layout: Optional[Layout] = None
 
     def node(self, name: str) -> Node:
@@ -261,6 +564,23 @@ class Graph:
             if node.name == name:
                 return node
         raise KeyError(name)
+
+    @property
+    def units(self) -> tuple[UnitRef, ...]:
+        """Every placement unit, in ``layers`` order."""
+        return tuple(u for n in self.nodes for u in n.units)
+
+    @property
+    def repeats(self) -> dict[str, Optional[int]]:
+        """Node name -> ``repeat``, for :func:`unit_labels`."""
+        return {n.name: n.repeat for n in self.nodes}
+
+    def value_of(self, name: str) -> ValueRef:
+        """The value a node or input name stands for (a repeated layer: its last instance's)."""
+        for node in self.nodes:
+            if node.name == name:
+                return node.value()
+        return ValueRef(name)
 
     @property
     def devices(self) -> tuple[str, ...]:

@@ -11,13 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
-from mpgen.compiler.analysis import costs, shapes
+from mpgen.compiler import frontend, placement
+from mpgen.compiler.analysis import costs, shapes, targets
 from mpgen.compiler.codegen import common, model, report, tests, train
 from mpgen.compiler.codegen.format import format_source
-from mpgen.compiler.frontend import resolve, training
 from mpgen.compiler.ir import Graph
-from mpgen.compiler.placement import auto as auto_placement
-from mpgen.compiler.placement import explicit
 from mpgen.errors import Collector, MpgenError
 from mpgen.spec_schema.load import load_file
 from mpgen.spec_schema.validate import validate
@@ -35,16 +33,11 @@ class Generated:
 def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Graph:
     """Every stage up to the IR with devices and transfers; raises MpgenError."""
     loaded = load_file(path)
-    spec = validate(loaded)
-    graph = resolve.resolve(spec, loaded)
+    graph = frontend.lower(validate(loaded), loaded)
     graph = shapes.infer(graph)
-    graph = training.resolve_train(graph, spec.train, loaded.source)
+    graph = targets.infer_targets(graph)
     graph = costs.measure_graph(graph)
-    if spec.placement is not None and spec.placement.auto is not None:
-        return auto_placement.place_auto(graph, spec.placement.auto, loaded.source,
-                                         dict(device_map or {}))
-    return explicit.place_explicit(graph, spec.placement, loaded.source,
-                                    dict(device_map or {}))
+    return placement.place(graph, device_map)
 
 
 def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Generated:

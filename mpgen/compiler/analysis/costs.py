@@ -4,7 +4,7 @@ A *unit* is what placement never splits: a layer, one instance of a repeated
 layer (``h.3``), or one block instance. :func:`measure` runs the model once on
 the meta device at the training sizes (``train.batch_size`` and
 ``train.dims``; no memory is allocated) and returns a :class:`Costs`: one
-:class:`Unit` per unit in ``layers`` order, and the cut bytes between
+:class:`~mpgen.compiler.ir.UnitCost` per unit in ``layers`` order, and the cut bytes between
 neighbouring units. Automatic placement balances one of these numbers; the
 placement report and ``mpgen diff`` show them.
 
@@ -29,7 +29,7 @@ placement report and ``mpgen diff`` show them.
 #              fragmentation and the CUDA context; when a unit reads a tensor
 #              from another device its copy is counted on the device that first
 #              saved the original. If the meta run of a unit fails, its
-#              activations fall back to its output bytes (``Unit.measured`` is
+#              activations fall back to its output bytes (``UnitCost.measured`` is
 #              False).
 # memory       weights + gradients + optimizer + activations.
 # flops        forward FLOPs counted by ``torch.utils.flop_counter`` (matmul,
@@ -49,14 +49,14 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from mpgen.compiler.analysis import meta
-from mpgen.compiler.ir import Graph, Node, TensorType
+from mpgen.compiler.frontend.training import DEFAULT_DIM
+from mpgen.compiler.ir import Costs, Graph, Node, TensorType, UnitCost
 
 #: Optimizer state kept per parameter element, in units of the parameter's own
 #: bytes, by ``torch.optim`` class. A callable gets the optimizer's keyword
@@ -92,65 +92,9 @@ def optimizer_state(name: str, kwargs: Mapping[str, Any]) -> int:
     return int(rule(kwargs)) if callable(rule) else int(rule)
 
 
-@dataclass(frozen=True)
-class Unit:
-    """One placement unit and its costs at the training sizes."""
-
-    name: str  # "wte", "h.3": the layer, or the instance of a repeated layer
-    node: int  # index into Graph.nodes
-    instance: int
-    params: int
-    weight_bytes: int
-    grad_bytes: int
-    optimizer_bytes: int
-    activation_bytes: int
-    flops: int
-    out_bytes: int
-    measured: bool = True  # False: activations fell back to the output bytes
-
-    @property
-    def memory(self) -> int:
-        """Bytes for training: weights + gradients + optimizer + activations."""
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
-
-
-@dataclass(frozen=True)
-class Costs:
-    """Every unit's costs and the cut bytes between neighbouring units."""
-
-    units: tuple[Unit, ...]
-    cuts: tuple[int, ...]  # cuts[j]: between units j and j + 1
-    value_bytes: tuple[tuple[str, int], ...]  # value (input or node) -> bytes
-    dims: tuple[tuple[str, int], ...]
-    optimizer: str
-    state_factor: int
-
-    def of(self, balance: str) -> list[int]:
-        """The per-unit quantity balanced by ``balance``."""
-        if balance == "params":
-            return [u.params for u in self.units]
-        if balance == "memory":
-            return [u.memory for u in self.units]
-        if balance == "flops":
-            return [u.flops for u in self.units]
-        raise ValueError(f"unknown balance {balance!r}")
-
-    def nbytes(self, value: str) -> int:
-        """Bytes of a value (model input or layer output) at the training sizes."""
-        return dict(self.value_bytes)[value]
-
-
-def unit_names(graph: Graph) -> list[tuple[int, int, str]]:
-    """``(node index, instance, name)`` of every unit, in ``layers`` order."""
-    return [(i, k, f"{n.name}.{k}" if n.repeat else n.name)
-            for i, n in enumerate(graph.nodes) for k in range(n.instances)]
-
-
 def train_dims(graph: Graph, batch_size: int, dims: Mapping[str, int]) -> dict[str, int]:
     """Symbolic dim -> size at training time (as ``compiler.training`` sets them)."""
-    from mpgen.compiler.frontend.training import DEFAULT_DIM
-
-    symbols = dict.fromkeys(d for t in graph.inputs for d in t.type.shape if isinstance(d, str))
+    symbols = dict.fromkeys(s for t in graph.inputs for s in t.type.symbols)
     sizes = {name: int(dims.get(name, DEFAULT_DIM)) for name in symbols}
     if "batch" in sizes:
         sizes["batch"] = int(dims.get("batch", batch_size))
@@ -183,7 +127,7 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
     for t in graph.inputs:
         env[t.name] = _meta_tensor(t.type, dims)
         value_bytes[t.name] = t.type.nbytes(dims)
-    units: list[Unit] = []
+    units: list[UnitCost] = []
     outputs = set(graph.outputs)
     for i, node in enumerate(graph.nodes):
         fallback_out = node.out.nbytes(dims) if node.out is not None else 0
@@ -212,15 +156,14 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
             act, flops, out_bytes, ok = measured[min(k, 1)]
             if k == node.instances - 1:
                 act += kept
-            name = f"{node.name}.{k}" if node.repeat else node.name
-            units.append(Unit(name, i, k, node.params, weights, trainable,
+            units.append(UnitCost(node.unit(k), i, k, node.params, weights, trainable,
                               trainable * factor, act, flops, out_bytes, ok))
     cuts = _cut_bytes(graph, units)
     return Costs(tuple(units), tuple(cuts), tuple(value_bytes.items()),
                  tuple(dims.items()), optimizer, factor)
 
 
-def _cut_bytes(graph: Graph, units: Sequence[Unit]) -> list[int]:
+def _cut_bytes(graph: Graph, units: Sequence[UnitCost]) -> list[int]:
     """Bytes crossing each boundary between neighbouring units (skips included)."""
     first = {}
     last = {}
@@ -296,7 +239,7 @@ class _Recorder:
 
 
 def _meta_tensor(t: TensorType, dims: Mapping[str, int]) -> torch.Tensor:
-    return meta.meta_tensor([TensorType((d,)).numel(dims) for d in t.shape], t.dtype)
+    return meta.meta_tensor([s if s is not None else 1 for s in t.concrete(dims)], t.dtype)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -339,27 +282,3 @@ def human_bytes(n: float) -> str:
     if exponent == 0:
         return f"{int(n)} B"
     return f"{n / 1024 ** exponent:.1f} {units[exponent]}"
-
-
-def unit_labels(graph: Graph, units: Iterable[tuple[int, int]], whole: bool = False) -> list[str]:
-    """Names for ``(node index, instance)`` pairs, runs compressed: ``h.0-5``.
-
-    Consecutive instances of one repeated layer become one ``name.i-j`` range
-    (``name.i`` alone); with ``whole``, a run of all its instances is ``name``.
-    """
-    runs: list[list[int]] = []  # [node, first, last]
-    for node, instance in units:
-        if runs and runs[-1][0] == node and runs[-1][2] + 1 == instance:
-            runs[-1][2] = instance
-        else:
-            runs.append([node, instance, instance])
-    labels = []
-    for node_index, first, last in runs:
-        node = graph.nodes[node_index]
-        if not node.repeat or (whole and first == 0 and last == node.repeat - 1):
-            labels.append(node.name)
-        elif first == last:
-            labels.append(f"{node.name}.{first}")
-        else:
-            labels.append(f"{node.name}.{first}-{last}")
-    return labels

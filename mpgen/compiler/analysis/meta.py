@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from mpgen.compiler.ir import BlockClass, Expr, Node, OpKind, Param
+from mpgen.compiler.ir import Args, BlockClass, Expr, Node, OpKind, Param
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -36,9 +36,10 @@ def value(v: Any, params: Mapping[str, Any]) -> Any:
     return v
 
 
-def call_args(node: Node, params: Mapping[str, Any]) -> tuple[list, dict]:
-    return ([value(a, params) for a in node.args],
-            {k: value(v, params) for k, v in node.kwargs})
+def call_args(args: Args, params: Mapping[str, Any]) -> tuple[list, dict]:
+    """Positional and keyword values of ``args``, with block params set."""
+    return ([value(a, params) for a in args.positional],
+            {k: value(v, params) for k, v in args.keyword})
 
 
 class Hooks:
@@ -64,7 +65,7 @@ PLAIN = Hooks()
 def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass],
           hooks: Hooks = PLAIN, where: str = "") -> nn.Module:
     """One instance of a module, user or block node, on meta."""
-    args, kwargs = call_args(node, params)
+    args, kwargs = call_args(node.init, params)
     label = f"{where}{node.name}"
     if node.op.kind is OpKind.BLOCK:
         return MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
@@ -80,14 +81,14 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
         params: Mapping[str, Any], hooks: Hooks = PLAIN, where: str = "") -> Any:
     """Apply one instance of ``node`` (its module, or its function) to ``inputs``."""
     label = f"{where}{node.name}"
+    args, kwargs = call_args(node.call, params)
     if node.op.kind is OpKind.FUNCTION:
-        args, kwargs = call_args(node, params)
         tensors = [list(inputs)] if node.op.seq_input else list(inputs)
         fn = node.op.target
         return hooks.run(node, label, params, None, fn, inputs,
                          lambda: pick(node, fn(*tensors, *args, **kwargs)))
     return hooks.run(node, label, params, module, module, inputs,
-                     lambda: pick(node, module(*inputs)))
+                     lambda: pick(node, module(*inputs, *args, **kwargs)))
 
 
 class OutputError(Exception):

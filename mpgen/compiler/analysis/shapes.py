@@ -28,12 +28,14 @@ from torch import nn
 from mpgen.compiler.analysis import meta
 from mpgen.compiler.ir import (
     BlockClass,
+    Dim,
     Expr,
     Graph,
     InputTensor,
     Node,
     OpKind,
     Param,
+    SymDim,
     TensorType,
 )
 from mpgen.errors import Collector, MpgenError
@@ -63,7 +65,7 @@ class _Symbols:
         names: list[str] = []
         widest = 0
         for t in inputs:
-            symbolic = [d for d in t.type.shape if isinstance(d, str)]
+            symbolic = [s for d in t.type.shape if isinstance(d, SymDim) for s in d.symbols]
             names += [d for d in symbolic if d not in names]
             widest = max(widest, len(symbolic))
             if len(names) > MAX_SYMBOLS:
@@ -75,12 +77,12 @@ class _Symbols:
                                  "as sizes")
         return cls(names, small=widest > 4)
 
-    def size(self, dim) -> int:
-        return dim if isinstance(dim, int) else self.value[dim]
+    def size(self, dim: Dim) -> int:
+        return dim if isinstance(dim, int) else dim.size(self.value)
 
-    def dim(self, size: int):
+    def dim(self, size: int) -> Dim:
         if size in self.name:
-            return self.name[size]
+            return SymDim.named(self.name[size])
         factors, rest = [], size
         for prime, name in self.name.items():
             while rest % prime == 0 and rest > 1:
@@ -89,8 +91,8 @@ class _Symbols:
         if not factors:
             return size
         if rest >= self.floor:
-            return "?"
-        return "*".join(factors + ([str(rest)] if rest != 1 else []))
+            return SymDim(known=False)
+        return SymDim(tuple(factors), rest)
 
     def type(self, tensor: torch.Tensor) -> TensorType:
         return TensorType(tuple(self.dim(int(s)) for s in tensor.shape),
@@ -244,7 +246,9 @@ def _call_text(node: Node, params: Mapping[str, Any]) -> str:
         if isinstance(v, Expr):
             return v.code
         return repr(v)
-    parts = [show(a) for a in node.args] + [f"{k}={show(v)}" for k, v in node.kwargs]
+    given = node.init or node.call
+    parts = ([show(a) for a in given.positional]
+             + [f"{k}={show(v)}" for k, v in given.keyword])
     return f"{node.op.spelled}({', '.join(parts)})"
 
 
@@ -257,11 +261,12 @@ def _with_high(tensor: InputTensor, nodes: Sequence[Node], blocks) -> InputTenso
     """Integer inputs: draw synthetic values below the smallest Embedding size."""
     if tensor.type.dtype not in ("int64", "int32"):
         return tensor
-    sizes = [n.args[0] for n in nodes
-             if n.inputs[:1] == (tensor.name,) and n.op.kind is OpKind.MODULE
-             and n.op.spelled == "Embedding" and n.args and isinstance(n.args[0], int)]
-    sizes += [v for n in nodes if n.inputs[:1] == (tensor.name,)
-              for k, v in n.kwargs if k == "num_embeddings" and isinstance(v, int)]
+    embeddings = [n.init for n in nodes if n.inputs[:1] == (tensor.name,)
+                  and n.op.kind is OpKind.MODULE and n.op.spelled == "Embedding"]
+    sizes = [a.positional[0] for a in embeddings
+             if a.positional and isinstance(a.positional[0], int)]
+    sizes += [v for a in embeddings for k, v in a.keyword
+              if k == "num_embeddings" and isinstance(v, int)]
     return dataclasses.replace(tensor, high=min(sizes) if sizes else 2)
 
 

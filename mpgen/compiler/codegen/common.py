@@ -14,10 +14,7 @@ from typing import Any, Iterable, Optional, Sequence
 import jinja2
 
 from mpgen.compiler.frontend.namespace import identifier_problem
-from mpgen.compiler.ir import Expr, Graph, Node, Param, TensorType
-
-
-VERSION_NOTE = "mpgen 1"
+from mpgen.compiler.ir import Dim, Expr, Graph, Param, TensorType
 
 
 def module_name(class_name: str) -> str:
@@ -62,38 +59,8 @@ def call(callee: str, args: Sequence[str], kwargs: Iterable[tuple[str, Any]]) ->
     return f"{callee}({', '.join(parts)})"
 
 
-def constructor(node: Node) -> str:
-    return call(node.op.callee, [literal(a) for a in node.args], node.kwargs)
-
-
-def shape_comment(t: Optional[TensorType]) -> str:
-    return f"  # {t}" if t is not None and t.shape else ""
-
-
-#: Line length black formats to, and the indent of a method body.
-LINE_LENGTH = 88
-BODY_INDENT = 8
-
-
-def commented(code: str, t: Optional[TensorType], indent: int = BODY_INDENT) -> list[str]:
-    """``code  # [shape]``, or the comment on its own line above when too long
-    (black would otherwise split the call just to fit a comment)."""
-    comment = shape_comment(t)
-    if indent + len(code) + len(comment) <= LINE_LENGTH or not comment:
-        return [code + comment]
-    return [comment.strip(), code]
-
-
 def count(n: int) -> str:
     return f"{n:,}"
-
-
-def docstring(lines: Sequence[str], indent: str = "") -> str:
-    """Docstring body: one line as is; several end with the closing quotes alone."""
-    if len(lines) == 1:
-        return lines[0]
-    body = "\n".join(f"{indent}{line}" if line else "" for line in lines[1:])
-    return f"{lines[0]}\n{body}\n{indent}"
 
 
 def header(graph: Graph) -> list[str]:
@@ -123,18 +90,14 @@ def _tuple(names: Sequence[str]) -> str:
     return ", ".join(names) + ("," if len(names) == 1 else "")
 
 
-def _size_expr(dim, sizes: dict[str, str]) -> str:
+def _size_expr(dim: Dim, sizes: dict[str, str]) -> str:
+    """Code for a dim's size: ``sizes`` maps each symbol to an expression."""
     if isinstance(dim, int):
         return str(dim)
-    parts = []
-    for factor in dim.split("*"):
-        if factor.isdigit():
-            parts.append(factor)
-        elif factor in sizes:
-            parts.append(sizes[factor])
-        else:
-            raise ValueError(f"cannot synthesise a tensor with dim {dim!r}")
-    return " * ".join(parts)
+    if not dim.known or any(s not in sizes for s in dim.symbols):
+        raise ValueError(f"cannot synthesise a tensor with dim {dim}")
+    return " * ".join([sizes[s] for s in dim.symbols]
+                      + ([str(dim.factor)] if dim.factor != 1 else []))
 
 
 def _shape_expr(t: TensorType, sizes: dict[str, str]) -> str:
@@ -165,7 +128,8 @@ def input_code(graph: Graph, ns, sizes: dict[str, str]) -> tuple[list[str], list
     return lines, names
 
 
-def optimizer_call(train, lr: Any) -> str:
-    """``torch.optim.X(model.parameters(), lr=..., **kwargs)`` from ``train``."""
-    return call(f"torch.optim.{train.optimizer}", ["model.parameters()"],
+def optimizer_call(train, lr: Any, parameters: str = "model.parameters()") -> str:
+    """``torch.optim.X(model.parameters(), lr=..., **kwargs)`` from ``train``;
+    ``parameters`` is the code for the parameters."""
+    return call(f"torch.optim.{train.optimizer}", [parameters],
                 [("lr", lr), *train.optimizer_kwargs])

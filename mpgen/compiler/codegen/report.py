@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from mpgen.compiler.analysis.costs import Costs, human_bytes, unit_labels
-from mpgen.compiler.ir import Graph, Transfer, device_runs
+from mpgen.compiler.analysis.costs import human_bytes
+from mpgen.compiler.codegen.common import environment
+from mpgen.compiler.ir import Costs, Graph, device_runs, unit_labels
 from mpgen.compiler.placement.devices import map_device
 
 #: Fill and stroke colours of the device classes in the Mermaid graph, in order.
@@ -105,23 +106,11 @@ class ReportContext:
     notes: list[str] = field(default_factory=list)
 
 
-def transfer_name(graph: Graph, transfer: Transfer) -> str:
-    """The tensor a transfer moves, by layer instance: ``h.5``, ``embed``, ``tokens``."""
-    value = transfer.value
-    name, sep, run = value.partition("#")
-    node = next((n for n in graph.nodes if n.name == name), None)
-    if node is None or not node.repeat:
-        return name
-    if not sep:
-        return f"{name}.{node.repeat - 1}"
-    return f"{name}.{device_runs(node.devices)[int(run)][1] - 1}"
-
-
 def report_context(graph: Graph) -> ReportContext:
     """Every string of the report, from the compiled graph."""
     layout = graph.layout
-    choice = layout.choice if layout.method == "auto" else None
-    auto = choice.auto if choice is not None else None
+    choice = layout.auto
+    auto = choice.request if choice is not None else None
     device_map = dict(graph.device_map)
     costs: Costs = graph.costs
 
@@ -135,7 +124,7 @@ def report_context(graph: Graph) -> ReportContext:
         mapped_caps: dict[str, list] = {}
         for device in auto.devices:
             mapped_caps.setdefault(map_device(device, device_map), []).append(
-                auto.capacity.get(device))
+                dict(auto.capacity).get(device))
         capacity = {d: sum(c) for d, c in mapped_caps.items() if all(x is not None for x in c)}
 
     how = _how(layout.method, choice, device_map)
@@ -167,7 +156,7 @@ def _how(kind: str, choice, device_map) -> list[str]:
     elif kind == "explicit":
         paragraphs.append("**Explicit.** The layout is written in the spec's `placement:` block.")
     else:
-        auto, split = choice.auto, choice.split
+        auto, split = choice.request, choice.split
         word = {"params": "parameters", "memory": "estimated training memory",
                 "flops": "forward FLOPs"}[auto.balance]
         devices = ", ".join(md_code(d) for d in auto.devices)
@@ -191,7 +180,7 @@ def _how(kind: str, choice, device_map) -> list[str]:
         extras = []
         if auto.capacity:
             extras.append("capacities " + ", ".join(
-                f"{md_code(d)} {human_bytes(c)}" for d, c in auto.capacity.items()))
+                f"{md_code(d)} {human_bytes(c)}" for d, c in auto.capacity))
         if speeds:
             extras.append("speeds " + ", ".join(speeds))
         if extras:
@@ -231,7 +220,7 @@ def _device_table(graph: Graph, costs: Costs, devices: list[str],
     rows = []
     for device in devices:
         units = [u for u in costs.units if graph.nodes[u.node].devices[u.instance] == device]
-        labels = unit_labels(graph, [(u.node, u.instance) for u in units])
+        labels = unit_labels([u.unit for u in units])
         memory = sum(u.memory for u in units)
         row = [
             md_code(device),
@@ -266,8 +255,8 @@ def _transfer_table(graph: Graph, costs: Costs) -> Table:
     columns = ["tensor", "from", "to", "shape", "bytes"]
     rows = []
     for t in graph.plan.transfers:
-        size = costs.nbytes(t.value.partition("#")[0])
-        rows.append([md_code(transfer_name(graph, t)),
+        size = costs.nbytes(t.value)
+        rows.append([md_code(str(t.value)),
                      md_code(t.src) if t.src else "caller",
                      md_code(t.dst), md_code(str(t.type)),
                      f"{count(size)} ({human_bytes(size)})"])
@@ -279,7 +268,7 @@ def _transfer_table(graph: Graph, costs: Costs) -> Table:
 def _transfer_notes(graph: Graph, costs: Costs) -> list[str]:
     transfers = graph.plan.transfers
     between = [t for t in transfers if t.src is not None]
-    total = sum(costs.nbytes(t.value.partition("#")[0]) for t in between)
+    total = sum(costs.nbytes(t.value) for t in between)
     return [
         f"Between devices: {len(between)} transfer(s), {count(total)} bytes "
         f"({human_bytes(total)}) per training step in forward; backward sends the gradients "
@@ -301,7 +290,7 @@ def _mermaid(graph: Graph, costs: Costs, devices: list[str]) -> list[str]:
         runs = device_runs(node.devices)
         for r, (start, stop, device) in enumerate(runs):
             node_id = f"n{i}" if len(runs) == 1 else f"n{i}r{r}"
-            label = unit_labels(graph, [(i, k) for k in range(start, stop)])[0]
+            label = unit_labels([node.unit(k) for k in range(start, stop)])[0]
             text = f"{mermaid_text(label)}<br/>{mermaid_text(node.op.spelled)}"
             lines.append(f'  {node_id}["{text}"]:::{cls[device]}')
             if r == 0:
@@ -332,6 +321,4 @@ def _edge(src: tuple[str, str], dst: tuple[str, str], nbytes: int) -> str:
 
 def render_report(graph: Graph) -> str:
     """The report's Markdown."""
-    from mpgen.compiler.codegen.common import environment
-
     return environment().get_template("placement.md.jinja").render(ctx=report_context(graph))

@@ -14,6 +14,7 @@ from mpgen.compiler.codegen.common import (
     optimizer_call,
     synthetic,
 )
+from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import Expr, Graph
 
 
@@ -60,16 +61,27 @@ def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], 
     return ", ".join(params), lines, inputs, targets, sizes
 
 
-def train_context(graph: Graph) -> TrainContext:
-    from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
+#: The names the training scaffold defines: module level, then in ``main``.
+_SCAFFOLD_GLOBALS = ("main", "make_batch")
+_SCAFFOLD_LOCALS = ("args", "parser", "model", "optimizer", "step", "inputs", "targets",
+                    "loss", "start", "elapsed")
 
+
+def _scaffold_names(graph: Graph) -> tuple[dict[str, str], Namespace]:
+    """Claim the scaffold's names (``n`` in ``train.py.jinja``) before any
+    name derived from the spec; returns them and ``main``'s namespace."""
+    ns = Namespace(GLOBALS | {graph.name})
+    names = {name: ns.claim(name) for name in _SCAFFOLD_GLOBALS}
+    names |= {name: ns.claim(name) for name in _SCAFFOLD_LOCALS}
+    return names, ns
+
+
+def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
     names = file_names(graph)
     train = graph.train
-    batch_ns = Namespace(GLOBALS | {graph.name})
+    batch_ns = Namespace(GLOBALS | {graph.name, *_SCAFFOLD_GLOBALS})
     params, batch_lines, inputs, targets, _ = batch_code(graph, batch_ns)
-    ns = Namespace(GLOBALS | {graph.name, "main", "make_batch", "args", "parser", "model",
-                              "optimizer", "step", "inputs", "targets", "loss", "start",
-                              "elapsed"})
+    scaffold, ns = _scaffold_names(graph)
     plan_devices = {n.name: n.devices[-1] for n in graph.nodes}
     out_vars = [ns.fresh(o) for o in graph.outputs]
     loss_init, loss_lines, parts = [], [], []
@@ -80,7 +92,7 @@ def train_context(graph: Graph) -> TrainContext:
         loss_init.append(f"{fn} = {call(loss.callee, [], loss.kwargs)}")
         out = out_vars[graph.outputs.index(loss.output)]
         device = plan_devices[loss.output]
-        target = f'targets[{i}].to("{device}")'
+        target = f'{scaffold["targets"]}[{i}].to("{device}")'
         if loss.flatten:
             expr = f"{fn}({out}.flatten(0, -2), {target}.flatten())"
         else:
@@ -90,10 +102,11 @@ def train_context(graph: Graph) -> TrainContext:
             loss_lines.append(f"{var} = {expr}  # on {device}")
             parts.append(var if device == loss_device else f'{var}.to("{loss_device}")')
         else:
-            loss_lines.append(f"loss = {expr}  # on {device}")
+            loss_lines.append(f"{scaffold['loss']} = {expr}  # on {device}")
     if multi:
-        loss_lines.append(f"loss = {' + '.join(parts)}  # on {loss_device}")
-    optimizer = optimizer_call(train, Expr("args.lr"))
+        loss_lines.append(f"{scaffold['loss']} = {' + '.join(parts)}  # on {loss_device}")
+    optimizer = optimizer_call(train, Expr(f"{scaffold['args']}.lr"),
+                               f"{scaffold['model']}.parameters()")
     return TrainContext(
         header=header(graph), model=graph.name, model_module=names["model"][:-3],
         spec_path=graph.spec_path, file=names["train"], batch_params=params,
@@ -102,8 +115,9 @@ def train_context(graph: Graph) -> TrainContext:
         log_every=train.log_every, loss_init=loss_init, optimizer=optimizer,
         outputs=_tuple(out_vars) if len(out_vars) > 1 else out_vars[0],
         loss_lines=loss_lines,
-    )
+    ), scaffold
 
 
 def render_train(graph: Graph) -> str:
-    return environment().get_template("train.py.jinja").render(ctx=train_context(graph))
+    ctx, names = train_context(graph)
+    return environment().get_template("train.py.jinja").render(ctx=ctx, n=names)

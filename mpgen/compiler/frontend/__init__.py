@@ -1,0 +1,35 @@
+"""The front end: a validated spec -> the IR :class:`~mpgen.compiler.ir.Graph`.
+
+The only part of the compiler that reads ``spec_schema`` types; every later
+stage works on the IR alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mpgen.compiler.frontend.placement import placement_request
+from mpgen.compiler.frontend.resolve import resolve
+from mpgen.compiler.frontend.training import resolve_train
+from mpgen.compiler.ir import Graph
+from mpgen.errors import Collector, MpgenError
+from mpgen.spec_schema.load import LoadedSpec
+from mpgen.spec_schema.models import Spec
+
+
+def lower(spec: Spec, loaded: LoadedSpec) -> Graph:
+    """Layers, training settings and the placement request, with every
+    mistake of the three reported together; raises MpgenError."""
+    graph = resolve(spec, loaded)
+    errors = Collector()
+    try:
+        graph = resolve_train(graph, spec.train, loaded.source)
+    except MpgenError as exc:
+        errors.extend(exc)
+    try:
+        graph = dataclasses.replace(graph, placement=placement_request(spec.placement,
+                                                                       loaded.source))
+    except MpgenError as exc:
+        errors.extend(exc)
+    errors.raise_if_any()
+    return graph

@@ -18,6 +18,7 @@ from torch import nn
 
 from mpgen.compiler.frontend import ops
 from mpgen.compiler.ir import (
+    Args,
     BlockClass,
     Expr,
     Graph,
@@ -26,6 +27,7 @@ from mpgen.compiler.ir import (
     Op,
     OpKind,
     Param,
+    SymDim,
     TensorType,
 )
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace, identifier_problem
@@ -141,7 +143,7 @@ class _Resolver:
             if problem:
                 self.errors.add(self.key("inputs", name), f"input {name!r}: {problem}")
                 continue
-            shape = tuple(spec.shape)
+            shape = tuple(SymDim.named(d) if isinstance(d, str) else d for d in spec.shape)
             result.append(InputTensor(name, name, TensorType(shape, spec.dtype),
                                       self.key("inputs", name)))
         return result
@@ -254,7 +256,9 @@ class _Resolver:
         if not ok:
             return None
         var = ns.fresh(name)
-        return Node(name=name, var=var, op=op, args=args, kwargs=kwargs, inputs=tuple(refs),
+        given = Args(args, kwargs)
+        init, call = (Args(), given) if op.kind is OpKind.FUNCTION else (given, Args())
+        return Node(name=name, var=var, op=op, init=init, call=call, inputs=tuple(refs),
                     pos=self.key(*lpath), repeat=layer.repeat, output=layer.output)
 
     def _raw(self, path):

@@ -2,8 +2,8 @@
 
 Losses and optimizers are looked up in ``torch.nn`` and ``torch.optim`` and
 their keyword arguments checked against the real signatures. The synthetic
-targets of the generated training script follow from the loss and the
-inferred output shape:
+targets of the generated training script follow from the loss and (filled
+in by ``analysis.targets``) the inferred output shape:
 
 - class-index losses (``CrossEntropyLoss``, ``NLLLoss``, ``MultiMarginLoss``):
   integer targets in ``[0, C)``; for an output ``[N, C]`` the classes are the
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from mpgen.compiler.frontend import ops
-from mpgen.compiler.ir import Graph, Loss, TensorType, TrainConfig
+from mpgen.compiler.ir import Graph, Loss, TrainConfig
 from mpgen.errors import Collector, did_you_mean
 from mpgen.spec_schema.load import SourceMap
 from mpgen.spec_schema.models import CallSpec, TrainSpec
@@ -57,8 +57,7 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
     is absent) and the sizes of its symbolic dims."""
     spec = spec or TrainSpec()
     errors = Collector()
-    symbols = list(dict.fromkeys(
-        d for t in graph.inputs for d in t.type.shape if isinstance(d, str)))
+    symbols = list(dict.fromkeys(s for t in graph.inputs for s in t.type.symbols))
     for name in spec.dims:
         if name not in symbols:
             errors.add(source.key(("train", "dims", name)), f"train.dims: {name!r} is not a "
@@ -164,16 +163,6 @@ def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
     if not _try_build(lambda: getattr(nn, call.op)(**call.kwargs), source.value(path),
                       f"train.loss: {call.op}", errors):
         return None
-    node = graph.node(out)
-    shape = node.out.shape if node.out else ()
-    if call.op in _CLASS_LOSSES:
-        if len(shape) < 2 or not isinstance(shape[-1], int):
-            errors.add(pos, f"train.loss: {call.op} needs an output [N, classes], but "
-                       f"{out!r} gives {node.out}")
-            return None
-        target = TensorType(tuple(shape[:-1]), "int64")
-        return Loss(out, f"nn.{call.op}", tuple(call.kwargs.items()), "classes", target,
-                    classes=shape[-1], flatten=len(shape) > 2)
-    kind = "probabilities" if call.op in _PROB_LOSSES else "like_output"
-    return Loss(out, f"nn.{call.op}", tuple(call.kwargs.items()), kind,
-                TensorType(tuple(shape), "float32"))
+    kind = ("classes" if call.op in _CLASS_LOSSES
+            else "probabilities" if call.op in _PROB_LOSSES else "like_output")
+    return Loss(out, call.op, tuple(call.kwargs.items()), kind, pos)

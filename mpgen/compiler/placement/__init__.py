@@ -1,0 +1,23 @@
+"""Placement: a device for every layer instance, then the transfer plan.
+
+``explicit`` resolves the explicit form, ``auto`` chooses the layout by the
+unit costs (``partition`` is the exact optimiser), ``transfers`` plans the
+``.to()`` calls of forward, and ``devices`` applies ``--device-map``.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+from mpgen.compiler.ir import AutoPlacement, Graph
+from mpgen.compiler.placement.auto import place_auto
+from mpgen.compiler.placement.explicit import place_explicit
+
+
+def place(graph: Graph, device_map: Optional[Mapping[str, str]] = None) -> Graph:
+    """The graph with devices, its :class:`~mpgen.compiler.ir.Layout` and
+    :class:`~mpgen.compiler.ir.ForwardPlan`; raises MpgenError."""
+    device_map = dict(device_map or {})
+    if isinstance(graph.placement, AutoPlacement):
+        return place_auto(graph, graph.placement, device_map)
+    return place_explicit(graph, graph.placement, device_map)

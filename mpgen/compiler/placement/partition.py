@@ -25,8 +25,9 @@ import math
 import numbers
 import struct
 from collections import deque
-from dataclasses import dataclass
 from typing import Optional, Sequence
+
+from mpgen.compiler.ir import Partition
 
 __all__ = ["Partition", "PartitionError", "partition", "greedy_fill", "stage_load"]
 
@@ -54,29 +55,6 @@ class PartitionError(ValueError):
         self.need = need
         self.room = room
         self.room_kind = room_kind
-
-
-@dataclass(frozen=True)
-class Partition:
-    """A split of ``n`` units into ``len(bounds) - 1`` contiguous stages.
-
-    Stage ``k`` (on device ``k``) holds units ``bounds[k]:bounds[k + 1]``;
-    ``bounds[0] == 0`` and ``bounds[-1] == n``.  ``loads[k]`` is the stage's
-    cost sum divided by the device speed (see :func:`stage_load`),
-    ``bottleneck == max(loads)`` and ``cut_bytes`` the sum of ``cut_cost[j]``
-    over the distinct interior boundaries ``j + 1`` used.
-    """
-
-    bounds: tuple[int, ...]
-    loads: tuple[float, ...]
-    bottleneck: float
-    cut_bytes: float
-
-    @property
-    def stages(self) -> tuple[range, ...]:
-        """The unit indices of every stage, as ranges."""
-        b = self.bounds
-        return tuple(range(b[k], b[k + 1]) for k in range(len(b) - 1))
 
 
 # --------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from mpgen.compiler.ir import (
     Section,
     Step,
     Transfer,
+    ValueRef,
     device_runs,
 )
 from mpgen.compiler.frontend.namespace import Namespace
@@ -44,31 +45,34 @@ def assign(graph: Graph, devices: Sequence[tuple[str, ...]],
 def plan_transfers(graph: Graph) -> ForwardPlan:
     """Sections of forward, with one transfer per (value, reading device)."""
     ns = Namespace({"self", *(t.var for t in graph.inputs), *(n.var for n in graph.nodes)})
-    home: dict[str, Optional[str]] = {t.name: None for t in graph.inputs}
-    var: dict[str, str] = {t.name: t.var for t in graph.inputs}
-    types = {t.name: t.type for t in graph.inputs}
+    refs = {t.name: ValueRef(t.name) for t in graph.inputs} | {n.name: n.value()
+                                                               for n in graph.nodes}
+    home: dict[ValueRef, Optional[str]] = {refs[t.name]: None for t in graph.inputs}
+    var: dict[ValueRef, str] = {refs[t.name]: t.var for t in graph.inputs}
+    types = {refs[t.name]: t.type for t in graph.inputs}
     # One entry per step: (node, start, stop, device, values read).
-    steps: list[tuple[Node, int, int, str, list[str]]] = []
+    steps: list[tuple[Node, int, int, str, list[ValueRef]]] = []
     for node in graph.nodes:
-        runs = device_runs(node.devices)
-        for r, (start, stop, device) in enumerate(runs):
-            reads = list(node.inputs) if r == 0 else [_link(node, r - 1), *node.inputs[1:]]
+        reads = [refs[name] for name in node.inputs]
+        for start, stop, device in device_runs(node.devices):
             steps.append((node, start, stop, device, reads))
-            out = node.name if r == len(runs) - 1 else _link(node, r)
+            # A later run of a repeated layer reads this run's output.
+            out = node.value(stop - 1)
+            reads = [out, *reads[1:]]
             home[out] = device
             var[out] = node.var
             types[out] = node.out
     # Which (value, device) pairs are read, and where the last read of each
     # value's original (on its home device, or as an output) happens.
-    last_home_read: dict[str, int] = {}
+    last_home_read: dict[ValueRef, int] = {}
     for i, (node, _, _, device, reads) in enumerate(steps):
         for value in reads:
             if home[value] == device:
                 last_home_read[value] = i
-    for value in graph.outputs:
-        last_home_read[value] = len(steps)
-    copies: dict[tuple[str, str], str] = {}
-    pending: dict[str, list[str]] = {}  # value -> devices it still has to reach
+    for name in graph.outputs:
+        last_home_read[refs[name]] = len(steps)
+    copies: dict[tuple[ValueRef, str], str] = {}
+    pending: dict[ValueRef, list[str]] = {}  # value -> devices it still has to reach
     for node, _, _, device, reads in steps:
         for value in reads:
             if home[value] != device and device not in pending.setdefault(value, []):
@@ -101,13 +105,8 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
             sections[-1] = Section(device, last.transfers + tuple(transfers), last.steps + (step,))
         else:
             sections.append(Section(device, tuple(transfers), (step,)))
-    returns = tuple(var[o] for o in graph.outputs)
+    returns = tuple(var[refs[o]] for o in graph.outputs)
     return ForwardPlan(tuple(sections), returns)
-
-
-def _link(node: Node, run: int) -> str:
-    """The value flowing between two device runs of a repeated layer."""
-    return f"{node.name}#{run}"
 
 
 def _tag(device: str) -> str:

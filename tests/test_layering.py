@@ -1,0 +1,116 @@
+"""The package's layering, read from the imports of every module.
+
+Stages import only earlier stages (``docs/architecture.md``): a stage that
+imported a later one would make the pipeline a web again. Every import
+counts, including those inside functions.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mpgen"
+
+#: Layers, first to last. A module may import its own layer and earlier ones.
+LAYERS = [
+    ("mpgen.errors", "mpgen"),  # mpgen: the package's __init__ (its version)
+    ("mpgen.spec_schema",),
+    ("mpgen.compiler.ir",),
+    ("mpgen.compiler.frontend",),
+    ("mpgen.compiler.analysis",),
+    ("mpgen.compiler.placement",),
+    ("mpgen.compiler.codegen",),
+    ("mpgen.compiler.pipeline",),
+    ("mpgen.commands",),
+    ("mpgen.cli", "mpgen.__main__"),
+]
+
+#: Front-end types and libraries stop at the front end.
+FRONT_END_ONLY = ("mpgen.spec_schema", "pydantic", "yaml")
+AFTER_FRONT_END = ("mpgen.compiler.ir", "mpgen.compiler.analysis", "mpgen.compiler.placement",
+                   "mpgen.compiler.codegen")
+
+
+def _name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+MODULES = {_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def _layer(module: str) -> int:
+    """The index of the most specific layer ``module`` belongs to."""
+    best, length = None, -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if _within(module, prefix) and len(prefix) > length:
+                best, length = i, len(prefix)
+    assert best is not None, f"{module} is in no layer: add it to LAYERS"
+    return best
+
+
+def _imports(module: str) -> set[str]:
+    """Every module ``module`` imports, absolute, anywhere in its code."""
+    tree = ast.parse(MODULES[module].read_text())
+    package = module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, *([base] if base else [])])
+            found.add(base)
+            # ``from mpgen.compiler import pipeline`` imports a submodule.
+            found.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
+    return found
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if not _within(m, "mpgen.testing")])
+def test_stages_import_only_earlier_stages(module):
+    mine = _layer(module)
+    later = sorted(i for i in _imports(module)
+                   if _within(i, "mpgen") and not _within(i, "mpgen.testing")
+                   and i != "mpgen" and _layer(i) > mine)
+    assert not later, f"{module} (layer {LAYERS[mine][0]}) imports later stages: {later}"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES
+                                    if any(_within(m, p) for p in AFTER_FRONT_END)])
+def test_after_the_front_end_no_spec_types(module):
+    leaks = sorted(i for i in _imports(module) if any(_within(i, p) for p in FRONT_END_ONLY))
+    assert not leaks, f"{module} imports front-end types: {leaks}"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _within(m, "mpgen.testing")])
+def test_the_testing_runtime_stands_alone(module):
+    # The generated tests import mpgen.testing; it must not pull in the compiler.
+    others = sorted(i for i in _imports(module)
+                    if _within(i, "mpgen") and not _within(i, "mpgen.testing"))
+    assert not others, f"{module} imports {others}"
+
+
+def test_the_compiler_has_no_module_outside_a_stage():
+    loose = [m for m in MODULES if m.count(".") == 2 and m.startswith("mpgen.compiler.")
+             and m not in ("mpgen.compiler.ir", "mpgen.compiler.pipeline")
+             and MODULES[m].parent == PACKAGE / "compiler"]
+    assert not loose, f"modules directly under mpgen/compiler: {loose}"
+
+
+def test_the_checker_sees_a_violation():
+    # The rule is not vacuous: a reversed import would be caught.
+    assert _layer("mpgen.compiler.codegen.model") > _layer("mpgen.compiler.placement.auto")
+    assert "mpgen.compiler.pipeline" in _imports("mpgen.commands.place")
+    assert _layer("mpgen.compiler.pipeline") > _layer("mpgen.compiler.codegen.common")

@@ -1,11 +1,15 @@
 """The generated tests run the committed multi-GPU code on this CPU-only
 machine (mpgen.testing virtual devices) and catch sabotage: a deleted
-transfer, or a layer built on the wrong device."""
+transfer, an extra one, or a layer built on the wrong device.
+
+They run in this process (``pytest.main`` on the generated file): starting
+an interpreter and importing torch for each would cost more than the tests.
+"""
 
 from __future__ import annotations
 
-import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -13,12 +17,52 @@ import pytest
 from helpers import EXAMPLES, build_to
 
 
-def run_pytest(test_file: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
-         str(test_file)],
-        capture_output=True, text=True, timeout=600, cwd=test_file.parent,
-    )
+@dataclass
+class Outcome:
+    exit_code: int
+    passed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    text: str = ""  # the failures' reports
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.passed and report.when == "call":
+            self.passed.append(report.nodeid)
+        elif report.skipped:
+            self.skipped.append(report.nodeid)
+        elif report.failed:
+            self.failed.append(report.nodeid)
+            self.text += report.longreprtext + "\n"
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.failed.append(report.nodeid)
+            self.text += report.longreprtext + "\n"
+
+
+def run_pytest(test_file: Path, *args: str) -> Outcome:
+    """Run a generated test file with pytest, in this process."""
+    folder = test_file.parent
+    own = {p.stem for p in folder.glob("*.py")}
+    path = list(sys.path)
+
+    def forget() -> None:  # each build has its own modules of the same names
+        for name in own & set(sys.modules):
+            del sys.modules[name]
+
+    forget()
+    outcome = Outcome(exit_code=-1)
+    try:
+        outcome.exit_code = int(
+            pytest.main(
+                ["-q", "-p", "no:cacheprovider", "--rootdir", str(folder), *args, str(test_file)],
+                plugins=[outcome],
+            )
+        )
+    finally:
+        forget()
+        sys.path[:] = path
+    return outcome
 
 
 @pytest.fixture
@@ -29,9 +73,12 @@ def seed(tmp_path) -> Path:
 
 def test_generated_tests_pass_on_virtual_devices(seed):
     run = run_pytest(seed / "test_simple_model.py")
-    assert run.returncode == 0, run.stdout[-3000:]
-    # Virtual runs pass; the real-GPU runs skip on this machine.
-    assert "5 passed, 4 skipped" in run.stdout, run.stdout[-1000:]
+    assert run.exit_code == 0, run.text[-3000:]
+    # Five checks pass on virtual devices; their real-GPU runs skip here,
+    # saying why.
+    assert (len(run.passed), len(run.skipped), run.failed) == (5, 5, [])
+    assert all(id.endswith("[virtual]") for id in run.passed)
+    assert all(id.endswith("[real]") for id in run.skipped)
 
 
 def test_deleting_a_transfer_in_forward_fails(seed):
@@ -40,10 +87,12 @@ def test_deleting_a_transfer_in_forward_fails(seed):
     line = '        layer1 = layer1.to("cuda:1")  # [batch, 20]\n'
     assert line in text
     model.write_text(text.replace(line, ""))
-    run = run_pytest(seed / "test_simple_model.py")
-    assert run.returncode == 1
-    assert ("Expected all tensors to be on the same device, but found at least two "
-            "devices, cuda:0 and cuda:1") in run.stdout
+    run = run_pytest(seed / "test_simple_model.py", "-x")
+    assert run.exit_code == 1
+    assert (
+        "Expected all tensors to be on the same device, but found at least two "
+        "devices, cuda:0 and cuda:1"
+    ) in run.text
 
 
 def test_building_a_layer_on_the_wrong_device_fails(seed):
@@ -52,32 +101,28 @@ def test_building_a_layer_on_the_wrong_device_fails(seed):
     line = 'self.layer2 = nn.Linear(20, 10).to("cuda:1")'
     assert line in text
     model.write_text(text.replace(line, line.replace("cuda:1", "cuda:0")))
-    run = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         str(seed / "test_simple_model.py")],
-        capture_output=True, text=True, timeout=600, cwd=seed,
-    )
-    assert run.returncode == 1
-    assert "layer2.weight is on cuda:0, but the spec places it on cuda:1" in run.stdout
-    assert "Expected all tensors to be on the same device" in run.stdout
+    run = run_pytest(seed / "test_simple_model.py")
+    assert run.exit_code == 1
+    assert "layer2.weight is on cuda:0, but the spec places it on cuda:1" in run.text
+    assert "Expected all tensors to be on the same device" in run.text
 
 
 def test_an_extra_transfer_fails(seed):
     model = seed / "simple_model.py"
     text = model.read_text()
     line = "        layer2 = self.layer2(layer1)  # [batch, 10]\n"
-    model.write_text(text.replace(line, '        layer1 = layer1.to("cuda:0").to("cuda:1")\n'
-                                  + line))
-    run = run_pytest(seed / "test_simple_model.py")
-    assert run.returncode == 1
-    assert "but mpgen planned" in run.stdout
+    extra = '        layer1 = layer1.to("cuda:0").to("cuda:1")\n'
+    model.write_text(text.replace(line, extra + line))
+    run = run_pytest(seed / "test_simple_model.py", "-x")
+    assert run.exit_code == 1
+    assert "but mpgen planned" in run.text
 
 
 @pytest.mark.parametrize("name", ["multitask", "resnet18"])
 def test_generated_tests_of_larger_examples_pass(tmp_path, name):
     result = build_to(EXAMPLES / f"{name}.yaml", tmp_path)
-    stem = result.graph.name
     from mpgen.compiler.codegen.common import file_names
 
     run = run_pytest(tmp_path / file_names(result.graph)["test"])
-    assert run.returncode == 0, f"{stem}: " + run.stdout[-3000:]
+    assert run.exit_code == 0, f"{name}: " + run.text[-3000:]
+    assert len(run.passed) == 5 and not run.failed

@@ -1,8 +1,15 @@
-"""IR -> ``test_<name>.py``: the generated tests."""
+"""IR -> ``test_<name>.py``: the generated tests.
+
+The checks themselves live in ``mpgen.testing.ModelSuite``; the generated
+file states the model's facts in a subclass of it.  :func:`model_facts` is
+the one place that reads the IR: it turns a graph into plain Python values,
+and the template only prints them.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from mpgen.compiler.codegen.common import (
     _tuple,
@@ -12,90 +19,85 @@ from mpgen.compiler.codegen.common import (
     input_code,
     optimizer_call,
 )
-from mpgen.compiler.ir import Graph, TensorType
-
-
-@dataclass
-class TestContext:
-    header: list[str]
-    model: str
-    model_module: str
-    spec_path: str
-    devices: str
-    devices_text: str
-    placement: str
-    output_shapes: str
-    input_lines: list[str]
-    input_vars: str
-    total_params: int
-    cuda_count: int
-    transfers: str
-    optimizer: str
-
+from mpgen.compiler.ir import Graph
 
 #: Sizes of symbolic dims in the generated tests (small: they run on CPUs).
 TEST_BATCH = 2
 
 
-def test_dims(graph: Graph) -> dict[str, int]:
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the generated tests state about one model, as plain values."""
+
+    header: list[str]
+    model: str  # the model class
+    model_module: str  # the module it is generated into
+    test_file: str
+    spec_path: str
+    devices: tuple[str, ...]
+    placement: dict[str, str]  # state-dict prefix -> device
+    total_params: int
+    output_shapes: list[tuple[Optional[int], ...]]  # at the test sizes
+    transfers: list[tuple[str, str, str, Optional[int]]]  # (tensor, from, to, bytes)
+    input_lines: list[str]  # statements making the inputs
+    input_vars: list[str]
+    optimizer: str  # an expression of ``model``
+
+
+def model_facts(graph: Graph) -> ModelFacts:
+    """The facts of ``graph`` that the generated tests check."""
+    from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
+
     dims = dict(graph.train.dims)
     if "batch" in dims:
         dims["batch"] = TEST_BATCH
-    return dims
-
-
-def placement_map(graph: Graph) -> dict[str, str]:
-    """State-dict prefix -> device, for every layer that owns a module."""
-    result: dict[str, str] = {}
+    placement: dict[str, str] = {}
     for node in graph.nodes:
         if not node.op.has_module:
             continue
         if node.repeat is None:
-            result[node.name] = node.devices[0]
+            placement[node.name] = node.devices[0]
         else:
             for k, device in enumerate(node.devices):
-                result[f"{node.name}.{k}"] = device
-    return result
-
-
-def _concrete(t: TensorType, dims: dict[str, int]) -> tuple:
-    out = []
-    for d in t.shape:
-        if isinstance(d, int):
-            out.append(d)
-        elif all(f.isdigit() or f in dims for f in d.split("*")):
-            out.append(TensorType((d,)).numel(dims))
-        else:
-            out.append(None)
-    return tuple(out)
-
-
-def test_context(graph: Graph) -> TestContext:
-    from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
-
-    dims = test_dims(graph)
-    sizes = {name: str(size) for name, size in dims.items()}
-    lines, inputs = input_code(graph, Namespace(GLOBALS | {graph.name}), sizes)
-    devices = graph.devices
-    cuda = [int(d.split(":")[1]) for d in devices if d.startswith("cuda:")]
+                placement[f"{node.name}.{k}"] = device
     transfers = []
     for t in graph.plan.transfers:
         if (t.src or "cpu") == t.dst:
             continue  # a CPU input to a CPU layer: .to() returns it unchanged
-        known = None not in _concrete(t.type, dims)
-        transfers.append((t.value.split("#")[0], t.src or "cpu", t.dst,
-                          t.type.nbytes(dims) if known else None))
-    optimizer = optimizer_call(graph.train, graph.train.lr)
-    return TestContext(
-        header=header(graph), model=graph.name, model_module=file_names(graph)["model"][:-3],
-        spec_path=graph.spec_path, devices=repr(devices), devices_text=", ".join(devices),
-        placement=repr(placement_map(graph)),
-        output_shapes=repr([_concrete(graph.node(o).out, dims) for o in graph.outputs]),
-        input_lines=lines, input_vars=_tuple(inputs), total_params=graph.total_params,
-        cuda_count=max(cuda) + 1 if cuda else 0, transfers=repr(transfers),
-        optimizer=optimizer,
+        known = None not in t.type.concrete(dims)
+        transfers.append(
+            (t.value.name, t.src or "cpu", t.dst, t.type.nbytes(dims) if known else None)
+        )
+    reserved = GLOBALS | {graph.name, "self", "ModelSuite"}
+    sizes = {name: str(size) for name, size in dims.items()}
+    input_lines, input_vars = input_code(graph, Namespace(reserved), sizes)
+    names = file_names(graph)
+    return ModelFacts(
+        header=header(graph),
+        model=graph.name,
+        model_module=names["model"][: -len(".py")],
+        test_file=names["test"],
+        spec_path=graph.spec_path,
+        devices=tuple(graph.devices),
+        placement=placement,
+        total_params=graph.total_params,
+        output_shapes=[graph.node(o).out.concrete(dims) for o in graph.outputs],
+        transfers=transfers,
+        input_lines=input_lines,
+        input_vars=input_vars,
+        optimizer=optimizer_call(graph.train, graph.train.lr),
     )
 
 
 def render_test(graph: Graph) -> str:
-    return environment().get_template("test.py.jinja").render(ctx=test_context(graph))
+    facts = model_facts(graph)
+    # Values reach the file as Python literals (repr); black formats them.
+    literals = {
+        name: repr(getattr(facts, name))
+        for name in ("devices", "placement", "total_params", "output_shapes", "transfers")
+    }
+    return (
+        environment()
+        .get_template("test.py.jinja")
+        .render(facts=facts, literal=literals, input_tuple=_tuple(facts.input_vars))
+    )

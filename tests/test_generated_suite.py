@@ -7,7 +7,6 @@ import ast
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 from helpers import EXAMPLES, ROOT, build_to
 

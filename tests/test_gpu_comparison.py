@@ -9,6 +9,8 @@ comparison, is checked on virtual devices and on the meta device.
 from __future__ import annotations
 
 import ast
+import contextlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,8 +19,10 @@ import torch.nn as nn
 
 import mpgen.testing
 from mpgen.testing import check_split_outputs, merged_devices, virtual_devices
-from mpgen.testing import _function_mode, _torch_compat
+from mpgen.testing import _function_mode, _torch_compat, suite
 from mpgen.testing.merge import _MergeDevices
+
+from helpers import EXAMPLES, build_to, import_generated
 
 # From the measurement on one H200 (torch 2.11), float32 against a float64
 # CPU reference with the same weights: max|output|, then the largest error of
@@ -262,3 +266,58 @@ def test_only_the_compat_module_touches_private_torch_apis():
                 if isinstance(value, ast.Name) and value.id == "torch":
                     private = [c for c in chain if c.startswith("_") and not c.startswith("__")]
                     assert not private, f"{where}: torch...{'.'.join(reversed(chain))}"
+
+
+# -- the generated tests' real-GPU arm, with virtual devices standing in -------
+
+
+@pytest.fixture
+def fresh_seed_modules():
+    """The seed's generated modules are imported anew, and forgotten after."""
+    names = ("simple_model", "test_simple_model")
+    for name in names:
+        sys.modules.pop(name, None)
+    yield
+    for name in names:
+        sys.modules.pop(name, None)
+
+
+def seed_suite(tmp_path, monkeypatch, sabotage: str = ""):
+    """The seed's generated TestSimpleModel, its model optionally sabotaged,
+    with the real-GPU arm's "GPUs" being virtual devices."""
+    build_to(EXAMPLES / "seed.yaml", tmp_path)
+    model = tmp_path / "simple_model.py"
+    line = '        layer1 = layer1.to("cuda:1")  # [batch, 20]\n'
+    assert line in model.read_text()
+    model.write_text(model.read_text().replace(line, line + sabotage))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = import_generated(tmp_path / "test_simple_model.py")
+
+    @contextlib.contextmanager
+    def gpus_on_this_cpu():
+        with virtual_devices(cuda=2):
+            yield
+
+    monkeypatch.setattr(suite, "full_float32_on_gpu", gpus_on_this_cpu)
+    return module.TestSimpleModel()
+
+
+@pytest.mark.usefixtures("fresh_seed_modules")
+def test_the_real_gpu_arm_passes_when_splitting_changes_nothing(tmp_path, monkeypatch):
+    seed_suite(tmp_path, monkeypatch).compare_on_real_gpus()
+
+
+# A transfer that loses data only when it really crosses GPUs: the split run
+# differs from the merged one (where cuda:1 is cuda:0).
+LOSSY = '        layer1 = layer1 if layer1.get_device() == 0 else layer1 * 0.5\n'
+
+
+@pytest.mark.usefixtures("fresh_seed_modules")
+def test_the_real_gpu_arm_fails_when_splitting_changes_the_outputs(tmp_path, monkeypatch):
+    tests = seed_suite(tmp_path, monkeypatch, LOSSY)
+    with pytest.raises(AssertionError, match="splitting the model changed its result"):
+        tests.compare_on_real_gpus()
+    with virtual_devices(cuda=2) as vd, pytest.raises(
+        AssertionError, match="splitting the model changed its result"
+    ):
+        tests.test_outputs_equal_the_same_model_on_one_device(vd)

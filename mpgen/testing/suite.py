@@ -202,10 +202,15 @@ class ModelSuite:
             return
         if not self.cuda_count:  # a CPU-only model: nothing is split
             pytest.skip("the model uses no GPU; the virtual run compares it")
+        self.compare_on_real_gpus()
+
+    def compare_on_real_gpus(self) -> None:
+        """Split over the GPUs vs merged onto cuda:0 (TF32 off), and vs the
+        CPU: the same weights and inputs, compared by check_split_outputs."""
+        with virtual_devices(cuda=self.cuda_count, merge=True):  # the CPU's kernels
+            weights, cpu = self.run_eval()
         with full_float32_on_gpu():
-            weights, split = self.run_eval()
+            _, split = self.run_eval(weights)
             with merged_devices("cuda:0"):
                 _, merged = self.run_eval(weights)
-        with virtual_devices(cuda=self.cuda_count, merge=True):
-            _, cpu = self.run_eval(weights)
         check_split_outputs(split, merged, cpu)

@@ -56,7 +56,7 @@ class TestBertBase(ModelSuite):
         "pooler_act": "cuda:3",
         "classifier": "cuda:3",
     }
-    total_params = 109483778
+    total_params = 109_483_778
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
     output_shapes = [(2, 2)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of
@@ -65,9 +65,9 @@ class TestBertBase(ModelSuite):
         ("tokens", "cpu", "cuda:0", 1024),
         ("positions", "cpu", "cuda:0", 1024),
         ("token_types", "cpu", "cuda:0", 1024),
-        ("encoder", "cuda:0", "cuda:1", 393216),
-        ("encoder", "cuda:1", "cuda:2", 393216),
-        ("encoder", "cuda:2", "cuda:3", 393216),
+        ("encoder.2", "cuda:0", "cuda:1", 393216),
+        ("encoder.5", "cuda:1", "cuda:2", 393216),
+        ("encoder.8", "cuda:2", "cuda:3", 393216),
     ]
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:

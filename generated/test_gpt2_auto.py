@@ -52,7 +52,7 @@ class TestGPT2Auto(ModelSuite):
         "ln_f": "cuda:3",
         "lm_head": "cuda:3",
     }
-    total_params = 163037184
+    total_params = 163_037_184
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
     output_shapes = [(2, 32, 50257)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of
@@ -61,8 +61,8 @@ class TestGPT2Auto(ModelSuite):
         ("tokens", "cpu", "cuda:0", 512),
         ("positions", "cpu", "cuda:0", 512),
         ("embed", "cuda:0", "cuda:1", 196608),
-        ("h", "cuda:1", "cuda:2", 196608),
-        ("h", "cuda:2", "cuda:3", 196608),
+        ("h.5", "cuda:1", "cuda:2", 196608),
+        ("h.11", "cuda:2", "cuda:3", 196608),
     ]
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:

@@ -52,7 +52,7 @@ class TestGPT2Small(ModelSuite):
         "ln_f": "cuda:1",
         "lm_head": "cuda:1",
     }
-    total_params = 163037184
+    total_params = 163_037_184
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
     output_shapes = [(2, 32, 50257)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of
@@ -60,7 +60,7 @@ class TestGPT2Small(ModelSuite):
     transfers = [
         ("tokens", "cpu", "cuda:0", 512),
         ("positions", "cpu", "cuda:0", 512),
-        ("h", "cuda:0", "cuda:1", 196608),
+        ("h.5", "cuda:0", "cuda:1", 196608),
     ]
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:

@@ -46,7 +46,7 @@ class TestMultiTaskNet(ModelSuite):
         "reg_act": "cuda:2",
         "reg_head": "cuda:2",
     }
-    total_params = 321158
+    total_params = 321_158
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
     output_shapes = [(2, 5), (2, 1)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of

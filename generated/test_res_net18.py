@@ -50,7 +50,7 @@ class TestResNet18(ModelSuite):
         "avgpool": "cuda:1",
         "fc": "cuda:1",
     }
-    total_params = 11689512
+    total_params = 11_689_512
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
     output_shapes = [(2, 1000)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of

@@ -46,7 +46,7 @@ class TestResidualMLP(ModelSuite):
         "proj2": "cuda:1",
         "head": "cuda:1",
     }
-    total_params = 272385
+    total_params = 272_385
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
     output_shapes = [(2, 1)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of

@@ -47,7 +47,7 @@ class TestSmallCNN(ModelSuite):
         "dropout": "cuda:1",
         "logits": "cuda:1",
     }
-    total_params = 152074
+    total_params = 152_074
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
     output_shapes = [(2, 10)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of

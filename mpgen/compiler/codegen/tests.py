@@ -38,7 +38,7 @@ class ModelFacts:
     placement: dict[str, str]  # state-dict prefix -> device
     total_params: int
     output_shapes: list[tuple[Optional[int], ...]]  # at the test sizes
-    transfers: list[tuple[str, str, str, Optional[int]]]  # (tensor, from, to, bytes)
+    transfers: list[tuple[str, str, str, Optional[int]]]  # (value, from, to, bytes)
     input_lines: list[str]  # statements making the inputs
     input_vars: list[str]
     optimizer: str  # an expression of ``model``
@@ -66,7 +66,7 @@ def model_facts(graph: Graph) -> ModelFacts:
             continue  # a CPU input to a CPU layer: .to() returns it unchanged
         known = None not in t.type.concrete(dims)
         transfers.append(
-            (t.value.name, t.src or "cpu", t.dst, t.type.nbytes(dims) if known else None)
+            (str(t.value), t.src or "cpu", t.dst, t.type.nbytes(dims) if known else None)
         )
     reserved = GLOBALS | {graph.name, "self", "ModelSuite"}
     sizes = {name: str(size) for name, size in dims.items()}
@@ -94,8 +94,9 @@ def render_test(graph: Graph) -> str:
     # Values reach the file as Python literals (repr); black formats them.
     literals = {
         name: repr(getattr(facts, name))
-        for name in ("devices", "placement", "total_params", "output_shapes", "transfers")
+        for name in ("devices", "placement", "output_shapes", "transfers")
     }
+    literals["total_params"] = f"{facts.total_params:_}"
     return (
         environment()
         .get_template("test.py.jinja")

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
 class VirtualDeviceError(RuntimeError):
     """Raised where real CUDA would fail: mixed devices, bad ordinals, misuse."""
 
+    __module__ = "mpgen.testing"  # where users import it from
+
 
 class Transfer(NamedTuple):
     """One device-to-device copy.
@@ -32,6 +34,8 @@ class Transfer(NamedTuple):
     running a backward pass (gradients flowing back through a ``.to()``), and
     ``"forward"`` for everything else (including optimizer steps).
     """
+
+    __module__ = "mpgen.testing"
 
     src: str
     dst: str

@@ -29,6 +29,8 @@ class VirtualTensor(torch.Tensor):
     ``device=`` inside :func:`virtual_devices`.
     """
 
+    __module__ = "mpgen.testing"
+
     _elem: torch.Tensor
     _vi: Optional[int]
 

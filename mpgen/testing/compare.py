@@ -44,6 +44,9 @@ __all__ = ["CPU_TOLERANCE", "SPLIT_TOLERANCE", "check_split_outputs"]
 # reduction order (about 80 float32 ulps of the largest output), while a
 # real bug -- a layer skipped, a wrong residual, outputs swapped, a transfer
 # that loses data -- changes outputs by a sizeable fraction of max|output|.
+# (This assumes the GPUs are of one model: on a mix, the split run uses
+# another GPU's kernels and may differ by up to their error, e.g. 9.3e-05
+# relative for GPT-2.)
 #
 # The comparison with the CPU is a sanity check that the GPU computes the
 # same function at all: CPU_TOLERANCE is 3x the largest relative error

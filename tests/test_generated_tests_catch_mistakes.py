@@ -118,11 +118,10 @@ def test_an_extra_transfer_fails(seed):
     assert "but mpgen planned" in run.text
 
 
-@pytest.mark.parametrize("name", ["multitask", "resnet18"])
-def test_generated_tests_of_larger_examples_pass(tmp_path, name):
-    result = build_to(EXAMPLES / f"{name}.yaml", tmp_path)
-    from mpgen.compiler.codegen.common import file_names
-
-    run = run_pytest(tmp_path / file_names(result.graph)["test"])
-    assert run.exit_code == 0, f"{name}: " + run.text[-3000:]
-    assert len(run.passed) == 5 and not run.failed
+def test_generated_tests_of_a_three_device_two_output_model_pass(tmp_path):
+    # Every example's generated tests run in CI from generated/ (scripts/test.sh);
+    # this one, small, keeps `pytest tests` covering more than the seed.
+    build_to(EXAMPLES / "multitask.yaml", tmp_path)
+    run = run_pytest(tmp_path / "test_multi_task_net.py")
+    assert run.exit_code == 0, run.text[-3000:]
+    assert (len(run.passed), len(run.skipped), run.failed) == (5, 5, [])

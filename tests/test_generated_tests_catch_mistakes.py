@@ -23,6 +23,7 @@ class Outcome:
     passed: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     failed: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # why each skipped
     text: str = ""  # the failures' reports
 
     def pytest_runtest_logreport(self, report) -> None:
@@ -30,6 +31,7 @@ class Outcome:
             self.passed.append(report.nodeid)
         elif report.skipped:
             self.skipped.append(report.nodeid)
+            self.reasons.append(report.longrepr[2])
         elif report.failed:
             self.failed.append(report.nodeid)
             self.text += report.longreprtext + "\n"
@@ -79,6 +81,10 @@ def test_generated_tests_pass_on_virtual_devices(seed):
     assert (len(run.passed), len(run.skipped), run.failed) == (5, 5, [])
     assert all(id.endswith("[virtual]") for id in run.passed)
     assert all(id.endswith("[real]") for id in run.skipped)
+    assert run.reasons.count(
+        "Skipped: real-GPU run skipped: SimpleModel needs 2 CUDA devices (cuda:0, cuda:1) "
+        "and this machine has 0; the virtual run checks the same code on the CPU"
+    ) == 5
 
 
 def test_deleting_a_transfer_in_forward_fails(seed):

@@ -100,7 +100,8 @@ class ModelSuite:
         if have >= needed:
             return None
         return (
-            f"real-GPU run skipped: {self.model.__name__} needs {needed} CUDA devices "
+            f"real-GPU run skipped: {self.model.__name__} needs {needed} CUDA "
+            f"device{'s' if needed > 1 else ''} "
             f"({', '.join(self.devices)}) and this machine has {have}; the virtual "
             "run checks the same code on the CPU"
         )

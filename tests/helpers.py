@@ -1,14 +1,21 @@
-"""Shared helpers for the project's tests: build specs, import generated code."""
+"""Shared helpers for the project's tests: build specs, run the CLI, import generated code."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
+import os
 import subprocess
 import sys
 import textwrap
+import traceback
 import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
+from mpgen import cli
 from mpgen.compiler import pipeline as build
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,9 +49,60 @@ def build_to(spec: Path, out: Path, device_map: dict | None = None) -> build.Gen
     return result
 
 
-def mpgen(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh interpreter, as a user would."""
+@dataclass
+class Ran:
+    """What a run of the CLI left: exit status and everything it printed."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def mpgen(*args: str, cwd: Path | None = None) -> Ran:
+    """Run ``mpgen ARGS`` in this process, seen as ``python -m mpgen ARGS`` in a
+    fresh one would be: the exit status (1 and a traceback on stderr when an
+    exception escapes ``main``, the code of a ``SystemExit``), stdout, and
+    stderr with any warning printed the way a fresh interpreter's default
+    filters would print it (pytest's capture of warnings does not hide them).
+    The working directory is ``cwd`` for the run only.
+    """
+    out, err = io.StringIO(), io.StringIO()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        err.write(warnings.formatwarning(message, category, filename, lineno, line))
+
+    home = os.getcwd()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out), \
+            contextlib.redirect_stderr(err):
+        # The filters of `python` started without -W or PYTHONWARNINGS.
+        warnings.resetwarnings()
+        warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning,
+                         ResourceWarning):
+            warnings.filterwarnings("ignore", category=category, append=True)
+        warnings.showwarning = show
+        try:
+            if cwd is not None:
+                os.chdir(cwd)
+            code = cli.main(list(args))
+        except SystemExit as exc:  # argparse: --help, usage errors
+            code = exc.code
+            if code is not None and not isinstance(code, int):
+                print(code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001 - what the interpreter would print
+            traceback.print_exc()
+            code = 1
+        finally:
+            os.chdir(home)
+    return Ran(int(code or 0), out.getvalue(), err.getvalue())
+
+
+def mpgen_process(*args: str, cwd: Path | None = None, env: dict | None = None,
+                  command: list[str] | None = None) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter, as a user would (slow: torch loads
+    each time); ``command`` replaces ``python -m mpgen`` (the console script)."""
     return subprocess.run(
-        [sys.executable, "-m", "mpgen", *args], cwd=cwd, capture_output=True, text=True,
-        timeout=300,
+        [*(command or [sys.executable, "-m", "mpgen"]), *args], cwd=cwd, capture_output=True,
+        text=True, timeout=300, env=env,
     )

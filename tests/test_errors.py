@@ -8,6 +8,13 @@ second spec). For every case the build must exit 2, print no traceback and
 nothing on stdout, and leave the output directory exactly as it was, here one
 that already holds the files of a good build.
 
+The cases run in-process through ``mpgen.cli.main`` (see
+:func:`helpers.mpgen`: an exception escaping ``main`` becomes a traceback on
+stderr and exit 1, a warning is printed as a fresh interpreter would print
+it), so the module takes seconds, not minutes. One case also runs through the
+real ``python -m mpgen`` and the installed ``mpgen`` script, proving that the
+command line is wired to the same code.
+
 Regenerate the expected files after a deliberate change of wording with::
 
     MPGEN_UPDATE_EXPECTED=1 .venv/bin/python -m pytest tests/test_errors.py
@@ -24,13 +31,14 @@ import os
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from helpers import mpgen, mpgen_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES_DIR = ROOT / "tests" / "errors"
@@ -67,51 +75,34 @@ def snapshot(folder: Path) -> dict:
     } | {str(p.relative_to(folder)) + "/": None for p in folder.rglob("*") if p.is_dir()}
 
 
-def mpgen_build(case: str, out: Path) -> subprocess.CompletedProcess:
-    extra = (CASES_DIR / f"{case}.args")
+def case_args(case: str) -> list[str]:
+    extra = CASES_DIR / f"{case}.args"
     args = shlex.split(extra.read_text()) if extra.exists() else []
-    return subprocess.run(
-        [sys.executable, "-m", "mpgen", "build", f"tests/errors/{case}.yaml", *args,
-         "-o", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
-    )
+    return ["build", f"tests/errors/{case}.yaml", *args]
 
 
-def run_case(case: str, out: Path, seed: Path | None) -> Run:
+def run_case(case: str, out: Path, seed: Path | None, command: list[str] | None = None) -> Run:
+    """``mpgen build`` one case from the repository root, in this process (see
+    :func:`helpers.mpgen`), or in a fresh one with ``command`` (``python -m mpgen``)."""
     if seed is not None:
         shutil.copytree(seed, out)
     before = snapshot(out)
-    proc = mpgen_build(case, out)
-    return Run(proc.returncode, proc.stdout, proc.stderr, before, snapshot(out))
+    if command is None:
+        ran = mpgen(*case_args(case), "-o", str(out), cwd=ROOT)
+    else:
+        ran = mpgen_process(*case_args(case), "-o", str(out), cwd=ROOT, command=command,
+                            env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    return Run(ran.returncode, ran.stdout, ran.stderr, before, snapshot(out))
 
 
 @pytest.fixture(scope="module")
 def good_build(tmp_path_factory) -> Path:
     """An output folder holding a good build, plus a file of the user's."""
     out = tmp_path_factory.mktemp("good") / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "mpgen", "build", "examples/seed.yaml", "-o", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    ran = mpgen("build", "examples/seed.yaml", "-o", str(out), cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr
     (out / "NOTES.txt").write_text("the user's own file\n")
     return out
-
-
-@pytest.fixture(scope="module")
-def runs(request, tmp_path_factory, good_build) -> dict[str, Run]:
-    """Run every selected case once, in parallel (each run is a fresh interpreter)."""
-    selected = sorted({
-        item.callspec.params["case"] for item in request.session.items
-        if item.module is request.module and hasattr(item, "callspec")
-        and "case" in item.callspec.params
-    })
-    base = tmp_path_factory.mktemp("runs")
-    workers = max(2, min(8, os.cpu_count() or 2))
-    with ThreadPoolExecutor(workers) as pool:
-        futures = {c: pool.submit(run_case, c, base / c, good_build) for c in selected}
-        return {c: f.result() for c, f in futures.items()}
 
 
 def _params():
@@ -136,8 +127,11 @@ def test_every_case_has_an_expected_file():
 
 
 @pytest.mark.parametrize("case", list(_params()))
-def test_error_fixture(case: str, runs: dict[str, Run]):
-    run = runs[case]
+def test_error_fixture(case: str, good_build: Path, tmp_path: Path):
+    check_case(case, run_case(case, tmp_path / "out", good_build))
+
+
+def check_case(case: str, run: Run) -> None:
     assert "Traceback" not in run.stderr + run.stdout, run.stderr
     assert run.returncode == 2, run.stderr
     assert run.stdout == ""
@@ -172,3 +166,24 @@ def test_missing_output_directory_is_not_created(case: str, tmp_path: Path):
     assert run.returncode == 2, run.stderr
     assert "Traceback" not in run.stderr
     assert not (tmp_path / "not").exists()
+
+
+#: The case that also runs through the real command line, in fresh interpreters.
+WIRED_CASE = "cli_missing_spec"  # two specs from argv: a position in one, the other missing
+
+
+def test_the_real_command_line_gives_the_expected_report(tmp_path: Path, good_build: Path):
+    """``python -m mpgen`` and the installed ``mpgen`` script: exit 2, exactly the
+    ``.expected`` stderr (so no traceback), nothing on stdout, nothing written."""
+    script = Path(sys.executable).with_name("mpgen")
+    assert script.exists(), f"no console script {script}: pip install -e '.[test]'"
+    commands = {"python -m mpgen": [sys.executable, "-m", "mpgen"], "mpgen": [str(script)]}
+    with ThreadPoolExecutor(len(commands)) as pool:  # each run loads torch: overlap them
+        runs = {how: pool.submit(run_case, WIRED_CASE, tmp_path / f"out{i}", good_build, command)
+                for i, (how, command) in enumerate(commands.items())}
+        for how, future in runs.items():
+            run = future.result()
+            try:
+                check_case(WIRED_CASE, run)
+            except BaseException as exc:
+                raise AssertionError(f"through `{how}`") from exc

@@ -8,25 +8,23 @@ compiles, runs and executes none of it, or fail with exit code 2 and
 ``FILE:LINE:COL: message`` lines, never a traceback. A seeded random fuzz of
 the example specs checks the same on a few hundred mutations.
 
-Most builds run in-process through :func:`mpgen.cli.main` (fast); the ones
-that test the interpreter as a whole (YAML bombs, tags, odd file names) run
-``python -m mpgen`` in a fresh process.
+Every build runs in-process through :func:`mpgen.cli.main` (see
+:func:`helpers.mpgen`: an escaping exception fails the test with the spec, and
+warnings reach stderr as they would in a fresh interpreter);
+``tests/test_errors.py`` proves once that ``python -m mpgen`` and the ``mpgen``
+script run the same code.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import copy
-import io
 import os
 import random
 import re
-import subprocess
 import sys
 import textwrap
 import time
-import traceback
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +32,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from mpgen import cli
+from helpers import mpgen
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
@@ -70,20 +68,13 @@ def build_text(tmp_path: Path, text: str | bytes, *args: str, name: str = "spec.
     return build_path(spec, folder / "out", *args)
 
 
-def build_path(spec: Path, out: Path, *args: str) -> Result:
-    stdout, stderr = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = cli.main(["build", str(spec), "-o", str(out), *args])
-    except BaseException:  # noqa: BLE001 - any escape is the failure under test
-        pytest.fail(f"mpgen raised instead of reporting:\n{traceback.format_exc()}\n"
-                    f"spec:\n{spec.read_bytes()[:2000]!r}")
-    return Result(int(code), stdout.getvalue(), stderr.getvalue(), out)
-
-
-def run_mpgen(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpgen", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+def build_path(spec: Path, out: Path, *args: str, cwd: Path | None = None) -> Result:
+    """``mpgen build SPEC -o OUT ARGS`` in-process; an escaping exception fails the test."""
+    ran = mpgen("build", str(spec), "-o", str(out), *args, cwd=cwd)
+    if ran.returncode == 1 and "Traceback (most recent call last)" in ran.stderr:
+        pytest.fail(f"mpgen raised instead of reporting:\n{ran.stderr}\n"
+                    f"spec:\n{((cwd or Path.cwd()) / spec).read_bytes()[:2000]!r}")
+    return Result(ran.returncode, ran.stdout, ran.stderr, out)
 
 
 def assert_reported(result: Result, spec_name: str = "spec.yaml") -> None:
@@ -304,10 +295,10 @@ def test_python_tags_are_never_constructed(tmp_path, sentinel):
     body = "".join(f"  l{i}:\n    op: Identity\n    v: {tag}\n" for i, tag in enumerate(tags))
     spec = tmp_path / "tags.yaml"
     spec.write_text("mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\nlayers:\n" + body)
-    proc = run_mpgen("build", str(spec), "-o", str(tmp_path / "out"))
-    assert proc.returncode == 2, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert proc.stderr.count("is not allowed in a spec") == len(tags)
+    result = build_path(spec, tmp_path / "out")
+    assert result.code == 2, result.err
+    assert "Traceback" not in result.err
+    assert result.err.count("is not allowed in a spec") == len(tags)
 
 
 def test_billion_laughs_is_refused_quickly(tmp_path):
@@ -316,10 +307,10 @@ def test_billion_laughs_is_refused_quickly(tmp_path):
     spec = tmp_path / "bomb.yaml"
     spec.write_text("\n".join(lines) + "\n")
     start = time.perf_counter()
-    proc = run_mpgen("build", str(spec), "-o", str(tmp_path / "out"))
+    result = build_path(spec, tmp_path / "out")
     assert time.perf_counter() - start < 60
-    assert proc.returncode == 2
-    assert proc.stderr == f"{spec}:1:5: YAML anchors (&a0) are not allowed in a spec; " \
+    assert result.code == 2
+    assert result.err == f"{spec}:1:5: YAML anchors (&a0) are not allowed in a spec; " \
                           "write the value out\n"
 
 
@@ -390,9 +381,9 @@ def test_odd_spec_file_names_in_errors(tmp_path, name):
     spec = tmp_path / name
     spec.write_text("mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\nlayers:\n"
                     "  a: {op: Linear, args: [10, 20]}\n  b: {op: Linear, args: [30, 10]}\n")
-    proc = run_mpgen("build", str(spec), "-o", str(tmp_path / "out"))
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.startswith(f"{spec}:7:3: layer 'b': Linear(30, 10) expects input")
+    result = build_path(spec, tmp_path / "out")
+    assert result.code == 2, result.err
+    assert result.err.startswith(f"{spec}:7:3: layer 'b': Linear(30, 10) expects input")
     assert not (tmp_path / "out").exists()
 
 
@@ -611,15 +602,15 @@ def test_torch_warnings_do_not_reach_stderr(tmp_path):
     spec = tmp_path / "warn.yaml"
     spec.write_text("mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\nlayers:\n"
                     "  a: {op: Linear, args: [10, 0]}\n  b: {op: Linear, args: [5, 1]}\n")
-    proc = run_mpgen("build", str(spec), "-o", str(tmp_path / "out"))
-    assert proc.returncode == 2
-    assert all(line.startswith(f"{spec}:") for line in proc.stderr.splitlines()), proc.stderr
+    result = build_path(spec, tmp_path / "out")
+    assert result.code == 2
+    assert all(line.startswith(f"{spec}:") for line in result.err.splitlines()), result.err
 
 
 def test_output_path_that_is_a_file_is_reported(tmp_path):
     target = tmp_path / "taken"
     target.write_text("a file, not a folder\n")
-    proc = run_mpgen("build", "examples/seed.yaml", "-o", str(target))
-    assert proc.returncode == 2
-    assert "Traceback" not in proc.stderr
+    result = build_path(Path("examples/seed.yaml"), target, cwd=ROOT)
+    assert result.code == 2
+    assert "Traceback" not in result.err
     assert target.read_text() == "a file, not a folder\n"

@@ -82,6 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"{args.out}: up to date")
             for result in results:
                 print(build.summary_line(result))
+            for note in build.path_notes(results, args.out):
+                print(note, file=sys.stderr)
             return Exit.OK
         if args.command == "show":
             from mpgen.commands import show as summary

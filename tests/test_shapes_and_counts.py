@@ -237,3 +237,33 @@ def test_a_tuple_output_needs_output_and_output_needs_a_tuple(tmp_path):
     """)
     assert "layer 'fc': Linear returns a single Tensor; 'output: 0' selects from a tuple, " \
            "remove it" in message
+
+
+def test_block_shape_comments_never_name_a_parameter_that_merely_has_the_value(tmp_path):
+    # Issue 9, failure 6: half_channels equals out_channels in every use, so
+    # the sizes cannot tell which one a dim comes from; the comment used to
+    # name the first parameter with the value (``half_channels`` for the
+    # expand conv's out_channels). A parameter that alone has the value in
+    # every use still names the dim.
+    graph = compile_text(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          x: [batch, 4, 8, 8]
+        blocks:
+          Expand:
+            params: [in_channels, half_channels, out_channels]
+            layers:
+              same: {op: Identity}
+              reduce: {op: Conv2d, args: [$in_channels, $half_channels, 1]}
+              expand: {op: Conv2d, args: [$half_channels, $out_channels, 1]}
+        layers:
+          a: {op: Expand, args: [4, 8, 8]}
+          b: {op: Expand, args: [8, 16, 16]}
+    """)
+    shapes = {name: str(t) for name, t in {b.name: b for b in graph.blocks}["Expand"].shapes}
+    assert shapes == {"same": "[batch, in_channels, 8, 8]", "reduce": "[batch, ?, 8, 8]",
+                      "expand": "[batch, ?, 8, 8]"}
+    code = build.generate(tmp_path / "spec.yaml").files["m.py"]
+    assert "half_channels, 8, 8]" not in code and "out_channels, 8, 8]" not in code
+    assert "# [batch, ?, 8, 8]" in code

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import shlex
+import sys
 from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
+from mpgen.compiler.codegen.common import file_names
 from mpgen.compiler.codegen.write import diff_files, write_files
+from mpgen.compiler.ir import Graph, Node, OpKind
 from mpgen.compiler.pipeline import Generated, generate_all
 
 
@@ -36,3 +40,68 @@ def check(paths: Iterable[str | Path], out_dir: str | Path,
     for result in generate_all(paths, device_map):
         diffs.extend(diff_files(Path(out_dir), result.files))
     return diffs
+
+
+def _user_nodes(graph: Graph) -> Iterable[Node]:
+    """Layers of the model and of its blocks whose op is a user module."""
+    for node in [*graph.nodes, *(n for b in graph.blocks for n in b.nodes)]:
+        if node.op.kind is OpKind.USER and node.op.module:
+            yield node
+
+
+def _import_root(module: str) -> Optional[Path]:
+    """The folder the top-level package (or module) of ``module`` was
+    imported from at build time: the entry it needs on ``sys.path``."""
+    top = sys.modules.get(module.split(".")[0])
+    if top is None:
+        return None
+    paths = list(getattr(top, "__path__", None) or [])
+    if paths:
+        return Path(paths[0]).resolve().parent
+    file = getattr(top, "__file__", None)
+    return Path(file).resolve().parent if file else None
+
+
+def _importable_everywhere(root: Path) -> bool:
+    """Whether ``root`` is on the path of every Python run here (installed
+    packages, PYTHONPATH); the working directory does not count: the
+    generated code runs from its own folder."""
+    cwd = Path.cwd().resolve()
+    for entry in sys.path:
+        if entry in ("", "."):
+            continue
+        try:
+            path = Path(entry).resolve()
+        except OSError:
+            continue
+        if path == root and path != cwd:
+            return True
+    return False
+
+
+def path_notes(results: Iterable[Generated], out_dir: str | Path) -> list[str]:
+    """``SPEC:LINE:COL: note: ...`` for each user module the generated code
+    imports but cannot find when run from ``out_dir`` (it was found next to
+    the spec or in the working directory at build time): what to put on
+    ``PYTHONPATH``. The generated files themselves name no folder, so that
+    they stay the same wherever they are built."""
+    out = Path(out_dir).resolve()
+    notes = []
+    for result in results:
+        seen: set[Path] = set()
+        for node in _user_nodes(result.graph):
+            root = _import_root(node.op.module)
+            if root is None or root in seen or root == out or _importable_everywhere(root):
+                continue
+            seen.add(root)
+            top = node.op.module.split(".")[0]
+            train = shlex.quote(str(Path(out_dir) / file_names(result.graph)["train"]))
+            tests = shlex.quote(str(Path(out_dir) / file_names(result.graph)["test"]))
+            path = shlex.quote(str(root))
+            notes.append(
+                f"{node.pos}: note: the generated code imports {top!r} (op "
+                f"{node.op.spelled!r}), which mpgen found in {root} at build time; it is "
+                f"not importable from {out_dir}, so run the generated code and tests with "
+                f"PYTHONPATH={path} (e.g. PYTHONPATH={path} python {train}, "
+                f"PYTHONPATH={path} pytest {tests})")
+    return notes

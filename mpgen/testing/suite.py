@@ -58,7 +58,8 @@ class ModelSuite:
     * forward makes exactly the planned ``transfers``, with their bytes
       (virtual devices only: real GPUs do not report copies);
     * backward and an optimizer step leave every parameter, gradient and
-      optimizer state on its device;
+      optimizer state on its device (a model without parameters: backward
+      reaches every floating-point input, on its device);
     * the outputs equal those of the same code merged onto one device
       (:func:`~mpgen.testing.check_split_outputs`): bit for bit on virtual
       devices; on real GPUs within a reduction-order tolerance, and within
@@ -166,8 +167,15 @@ class ModelSuite:
 
     def test_backward_and_an_optimizer_step_keep_every_tensor_in_place(self, virtual):
         model = self.build()
+        inputs = self.make_inputs()
+        if not any(p.requires_grad for p in model.parameters()):
+            # Nothing to train (an optimizer refuses an empty parameter
+            # list): backward must still reach the floating-point inputs,
+            # through every transfer, on the device each input came from.
+            self.check_backward_reaches_the_inputs(model, inputs)
+            return
         optimizer = self.make_optimizer(model)
-        outputs = _as_tuple(model(*self.make_inputs()))
+        outputs = _as_tuple(model(*inputs))
         loss = sum(out.float().mean().to(outputs[0].device) for out in outputs)
         loss.backward()
         for name, param in model.named_parameters():
@@ -181,6 +189,23 @@ class ModelSuite:
             for name, value in state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     assert value.device == param.device, f"optimizer state {name} off its device"
+
+    def check_backward_reaches_the_inputs(self, model: torch.nn.Module,
+                                          inputs: tuple[torch.Tensor, ...]) -> None:
+        """A model without trainable parameters: gradients of the outputs
+        reach every floating-point input, on the input's device."""
+        inputs = tuple(x.detach().requires_grad_() if x.is_floating_point() else x
+                       for x in inputs)
+        outputs = _as_tuple(model(*inputs))
+        differentiable = [out for out in outputs if out.requires_grad]
+        if not differentiable:
+            return  # integer inputs only, nothing that backward could reach
+        loss = sum(out.float().mean().to(differentiable[0].device) for out in differentiable)
+        loss.backward()
+        for k, x in enumerate(inputs):
+            if x.requires_grad:
+                assert x.grad is not None, f"input {k} got no gradient"
+                assert x.grad.device == x.device, f"input {k}: gradient on another device"
 
     def run_eval(self, weights: Optional[dict] = None) -> tuple[dict, list[torch.Tensor]]:
         """Build the model in eval mode, load ``weights`` if given, run

@@ -10,17 +10,23 @@ the layer's line, and parameter counts come from the real modules.
 # that is a product of them and a constant (``torch.flatten`` of
 # ``[batch, seq, 768]``) as ``batch*seq*768``; a multiple of a symbol with a
 # large remainder as ``?``. A size computed from a symbol by other arithmetic
-# (a strided convolution over a symbolic height) cannot be told from a
-# constant and is shown as the number; give spatial dims as sizes. Sizes in
-# torch's own error messages are translated back the same way.
+# (a strided convolution over a symbolic height: ``(height - 1) // 2 + 1``)
+# looks like a constant in one run, so the graph is run twice, the second
+# time with the primes given to the symbols in the opposite order: a dim
+# that reads the same in both runs is what it reads (a constant, a symbol, a
+# product), one that differs depends on the symbols in a way no name
+# describes and is ``?`` (``SymDim(known=False)``), never an internal size.
+# Sizes in torch's own error messages are translated back as in the first
+# run (those of the second only when it alone fails).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import warnings
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -53,11 +59,18 @@ _INT_DTYPES = {torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8}
 class _Symbols:
     """Symbolic dim names <-> the prime sizes used for them on meta."""
 
-    def __init__(self, names: Sequence[str], small: bool = False) -> None:
+    def __init__(self, names: Sequence[str], small: bool = False,
+                 reverse: bool = False) -> None:
         primes = _SMALL_PRIMES if small else _PRIMES
-        self.floor = primes[0]
-        self.value = {n: p for n, p in zip(names, primes)}
+        self.names = tuple(names)
+        self.small = small
+        self.floor = min(primes)
+        self.value = {n: p for n, p in zip(names, primes[::-1] if reverse else primes)}
         self.name = {p: n for n, p in self.value.items()}
+
+    def other(self) -> "_Symbols":
+        """The same symbols at other primes (the second run, NOTE [Symbolic dims])."""
+        return _Symbols(self.names, self.small, reverse=True)
 
     @classmethod
     def of(cls, inputs: Sequence[InputTensor]) -> "_Symbols":
@@ -110,6 +123,21 @@ def infer(graph: Graph) -> Graph:
     """Fill ``out`` and ``params`` of every node (and blocks' shape comments)."""
     symbols = _Symbols.of(graph.inputs)
     blocks = {b.name: b for b in graph.blocks}
+    nodes, uses = _run(graph, symbols, blocks)
+    # NOTE [Symbolic dims]: what a size derived from a symbol looks like at
+    # other primes tells it from a constant.
+    again, uses_again = _run(graph, symbols.other(), blocks)
+    nodes = [_agree_node(n, m) for n, m in zip(nodes, again)]
+    for name, per_use in uses.items():
+        uses[name] = [(values, {k: _agree(t, other[1].get(k)) for k, t in types.items()}, count)
+                      for (values, types, count), other in zip(per_use, uses_again.get(name, []))]
+    inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
+    block_classes = tuple(_block_facts(b, uses.get(b.name, [])) for b in graph.blocks)
+    return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
+
+
+def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass]):
+    """The nodes with their types at ``symbols``' sizes, and every block use."""
     runner = _Runner(symbols, blocks)
     env = {}
     for t in graph.inputs:
@@ -123,9 +151,32 @@ def infer(graph: Graph) -> Graph:
         warnings.simplefilter("ignore")
         nodes = runner.run_nodes(graph.nodes, env)
     runner.errors.raise_if_any()
-    inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
-    block_classes = tuple(_block_facts(b, runner.block_uses.get(b.name, [])) for b in graph.blocks)
-    return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
+    return nodes, runner.block_uses
+
+
+def _agree_node(node: Node, again: Node) -> Node:
+    """``node`` with the types both runs agree on (its output, or the
+    elements of a tuple it returns)."""
+    changes = {"out": _agree(node.out, again.out)}
+    elements = getattr(node, "elements", None)
+    if elements:
+        changes["elements"] = tuple(dataclasses.replace(e, type=_agree(e.type, f.type))
+                                    for e, f in zip(elements, again.elements))
+    return dataclasses.replace(node, **changes)
+
+
+def _agree(first: Any, second: Any) -> Any:
+    """A type as the two runs agree on it: a dim that differs is ``?``."""
+    if isinstance(first, TensorType) and isinstance(second, TensorType):
+        if len(first.shape) != len(second.shape):
+            return first
+        shape = tuple(a if a == b else SymDim(known=False)
+                      for a, b in zip(first.shape, second.shape))
+        return dataclasses.replace(first, shape=shape)
+    if isinstance(first, (tuple, list)) and isinstance(second, (tuple, list)) \
+            and len(first) == len(second):
+        return type(first)(_agree(a, b) for a, b in zip(first, second))
+    return first
 
 
 class _Runner(meta.Hooks):
@@ -175,7 +226,8 @@ class _Runner(meta.Hooks):
         if module is not None and not isinstance(module, meta.MetaBlock):
             self.precheck(node, label, module, inputs, params)
         try:
-            out = call()
+            with _rnn_one_step(module):
+                out = call()
         except MpgenError:
             raise
         except meta.OutputError as exc:
@@ -239,6 +291,37 @@ class _Runner(meta.Hooks):
                              f"{node.inputs[0]} gives {got.dtype}")
 
 
+@contextlib.contextmanager
+def _rnn_one_step(module: Optional[nn.Module]) -> Iterator[None]:
+    """Run an ``nn.RNN``/``LSTM``/``GRU`` over one time step, and give its
+    output the sequence's length: on meta, their kernels loop over the
+    sequence in Python, a minute for each run at the prime sizes of symbolic
+    dims (NOTE [Symbolic dims]). Only shapes are wanted here, and neither the
+    output's other dims nor the state's depend on the length."""
+    if not isinstance(module, nn.RNNBase):
+        yield
+        return
+    original = module.forward
+
+    def forward(input, *args, **kwargs):
+        if not isinstance(input, torch.Tensor) or input.dim() not in (2, 3) \
+                or input.shape[0] == 0:
+            return original(input, *args, **kwargs)
+        dim = 1 if module.batch_first and input.dim() == 3 else 0
+        if input.shape[dim] <= 1:
+            return original(input, *args, **kwargs)
+        out, state = original(input.narrow(dim, 0, 1), *args, **kwargs)
+        shape = list(out.shape)
+        shape[dim] = input.shape[dim]
+        return out.new_empty(shape), state
+
+    module.forward = forward
+    try:
+        yield
+    finally:
+        del module.forward
+
+
 def _call_text(node: Node, params: Mapping[str, Any]) -> str:
     def show(v):
         if isinstance(v, Param):
@@ -291,9 +374,14 @@ def _block_facts(block: BlockClass, uses) -> BlockClass:
             if all(c == dim for c in column):
                 dims.append(dim)
                 continue
+            # A parameter names the dim only when it is the one parameter
+            # whose value is the dim's size in every use: when several are
+            # (equal-valued parameters), which one is the source cannot be
+            # told from the sizes, and a name that merely has the value would
+            # be wrong as often as right.
             by_param = [p for p in block.params
                         if all(values.get(p) == c for (values, _, _), c in zip(uses, column))]
-            dims.append(by_param[0] if by_param else "?")
+            dims.append(by_param[0] if len(by_param) == 1 else "?")
         shapes.append((node.name, TensorType(tuple(dims), first.dtype)))
     return dataclasses.replace(block, shapes=tuple(shapes),
                                params_count=counts.pop() if len(counts) == 1 else None)

@@ -118,6 +118,22 @@ def synthetic(t: TensorType, sizes: dict[str, str], high: Optional[int] = None,
     return f"{fn}({shape}{dtype})"
 
 
+def known(t: TensorType) -> bool:
+    """True when every dim of ``t`` has a size at the symbols' sizes (no ``?``)."""
+    return all(isinstance(d, int) or d.known for d in t.shape)
+
+
+def synthetic_like(t: TensorType, var: str, high: Optional[int] = None,
+                   kind: str = "normal") -> str:
+    """An expression that makes a random CPU tensor of type ``t``, a type with
+    dims known only at run time (``?``), with the shape of the tensor
+    ``var``: the output a target is for (classes drop its last dim)."""
+    if kind == "classes" or t.dtype in ("int64", "int32"):
+        return f"torch.randint(0, {high or 2}, {var}.shape[:-1])"
+    fn = "torch.rand" if kind == "probabilities" else "torch.randn"
+    return f"{fn}({var}.shape)"
+
+
 def input_code(graph: Graph, ns, sizes: dict[str, str]) -> tuple[list[str], list[str]]:
     """One line per model input making a random CPU tensor; and the variables."""
     lines, names = [], []

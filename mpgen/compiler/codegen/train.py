@@ -11,8 +11,10 @@ from mpgen.compiler.codegen.common import (
     file_names,
     header,
     input_code,
+    known,
     optimizer_call,
     synthetic,
+    synthetic_like,
 )
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import Expr, Graph
@@ -38,27 +40,44 @@ class TrainContext:
     optimizer: str
     outputs: str
     loss_lines: list[str]
+    trainable: bool  # False: no parameters, so no optimizer and no backward
 
 
 def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], dict[str, str]]:
-    """make_batch's parameters and body: one line per input and per target."""
+    """make_batch's parameters and body: one line per input and per target
+    whose shape is known before the forward pass (see :func:`made_in_batch`).
+
+    The batch size comes first, without a default (the loop passes it), the
+    other symbolic dims after it with their training sizes as defaults,
+    whatever the order of the dims in the inputs (``[seq, batch]``)."""
     sizes: dict[str, str] = {}
     params = []
-    for name, size in graph.train.dims:
-        var = ns.fresh("batch_size" if name == "batch" else name)
-        sizes[name] = var
-        params.append(f"{var}: int" + ("" if name == "batch" else f" = {size}"))
-    if "batch" not in sizes:
-        var = ns.fresh("batch_size")
-        params.insert(0, f"{var}: int")
+    dims = dict(graph.train.dims)
+    var = ns.fresh("batch_size")
+    params.append(f"{var}: int")
+    if "batch" in dims:
+        sizes["batch"] = var
+    for name, size in dims.items():
+        if name != "batch":
+            sizes[name] = ns.fresh(name)
+            params.append(f"{sizes[name]}: int = {size}")
     lines, inputs = input_code(graph, ns, sizes)
     targets = []
     for loss in graph.train.losses:
+        if not made_in_batch(loss):
+            continue
         var = ns.fresh("target" if len(graph.train.losses) == 1 else f"{loss.output}_target")
         lines.append(f"{var} = {synthetic(loss.target_type, sizes, loss.classes, loss.target)}"
                      f"  # {loss.target_type}")
         targets.append(var)
     return ", ".join(params), lines, inputs, targets, sizes
+
+
+def made_in_batch(loss) -> bool:
+    """Whether make_batch makes the loss's target: not when a dim of the
+    output it is for is known only at run time (``?``, NOTE [Symbolic dims]
+    in analysis/shapes.py); the loop makes that one shaped like the output."""
+    return known(loss.target_type)
 
 
 #: The names the training scaffold defines: module level, then in ``main``.
@@ -87,12 +106,19 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
     loss_init, loss_lines, parts = [], [], []
     multi = len(train.losses) > 1
     loss_device = plan_devices[train.losses[0].output] if train.losses else "cpu"
-    for i, loss in enumerate(train.losses):
+    made = 0
+    for loss in train.losses:
         fn = ns.fresh(f"{loss.output}_loss_fn" if multi else "loss_fn")
         loss_init.append(f"{fn} = {call(loss.callee, [], loss.kwargs)}")
         out = out_vars[graph.outputs.index(loss.output)]
         device = plan_devices[loss.output]
-        target = f'{scaffold["targets"]}[{i}].to("{device}")'
+        if made_in_batch(loss):
+            target = f'{scaffold["targets"]}[{made}].to("{device}")'
+            made += 1
+        else:
+            # Shaped like the output: its size is known only at run time.
+            like = synthetic_like(loss.target_type, out, loss.classes, loss.target)
+            target = f'{like}.to("{device}")'
         if loss.flatten:
             expr = f"{fn}({out}.flatten(0, -2), {target}.flatten())"
         else:
@@ -114,7 +140,7 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
         steps=train.steps, batch_size=train.batch_size, lr=repr(train.lr), seed=train.seed,
         log_every=train.log_every, loss_init=loss_init, optimizer=optimizer,
         outputs=_tuple(out_vars) if len(out_vars) > 1 else out_vars[0],
-        loss_lines=loss_lines,
+        loss_lines=loss_lines, trainable=graph.total_params > 0,
     ), scaffold
 
 

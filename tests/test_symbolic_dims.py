@@ -191,3 +191,34 @@ def test_a_resnet50_like_model_with_symbolic_height_and_width_passes_its_own_tes
     assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_tiny_res_net50.py")) == 5
     build_to(spec, tmp_path / "cpu", {"*": "cpu"})
     assert "step 1/1  loss" in train_one_step(tmp_path / "cpu" / "train_tiny_res_net50.py")
+
+
+def test_shape_errors_show_no_internal_size_either(tmp_path):
+    error = mpgen("build", str(write_spec(tmp_path, """
+        mpgen: 1
+        name: Err
+        inputs:
+          x: [batch, 3, height, width]
+        layers:
+          conv: {op: Conv2d, args: [3, 8, 3], stride: 2, padding: 1}
+          flat: {op: torch.flatten, start_dim: 1}
+          fc: {op: Linear, args: [128, 10]}
+    """)), "-o", str(tmp_path / "out"))
+    assert error.returncode == 2
+    assert error.stderr == (f"{tmp_path / 'spec.yaml'}:8:3: layer 'fc': Linear(128, 10) "
+                            "expects input [..., 128] but flat gives [batch, ?]\n")
+    error = mpgen("build", str(write_spec(tmp_path, """
+        mpgen: 1
+        name: Err
+        inputs:
+          x: [batch, 3, height, width]
+        layers:
+          conv: {op: Conv2d, args: [3, 8, 3], stride: 2, padding: 1}
+          other: {op: Conv2d, args: [3, 8, 3], padding: 1, in: x}
+          add: {op: torch.add, in: [conv, other]}
+    """)), "-o", str(tmp_path / "out"))
+    assert error.returncode == 2
+    assert error.stderr.startswith(
+        f"{tmp_path / 'spec.yaml'}:8:3: layer 'add': torch.add() fails on conv "
+        "[batch, 8, ?, ?], other [batch, 8, height, width]: ")
+    assert not internal_sizes(error.stderr)

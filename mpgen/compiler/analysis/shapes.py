@@ -44,7 +44,7 @@ from mpgen.compiler.ir import (
     SymDim,
     TensorType,
 )
-from mpgen.errors import Collector, MpgenError
+from mpgen.errors import Collector, ErrorList, MpgenError
 
 _PRIMES = (10007, 10009, 10037, 10039, 10061, 10067, 10069, 10079, 10091, 10093,
            10099, 10103, 10111, 10133, 10139, 10141, 10151, 10159, 10163, 10169)
@@ -123,7 +123,10 @@ def infer(graph: Graph) -> Graph:
     """Fill ``out`` and ``params`` of every node (and blocks' shape comments)."""
     symbols = _Symbols.of(graph.inputs)
     blocks = {b.name: b for b in graph.blocks}
-    nodes, uses = _run(graph, symbols, blocks)
+    try:
+        nodes, uses = _run(graph, symbols, blocks)
+    except MpgenError as error:
+        raise _agree_errors(error, graph, symbols.other(), blocks) from None
     # NOTE [Symbolic dims]: what a size derived from a symbol looks like at
     # other primes tells it from a constant.
     again, uses_again = _run(graph, symbols.other(), blocks)
@@ -152,6 +155,34 @@ def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass]):
         nodes = runner.run_nodes(graph.nodes, env)
     runner.errors.raise_if_any()
     return nodes, runner.block_uses
+
+
+def _agree_errors(error: MpgenError, graph: Graph, other: _Symbols,
+                  blocks: Mapping[str, BlockClass]) -> MpgenError:
+    """``error`` with every size that differs at ``other``'s primes as ``?``
+    (NOTE [Symbolic dims]): ``flat gives [batch, ?]``, never the size of a
+    flattened strided convolution at the internal sizes."""
+    try:
+        _run(graph, other, blocks)
+    except MpgenError as again:
+        first, second = _error_list(error), _error_list(again)
+        if [e.pos for e in first] == [e.pos for e in second]:
+            merged = [MpgenError(a.pos, _agree_text(a.message, b.message))
+                      for a, b in zip(first, second)]
+            return ErrorList(merged) if len(merged) > 1 else merged[0]
+    return error
+
+
+def _error_list(error: MpgenError) -> list[MpgenError]:
+    return list(error.errors) if isinstance(error, ErrorList) else [error]
+
+
+def _agree_text(first: str, second: str) -> str:
+    """``first`` with each number that ``second`` has otherwise as ``?``."""
+    a, b = re.split(r"(\d+)", first), re.split(r"(\d+)", second)
+    if len(a) != len(b) or a[::2] != b[::2]:
+        return first
+    return "".join(x if i % 2 == 0 or x == y else "?" for i, (x, y) in enumerate(zip(a, b)))
 
 
 def _agree_node(node: Node, again: Node) -> Node:

@@ -197,6 +197,86 @@ class Expr:
 
 
 @dataclass(frozen=True)
+class BinOp:
+    """``left op right`` in an expression (``"=3 * $dim"``); ``op`` is one of
+    ``+ - * / // % **``."""
+
+    op: str
+    left: Any
+    right: Any
+
+
+@dataclass(frozen=True)
+class Neg:
+    """``-operand`` in an expression."""
+
+    operand: Any
+
+
+@dataclass(frozen=True)
+class Size:
+    """``size(value, dim)``: the run-time size of a dim of a tensor in scope,
+    read in ``forward`` (``idx.size(1)``)."""
+
+    value: str
+    dim: int
+
+
+@dataclass(frozen=True)
+class Training:
+    """The module's training flag in ``forward`` (``self.training``): what a
+    function such as ``F.dropout`` is given, so ``model.eval()`` turns it off."""
+
+
+@dataclass(frozen=True)
+class IfTraining:
+    """``value`` while training, ``otherwise`` in eval (``dropout_p`` of
+    ``F.scaled_dot_product_attention``)."""
+
+    value: Any
+    otherwise: Any
+
+
+def uses_size(value: Any) -> bool:
+    """True when ``value`` needs a tensor's run-time size (so belongs in ``forward``)."""
+    if isinstance(value, Size):
+        return True
+    if isinstance(value, BinOp):
+        return uses_size(value.left) or uses_size(value.right)
+    if isinstance(value, Neg):
+        return uses_size(value.operand)
+    if isinstance(value, list):
+        return any(uses_size(v) for v in value)
+    return False
+
+
+def params_used(value: Any) -> set[str]:
+    """The block params an argument value reads."""
+    if isinstance(value, Param):
+        return {value.name}
+    if isinstance(value, BinOp):
+        return params_used(value.left) | params_used(value.right)
+    if isinstance(value, Neg):
+        return params_used(value.operand)
+    if isinstance(value, list):
+        return set().union(*(params_used(v) for v in value)) if value else set()
+    return set()
+
+
+def sizes_used(value: Any) -> set[str]:
+    """The tensors whose sizes an argument value reads."""
+    if isinstance(value, Size):
+        return {value.value}
+    if isinstance(value, BinOp):
+        return sizes_used(value.left) | sizes_used(value.right)
+    if isinstance(value, Neg):
+        return sizes_used(value.operand)
+    if isinstance(value, list):
+        return set().union(*(sizes_used(v) for v in value)) if value else set()
+    return set()
+
+
+@dataclass(frozen=True)
 class Args:
     """Arguments of one call, as IR values: literals, :class:`Param`,
     :class:`Expr`, and (nested) lists of them."""
@@ -206,6 +286,88 @@ class Args:
 
     def __bool__(self) -> bool:
         return bool(self.positional or self.keyword)
+
+    @property
+    def values(self) -> list[Any]:
+        return [*self.positional, *(v for _, v in self.keyword)]
+
+
+#: An item of a layer's tensor arguments: an index into ``Node.inputs``, or a
+#: tuple of items (a tuple argument such as an LSTM's ``(h0, c0)``).
+FeedItem = Union[int, tuple]
+
+
+@dataclass(frozen=True)
+class Feed:
+    """How a layer passes the values it reads (``Node.inputs``, by index):
+    positional items, then tensors by keyword (``src_mask=causal``)."""
+
+    positional: tuple[FeedItem, ...]
+    keyword: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def plain(cls, n: int) -> "Feed":
+        return cls(tuple(range(n)))
+
+    def build(self, values: Sequence[Any], pack=tuple) -> tuple[list, dict]:
+        """Positional and keyword arguments from ``values`` (one per input);
+        a tuple item becomes ``pack(elements)``."""
+        def item(i):
+            return pack([item(j) for j in i]) if isinstance(i, tuple) else values[i]
+        return [item(i) for i in self.positional], {k: values[i] for k, i in self.keyword}
+
+
+@dataclass(frozen=True)
+class Element:
+    """A named element of the tuple a layer returns (``outputs: [q, k, v]``):
+    a value later layers read by ``name``."""
+
+    name: str
+    var: str
+    path: tuple[int, ...]  # index path into the returned (nested) tuple
+    type: Optional["TensorType"] = None  # filled by analysis.shapes
+
+
+#: How a tuple is unpacked: element names, None for ``_``, nested tuples.
+Pattern = tuple
+
+
+@dataclass(frozen=True)
+class Initializer:
+    """A ``torch.nn.init`` function (``normal`` -> ``nn.init.normal_``) and
+    its keyword arguments."""
+
+    fn: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class InitRule:
+    """``init:``: set parameter ``param`` of every module of class
+    ``module`` (top level) or of one layer (``layer``) with ``init``."""
+
+    param: str
+    init: Initializer
+    pos: Position
+    module: Optional[str] = None  # a torch.nn class name, for the top-level form
+    layer: Optional[str] = None  # a layer name, for a layer's own init:
+
+
+@dataclass(frozen=True)
+class Tie:
+    """``tie: {param: owner.owner_param}``: this layer's ``param`` is the very
+    parameter of layer ``owner``."""
+
+    param: str
+    owner: str
+    owner_param: str
+    pos: Position
+    type: Optional["TensorType"] = None  # the parameter's, filled by analysis.shapes
+
+    @property
+    def source(self) -> str:
+        """``wte.weight``: the owner's parameter, as its state-dict key."""
+        return f"{self.owner}.{self.owner_param}"
 
 
 # -- the graph -----------------------------------------------------------------
@@ -243,11 +405,17 @@ class Node:
     op: Op
     init: Args  # constructor arguments (modules, user modules, blocks)
     call: Args  # arguments after the tensors in the call (functions)
-    inputs: tuple[str, ...]  # names of values read: inputs or earlier nodes
+    inputs: tuple[str, ...]  # names of values read: inputs or earlier nodes' values
     pos: Position
     repeat: Optional[int] = None
     output: Optional[int] = None  # the element of a returned tuple that is the output
-    # Filled by compiler.shapes:
+    feed: Optional[Feed] = None  # how ``inputs`` are passed; None: positionally
+    pattern: Optional[Pattern] = None  # ``outputs:``: how a returned tuple is unpacked
+    elements: tuple[Element, ...] = ()  # the named elements of ``pattern``
+    factory: bool = False  # ``in: []``: made on its device, reads no tensor
+    ties: tuple[Tie, ...] = ()
+    inits: tuple[InitRule, ...] = ()  # the layer's own ``init:``
+    # Filled by analysis.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance
     flops: int = 0  # per instance, forward, at the symbolic sizes in ``dims``
@@ -257,6 +425,15 @@ class Node:
     @property
     def instances(self) -> int:
         return self.repeat or 1
+
+    @property
+    def feeding(self) -> Feed:
+        return self.feed or Feed.plain(len(self.inputs))
+
+    @property
+    def value_names(self) -> tuple[str, ...]:
+        """The names later layers read this node's result by."""
+        return tuple(e.name for e in self.elements) if self.pattern else (self.name,)
 
     def unit(self, instance: int) -> UnitRef:
         """Placement unit ``instance`` of this node (0 for a plain layer)."""
@@ -336,6 +513,8 @@ class Step:
     start: int = 0
     stop: int = 1
     loop_var: Optional[str] = None  # for runs of a repeated layer
+    # Tied parameters owned on another device: (param, variable of its copy here).
+    tied: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -552,6 +731,7 @@ class Graph:
     dims: tuple[tuple[str, int], ...] = ()  # symbolic dims -> sizes for byte estimates
     train: Optional[TrainConfig] = None
     placement: PlacementRequest = ExplicitPlacement()  # what the spec asks for
+    init_rules: tuple[InitRule, ...] = ()  # the top-level ``init:``
     # Filled by analysis.costs: per-unit costs at the training sizes.
     costs: Optional[Costs] = field(default=None, compare=False, repr=False)
     # Filled by placement:
@@ -574,6 +754,25 @@ class Graph:
     def repeats(self) -> dict[str, Optional[int]]:
         """Node name -> ``repeat``, for :func:`unit_labels`."""
         return {n.name: n.repeat for n in self.nodes}
+
+    def producer(self, name: str) -> Optional[Node]:
+        """The node whose result is the value ``name`` (None: a model input)."""
+        for node in self.nodes:
+            if name in node.value_names:
+                return node
+        return None
+
+    def type_of(self, name: str) -> Optional[TensorType]:
+        """The type of a value: a model input, a layer's output or a named element."""
+        for t in self.inputs:
+            if t.name == name:
+                return t.type
+        node = self.producer(name)
+        if node is None:
+            raise KeyError(name)
+        if node.pattern:
+            return next(e.type for e in node.elements if e.name == name)
+        return node.out
 
     def value_of(self, name: str) -> ValueRef:
         """The value a node or input name stands for (a repeated layer: its last instance's)."""

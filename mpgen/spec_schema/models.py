@@ -1,4 +1,4 @@
-"""pydantic v2 models of the spec language (``shared/design/spec-v1.md``).
+"""pydantic v2 models of the spec language (``docs/spec.md``).
 
 The models only check the *shape* of the YAML: keys, types and simple value
 rules. Meaning (does an op exist, does an ``in:`` name an earlier layer, do
@@ -186,6 +186,87 @@ def _one_or_many(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
 
+def _check_in_item(item: Any, depth: int = 0) -> Any:
+    """One ``in:`` item: a name, a nested list of names (a tuple argument),
+    or a mapping keyword -> name (tensors passed by keyword)."""
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list) and depth < 3:
+        if not item:
+            raise _error("in", "a nested list in 'in' is a tuple argument and needs at "
+                         "least one name")
+        for value in item:
+            if isinstance(value, dict):
+                raise _error("in", "a mapping in 'in' passes tensors by keyword and must be "
+                             "its last item, not inside a nested list")
+            _check_in_item(value, depth + 1)
+        return item
+    if isinstance(item, dict) and depth == 0:
+        for key, name in item.items():
+            problem = kwarg_problem(key) if isinstance(key, str) else "not a name"
+            if problem:
+                raise _error("in", f"keyword {shown(key)}: {problem}")
+            if not isinstance(name, str):
+                raise _error("in", f"keyword {key!r} must name a tensor, got {shown(name)}")
+        return item
+    raise _error("in", f"expected a name, a list of names or {{keyword: name}}, "
+                 f"got {shown(item)}")
+
+
+def _check_in_order(items: list) -> list:
+    if any(isinstance(item, dict) for item in items[:-1]):
+        raise _error("in", "a mapping in 'in' passes tensors by keyword and must be its "
+                     "last item")
+    return items
+
+
+def _check_out_items(items: list, depth: int = 0) -> list:
+    """A layer's ``outputs:``: element names (``_`` drops one), nested lists."""
+    for item in items:
+        if isinstance(item, str):
+            continue
+        if isinstance(item, list) and item and depth < 3:
+            _check_out_items(item, depth + 1)
+            continue
+        raise _error("outputs", "a layer's 'outputs' names the elements of the tuple it "
+                     f"returns, like [q, k, v] or [out, [h, c]]; got {shown(item)}")
+    return items
+
+
+_INIT_FORM = ("an initializer like zeros, ones, {constant: 0.5}, {normal: {std: 0.02}} or "
+              "{uniform: {a: -0.1, b: 0.1}}")
+
+
+def _check_initializer(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and len(value) == 1:
+        (name, arg), = value.items()
+        if isinstance(name, str) and (_is_value(arg) or (
+                isinstance(arg, dict) and all(isinstance(k, str) and _is_value(v)
+                                              for k, v in arg.items()))):
+            return value
+    raise _error("init", f"expected {_INIT_FORM}, got {shown(value)}")
+
+
+def _check_init_map(value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise _error("init", "expected a mapping of parameter -> initializer, like "
+                     "{weight: {normal: {std: 0.02}}, bias: zeros}")
+    for key, init in value.items():
+        problem = kwarg_problem(key) if isinstance(key, str) else "not a name"
+        if problem:
+            raise _error("init", f"init: parameter {shown(key)}: {problem}")
+        _check_initializer(init)
+    return value
+
+
+#: A layer's ``init:``: parameter -> initializer; a plain value is instead the
+#: constructor's own ``init`` argument (``nn.PReLU(init=0.25)``).
+LayerInit = Annotated[Any, AfterValidator(
+    lambda v: v if _is_value(v) and not isinstance(v, list) else _check_init_map(v))]
+
+
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
 
@@ -215,12 +296,23 @@ class LayerSpec(_Model):
     __pydantic_extra__: dict[KwargName, Value]
 
     op: StrictStr
-    in_: Optional[list[StrictStr]] = Field(default=None, alias="in", min_length=1)
+    # Names, nested lists (tuple arguments) and a last mapping (keywords);
+    # ``in: []`` marks a factory.
+    in_: Optional[Annotated[list[Annotated[Any, AfterValidator(_check_in_item)]],
+                            AfterValidator(_check_in_order)]] = Field(default=None, alias="in")
     args: list[Value] = Field(default_factory=list)
     repeat: Optional[StrictInt] = Field(default=None, ge=1, le=100_000)
     # mpgen extension: the element of a returned tuple that is the layer's
     # output (LSTM, MultiheadAttention return tuples): ``output: 0``.
     output: Optional[StrictInt] = Field(default=None, ge=-100, le=100)
+    # The elements of a returned tuple, by name: ``outputs: [q, k, v]``.
+    outputs: Optional[Annotated[list[Any], AfterValidator(_check_out_items)]] = Field(
+        default=None, min_length=1)
+    # Literal keyword arguments of a module's forward: ``call: {is_causal: true}``.
+    call: Optional[dict[KwargName, Value]] = None
+    # Shared parameters: ``tie: {weight: wte.weight}``.
+    tie: Optional[dict[KwargName, StrictStr]] = Field(default=None, min_length=1)
+    init_: Optional[LayerInit] = Field(default=None, alias="init")
 
     _one_input = field_validator("in_", mode="before")(_one_or_many)
 
@@ -233,8 +325,16 @@ class LayerSpec(_Model):
 
     @property
     def kwargs(self) -> dict[str, Any]:
-        """The op's keyword arguments, in spec order."""
-        return dict(self.model_extra or {})
+        """The op's keyword arguments, in spec order (a plain ``init`` value is one)."""
+        extra = dict(self.model_extra or {})
+        if self.init_ is not None and not isinstance(self.init_, dict):
+            extra["init"] = self.init_
+        return extra
+
+    @property
+    def init_map(self) -> dict[str, Any]:
+        """The layer's own initializers: parameter -> initializer."""
+        return self.init_ if isinstance(self.init_, dict) else {}
 
 
 class BlockSpec(_Model):
@@ -376,6 +476,8 @@ class Spec(_Model):
     outputs: Optional[list[StrictStr]] = Field(default=None, min_length=1)
     placement: Optional[PlacementSpec] = None
     train: Optional[TrainSpec] = None
+    # module class -> parameter -> initializer
+    init: Optional[dict[StrictStr, Annotated[Any, AfterValidator(_check_init_map)]]] = None
 
     _one_output = field_validator("outputs", mode="before")(_one_or_many)
 
@@ -383,7 +485,7 @@ class Spec(_Model):
 #: Field names per model, for did-you-mean suggestions on unknown keys.
 FIELDS = {
     "Spec": list(Spec.model_fields),
-    "LayerSpec": ["op", "in", "args", "repeat", "output"],
+    "LayerSpec": ["op", "in", "args", "repeat", "output", "outputs", "call", "tie", "init"],
     "BlockSpec": list(BlockSpec.model_fields),
     "InputSpec": list(InputSpec.model_fields),
     "AutoPlacementSpec": list(AutoPlacementSpec.model_fields),

@@ -129,6 +129,7 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         value_bytes[t.name] = t.type.nbytes(dims)
     units: list[UnitCost] = []
     outputs = set(graph.outputs)
+    modules: dict[str, nn.Module] = {}
     for i, node in enumerate(graph.nodes):
         fallback_out = node.out.nbytes(dims) if node.out is not None else 0
         module = None
@@ -137,27 +138,37 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
                 module = meta.build(node, {}, blocks)
             except Exception:  # shapes.infer built it; only exotic modules get here
                 module = None
-        weights, trainable = _weight_bytes(module, node)
+        tied = _tie(node, module, modules, value_bytes)
+        weights, trainable = _weight_bytes(module, node, tied)
         if module is not None:
+            modules[node.name] = module
             recorder.exclude(module)
         measured: list[tuple[int, int, int, bool]] = []  # (activations, flops, out, ok)
         x = [env.get(name) for name in node.inputs]
+        values: dict[str, Any] = {}
         for _ in range(min(node.instances, 2)):
-            out, act, flops = recorder.run(lambda: meta.run(node, module, x, {}))
-            ok = out is not None
-            out_bytes = _nbytes(out) if ok else fallback_out
+            out, act, flops = recorder.run(lambda: meta.run(node, module, x, {}, env=env))
+            try:
+                values = meta.unpack(node, out) if out is not None else {}
+            except meta.OutputError:
+                values = {}
+            ok = bool(values) and all(isinstance(v, torch.Tensor) for v in values.values())
+            out_bytes = sum(_nbytes(v) for v in values.values()) if ok else fallback_out
             measured.append((act if ok else out_bytes, flops if ok else 0, out_bytes, ok))
-            x = [out, *x[1:]]
-        env[node.name] = x[0]
-        value_bytes[node.name] = measured[-1][2]
+            x = [out if ok and not node.pattern else None, *x[1:]]
+        for name in node.value_names:
+            env[name] = values.get(name)
+            value = values.get(name)
+            value_bytes[name] = _nbytes(value) if value is not None else measured[-1][2]
         # A model output stays alive until the loss reads it.
-        kept = recorder.keep(x[0]) if node.name in outputs and x[0] is not None else 0
+        kept = sum(recorder.keep(values[name]) for name in node.value_names
+                   if name in outputs and values.get(name) is not None)
         for k in range(node.instances):
             act, flops, out_bytes, ok = measured[min(k, 1)]
             if k == node.instances - 1:
                 act += kept
             units.append(UnitCost(node.unit(k), i, k, node.params, weights, trainable,
-                              trainable * factor, act, flops, out_bytes, ok))
+                                  trainable * factor, act, flops, out_bytes, ok))
     cuts = _cut_bytes(graph, units)
     return Costs(tuple(units), tuple(cuts), tuple(value_bytes.items()),
                  tuple(dims.items()), optimizer, factor)
@@ -170,7 +181,7 @@ def _cut_bytes(graph: Graph, units: Sequence[UnitCost]) -> list[int]:
     for j, unit in enumerate(units):
         first.setdefault(unit.node, j)
         last[unit.node] = j
-    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    index = {v: i for i, n in enumerate(graph.nodes) for v in n.value_names}
     # value produced by unit p, read last by unit r -> it crosses cuts p .. r-1
     spans: dict[int, int] = {}  # producer unit -> last reader unit
     for j, unit in enumerate(units):
@@ -223,7 +234,8 @@ class _Recorder:
         self.saved[key] = storage
         return storage.nbytes()
 
-    def run(self, fn) -> tuple[Optional[torch.Tensor], int, int]:
+    def run(self, fn) -> tuple[Any, int, int]:
+        """``fn()``'s result (None if it fails), saved bytes and FLOPs."""
         from torch.utils.flop_counter import FlopCounterMode
 
         self.current = 0
@@ -232,8 +244,6 @@ class _Recorder:
             with counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 out = fn()
         except Exception:
-            return None, 0, 0
-        if not isinstance(out, torch.Tensor):
             return None, 0, 0
         return out, self.current, int(counter.get_total_flops())
 
@@ -246,11 +256,32 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _weight_bytes(module: Optional[nn.Module], node: Node) -> tuple[int, int]:
-    """(parameter + buffer bytes, trainable parameter bytes) of one instance."""
+def _tie(node: Node, module: Optional[nn.Module], modules: Mapping[str, nn.Module],
+         value_bytes: dict[str, int]) -> set[str]:
+    """Share ``node``'s tied parameters with their owners (as the generated
+    code does); their bytes count on the owner, and as a value a tied layer
+    on another device reads. Returns the tied names."""
+    tied = set()
+    for tie in node.ties:
+        owner = modules.get(tie.owner)
+        if module is None or owner is None:
+            continue
+        shared = owner.get_parameter(tie.owner_param)
+        parent, _, attr = tie.param.rpartition(".")
+        setattr(module.get_submodule(parent) if parent else module, attr, shared)
+        value_bytes[tie.source] = _nbytes(shared)
+        tied.add(tie.param)
+    return tied
+
+
+def _weight_bytes(module: Optional[nn.Module], node: Node,
+                  tied: set[str] = frozenset()) -> tuple[int, int]:
+    """(parameter + buffer bytes, trainable parameter bytes) of one instance,
+    without the parameters it shares with another layer."""
     if module is None:
         return node.params * 4, node.params * 4
-    params = list(module.parameters())
+    params = [p for name, p in module.named_parameters(remove_duplicate=False)
+              if name not in tied]
     weights = sum(_nbytes(p) for p in params) + sum(_nbytes(b) for b in module.buffers())
     return weights, sum(_nbytes(p) for p in params if p.requires_grad)
 

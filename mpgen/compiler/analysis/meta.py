@@ -16,7 +16,20 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from mpgen.compiler.ir import Args, BlockClass, Expr, Node, OpKind, Param
+from mpgen.compiler.frontend import expressions
+from mpgen.compiler.ir import (
+    Args,
+    BinOp,
+    BlockClass,
+    Expr,
+    IfTraining,
+    Neg,
+    Node,
+    OpKind,
+    Param,
+    Size,
+    Training,
+)
 
 TORCH_DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -25,21 +38,44 @@ TORCH_DTYPES = {
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
-def value(v: Any, params: Mapping[str, Any]) -> Any:
-    """An IR literal as a Python value: ``$param`` substituted, dtypes resolved."""
+class ArgumentError(Exception):
+    """An argument value cannot be computed (a user-facing message)."""
+
+
+def value(v: Any, params: Mapping[str, Any], env: Optional[Mapping[str, Any]] = None) -> Any:
+    """An IR value as a Python value: ``$param`` substituted, expressions
+    computed (``size()`` from the tensors in ``env``), dtypes resolved."""
     if isinstance(v, Param):
         return params[v.name]
     if isinstance(v, Expr):  # the only Exprs are dtypes: torch.float16
         return TORCH_DTYPES[v.code.removeprefix("torch.")]
     if isinstance(v, list):
-        return [value(x, params) for x in v]
+        return [value(x, params, env) for x in v]
+    if isinstance(v, Training):  # build-time runs are as in eval: shapes are the same
+        return False
+    if isinstance(v, IfTraining):
+        return value(v.otherwise, params, env)
+    if isinstance(v, Size):
+        tensor = (env or {})[v.value]
+        if not -tensor.dim() <= v.dim < tensor.dim():
+            raise ArgumentError(f"size({v.value}, {v.dim}): {v.value} has {tensor.dim()} dims")
+        return int(tensor.size(v.dim))
+    if isinstance(v, Neg):
+        return -value(v.operand, params, env)
+    if isinstance(v, BinOp):
+        try:
+            return expressions.fold(v.op, value(v.left, params, env),
+                                    value(v.right, params, env))
+        except expressions.ExpressionError as exc:
+            raise ArgumentError(str(exc)) from None
     return v
 
 
-def call_args(args: Args, params: Mapping[str, Any]) -> tuple[list, dict]:
+def call_args(args: Args, params: Mapping[str, Any],
+              env: Optional[Mapping[str, Any]] = None) -> tuple[list, dict]:
     """Positional and keyword values of ``args``, with block params set."""
-    return ([value(a, params) for a in args.positional],
-            {k: value(v, params) for k, v in args.keyword})
+    return ([value(a, params, env) for a in args.positional],
+            {k: value(v, params, env) for k, v in args.keyword})
 
 
 class Hooks:
@@ -78,17 +114,62 @@ def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass
 
 
 def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
-        params: Mapping[str, Any], hooks: Hooks = PLAIN, where: str = "") -> Any:
-    """Apply one instance of ``node`` (its module, or its function) to ``inputs``."""
+        params: Mapping[str, Any], hooks: Hooks = PLAIN, where: str = "",
+        env: Optional[Mapping[str, Any]] = None) -> Any:
+    """Apply one instance of ``node`` (its module, or its function) to
+    ``inputs`` (one per ``node.inputs``); ``env`` holds the tensors whose
+    sizes its arguments may read. Returns the output, or for a layer with
+    ``outputs:`` the returned tuple."""
     label = f"{where}{node.name}"
-    args, kwargs = call_args(node.call, params)
+    tensors, by_keyword = node.feeding.build(list(inputs))
+
+    def call() -> Any:
+        args, kwargs = call_args(node.call, params, env)
+        kwargs = {**by_keyword, **kwargs}
+        if node.op.kind is OpKind.FUNCTION:
+            fn = node.op.target
+            if node.factory:
+                kwargs["device"] = "meta"
+            given = [list(tensors)] if node.op.seq_input else list(tensors)
+            return pick(node, fn(*given, *args, **kwargs))
+        return pick(node, module(*tensors, *args, **kwargs))
+
     if node.op.kind is OpKind.FUNCTION:
-        tensors = [list(inputs)] if node.op.seq_input else list(inputs)
-        fn = node.op.target
-        return hooks.run(node, label, params, None, fn, inputs,
-                         lambda: pick(node, fn(*tensors, *args, **kwargs)))
-    return hooks.run(node, label, params, module, module, inputs,
-                     lambda: pick(node, module(*inputs, *args, **kwargs)))
+        return hooks.run(node, label, params, None, node.op.target, inputs, call)
+    return hooks.run(node, label, params, module, module, inputs, call)
+
+
+def unpack(node: Node, result: Any) -> dict[str, Any]:
+    """The values ``node`` produces, by name: its output, or the elements of
+    the tuple it returns named by ``outputs:``; raises OutputError."""
+    if not node.pattern:
+        return {node.name: result}
+    values: dict[str, Any] = {}
+
+    def walk(pattern: tuple, got: Any, where: str) -> None:
+        if not isinstance(got, (tuple, list)):
+            raise OutputError(f"returns {_kind(got)}{where}, but outputs: names "
+                              f"{len(pattern)} elements there")
+        if len(got) != len(pattern):
+            raise OutputError(f"returns {len(got)} values{where}, but outputs: names "
+                              f"{len(pattern)}")
+        for i, (name, item) in enumerate(zip(pattern, got)):
+            if isinstance(name, tuple):
+                walk(name, item, f"{where} in element {i}" if not where else f"{where}.{i}")
+            elif name is not None:
+                if not isinstance(item, torch.Tensor):
+                    raise OutputError(f"returns {_kind(item)} as element {i}{where}, so "
+                                      f"outputs: cannot name it {name!r}; use '_' to drop it")
+                values[name] = item
+
+    walk(node.pattern, result, "")
+    return values
+
+
+def _kind(value: Any) -> str:
+    if isinstance(value, (tuple, list)):
+        return f"a tuple of {len(value)}"
+    return "a tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
 class OutputError(Exception):
@@ -139,10 +220,11 @@ class MetaBlock(nn.Module):
             if node.repeat:
                 out = xs[0]
                 for layer in module:
-                    out = run(node, layer, [out, *xs[1:]], self.values, self.hooks, self.where)
+                    out = run(node, layer, [out, *xs[1:]], self.values, self.hooks, self.where,
+                              env)
             else:
-                out = run(node, module, xs, self.values, self.hooks, self.where)
-            env[node.name] = out
+                out = run(node, module, xs, self.values, self.hooks, self.where, env)
+            env.update(unpack(node, out))
         self.hooks.block_done(self.block, self.values, env, self)
         outs = [env[name] for name in self.block.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)

@@ -44,7 +44,7 @@ from mpgen.compiler.ir import (
     SymDim,
     TensorType,
 )
-from mpgen.errors import Collector, ErrorList, MpgenError
+from mpgen.errors import Collector, ErrorList, MpgenError, did_you_mean
 
 _PRIMES = (10007, 10009, 10037, 10039, 10061, 10067, 10069, 10079, 10091, 10093,
            10099, 10103, 10111, 10133, 10139, 10141, 10151, 10159, 10163, 10169)
@@ -217,6 +217,7 @@ class _Runner(meta.Hooks):
         self.symbols = symbols
         self.blocks = blocks
         self.errors = Collector()
+        self.modules: dict[str, nn.Module] = {}  # built layers, for ties
         # block name -> [(param values, {node: type}, params count)] per use
         self.block_uses: dict[str, list[tuple[dict, dict, int]]] = {}
 
@@ -225,18 +226,68 @@ class _Runner(meta.Hooks):
         for node in nodes:
             try:
                 out, count = self.run_node(node, env)
+                values = self.unpack(node, node.name, out)
             except MpgenError as exc:
                 self.errors.extend(exc)
                 return result
-            env[node.name] = out
-            result.append(dataclasses.replace(node, out=self.symbols.type(out), params=count))
+            env.update(values)
+            if node.ties:
+                node = dataclasses.replace(node, ties=self.typed_ties(node))
+            if node.pattern:
+                elements = tuple(dataclasses.replace(e, type=self.symbols.type(values[e.name]))
+                                 for e in node.elements)
+                result.append(dataclasses.replace(node, elements=elements, params=count))
+            else:
+                result.append(dataclasses.replace(node, out=self.symbols.type(out),
+                                                  params=count))
         return result
+
+    def unpack(self, node: Node, label: str, out: Any) -> dict[str, Any]:
+        try:
+            return meta.unpack(node, out)
+        except meta.OutputError as exc:
+            raise MpgenError(node.pos, f"layer {label!r}: {node.op.spelled} {exc}") from None
+
+    def tie(self, node: Node, module: nn.Module) -> set[str]:
+        """Make ``node``'s tied parameters its owners' (NOTE: ties); returns their names."""
+        tied = set()
+        for tie in node.ties:
+            owner = self.modules[tie.owner]
+            owned = dict(owner.named_parameters())
+            mine = dict(module.named_parameters())
+            where = f"layer {node.name!r}: tie: {tie.param}"
+            if tie.owner_param not in owned:
+                raise MpgenError(tie.pos, f"{where}: {tie.owner!r} has no parameter "
+                                 f"{tie.owner_param!r}{did_you_mean(tie.owner_param, owned)}")
+            if tie.param not in mine:
+                raise MpgenError(tie.pos, f"{where}: {node.op.spelled} has no parameter "
+                                 f"{tie.param!r}{did_you_mean(tie.param, mine)}")
+            theirs = owned[tie.owner_param]
+            if mine[tie.param].shape != theirs.shape or mine[tie.param].dtype != theirs.dtype:
+                raise MpgenError(tie.pos, f"{where}: {tuple(mine[tie.param].shape)} cannot be "
+                                 f"{tie.owner}.{tie.owner_param}, which is "
+                                 f"{tuple(theirs.shape)}")
+            parent, _, attr = tie.param.rpartition(".")
+            setattr(module.get_submodule(parent) if parent else module, attr, theirs)
+            tied.add(tie.param)
+        return tied
+
+    def typed_ties(self, node: Node) -> tuple:
+        """``node``'s ties with the types of the parameters they share."""
+        owners = {t.owner: dict(self.modules[t.owner].named_parameters()) for t in node.ties}
+        return tuple(dataclasses.replace(t, type=self.symbols.type(owners[t.owner][t.owner_param]))
+                     for t in node.ties)
 
     def run_node(self, node: Node, env) -> tuple[torch.Tensor, int]:
         inputs = [env[name] for name in node.inputs]
         module = meta.build(node, {}, self.blocks, self) if node.op.has_module else None
-        count = sum(p.numel() for p in module.parameters()) if module is not None else 0
-        out = meta.run(node, module, inputs, {}, self)
+        count = 0
+        if module is not None:
+            self.modules[node.name] = module
+            tied = self.tie(node, module) if node.ties else set()
+            count = sum(p.numel() for name, p in module.named_parameters(remove_duplicate=False)
+                        if name not in tied)
+        out = meta.run(node, module, inputs, {}, self, env=env)
         if node.repeat and node.repeat > 1:
             chained = inputs[0]
             if out.shape != chained.shape or out.dtype != chained.dtype:
@@ -268,7 +319,7 @@ class _Runner(meta.Hooks):
                               for name, t in zip(node.inputs, inputs))
             raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} fails on "
                              f"{given}: {self.symbols.text(_clean(exc))}") from None
-        if not isinstance(out, torch.Tensor):
+        if not isinstance(out, torch.Tensor) and not node.pattern:
             hint = (f"; make one element the layer's output with 'output: 0' (0 to "
                     f"{len(out) - 1})" if isinstance(out, (tuple, list)) else "")
             raise MpgenError(node.pos, f"layer {label!r}: {node.op.spelled} returns "
@@ -276,7 +327,8 @@ class _Runner(meta.Hooks):
         return out
 
     def block_done(self, block, params, outputs, module) -> None:
-        types = {n.name: self.symbols.type(outputs[n.name]) for n in block.nodes}
+        types = {n.name: self.symbols.type(outputs[n.name]) for n in block.nodes
+                 if not n.pattern}
         count = sum(p.numel() for p in module.parameters())
         self.block_uses.setdefault(block.name, []).append((dict(params), types, count))
 

@@ -20,14 +20,14 @@ def infer_targets(graph: Graph) -> Graph:
     errors = Collector()
     losses = []
     for loss in graph.train.losses:
-        node = graph.node(loss.output)
-        shape = node.out.shape if node.out else ()
+        out = graph.type_of(loss.output)
+        shape = out.shape if out else ()
         if loss.target != "classes":
             losses.append(dataclasses.replace(loss, target_type=TensorType(tuple(shape))))
             continue
         if len(shape) < 2 or not isinstance(shape[-1], int):
             errors.add(loss.pos, f"train.loss: {loss.op} needs an output [N, classes], "
-                       f"but {loss.output!r} gives {node.out}")
+                       f"but {loss.output!r} gives {out}")
             continue
         losses.append(dataclasses.replace(loss, target_type=TensorType(tuple(shape[:-1]), "int64"),
                                           classes=shape[-1], flatten=len(shape) > 2))

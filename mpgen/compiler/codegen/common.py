@@ -9,12 +9,24 @@ from __future__ import annotations
 import functools
 import math
 import re
-from typing import Any, Iterable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import jinja2
 
 from mpgen.compiler.frontend.namespace import identifier_problem
-from mpgen.compiler.ir import Dim, Expr, Graph, Param, TensorType
+from mpgen.compiler.ir import (
+    BinOp,
+    Dim,
+    Expr,
+    Graph,
+    IfTraining,
+    Neg,
+    Param,
+    Size,
+    TensorType,
+    Training,
+)
 
 
 def module_name(class_name: str) -> str:
@@ -34,14 +46,36 @@ def file_names(graph: Graph) -> dict[str, str]:
     }
 
 
-def literal(value: Any) -> str:
-    """Python source for a spec value; strings always go through repr."""
+@dataclass(frozen=True)
+class Names:
+    """How the names inside a value are written where the value is used: a
+    block param (``dim`` in ``__init__``, ``self.dim`` in ``forward``) and a
+    tensor whose size an expression reads (its variable)."""
+
+    params: Mapping[str, str] = field(default_factory=dict)
+    tensors: Mapping[str, str] = field(default_factory=dict)
+
+
+#: Operator precedence in generated expressions (Python's).
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "//": 2, "%": 2, "neg": 3, "**": 4}
+
+
+def literal(value: Any, names: Optional[Names] = None) -> str:
+    """Python source for an IR value; strings always go through repr."""
+    names = names or Names()
     if isinstance(value, Param):
-        return value.name
+        return names.params.get(value.name, value.name)
     if isinstance(value, Expr):
         return value.code
+    if isinstance(value, Training):
+        return "self.training"
+    if isinstance(value, IfTraining):
+        return (f"{literal(value.value, names)} if self.training else "
+                f"{literal(value.otherwise, names)}")
+    if isinstance(value, (BinOp, Neg, Size)):
+        return _expression(value, names)
     if isinstance(value, list):
-        return "[" + ", ".join(literal(v) for v in value) + "]"
+        return "[" + ", ".join(literal(v, names) for v in value) + "]"
     if isinstance(value, float) and not math.isfinite(value):
         return f'float("{value}")'  # inf, -inf, nan have no literal
     if isinstance(value, (bool, int, float, str)) or value is None:
@@ -49,13 +83,33 @@ def literal(value: Any) -> str:
     raise TypeError(f"not a spec literal: {value!r}")
 
 
-def call(callee: str, args: Sequence[str], kwargs: Iterable[tuple[str, Any]]) -> str:
+def _expression(value: Any, names: Names, outer: int = 0, right: bool = False) -> str:
+    """An expression with the parentheses Python needs, and no others."""
+    if isinstance(value, Size):
+        return f"{names.tensors.get(value.value, value.value)}.size({value.dim})"
+    if isinstance(value, Neg):
+        mine = _PRECEDENCE["neg"]
+        text = f"-{_expression(value.operand, names, mine)}"
+    elif isinstance(value, BinOp):
+        mine = _PRECEDENCE[value.op]
+        # ** groups to the right, the others to the left.
+        left = _expression(value.left, names, mine + (value.op == "**"))
+        rhs = _expression(value.right, names, mine + (value.op != "**"))
+        text = f"{left} {value.op} {rhs}"
+    else:
+        text = literal(value, names)
+        return f"({text})" if text.startswith("-") and outer else text
+    return f"({text})" if mine < outer else text
+
+
+def call(callee: str, args: Sequence[str], kwargs: Iterable[tuple[str, Any]],
+         names: Optional[Names] = None) -> str:
     kwargs = list(kwargs)
     for key, _ in kwargs:
         # Validated at the schema stage; checked again because it is pasted.
         if identifier_problem(key):
             raise ValueError(f"not a keyword argument name: {key!r}")
-    parts = list(args) + [f"{k}={literal(v)}" for k, v in kwargs]
+    parts = list(args) + [f"{k}={literal(v, names)}" for k, v in kwargs]
     return f"{callee}({', '.join(parts)})"
 
 

@@ -8,21 +8,24 @@ front end's namespace) or from a namespace here; every value goes through
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from mpgen.compiler.codegen.common import call, count, header, literal
+from mpgen.compiler.codegen.common import Names, call, count, header, literal
 from mpgen.compiler.codegen.format import LINE_LENGTH
 from mpgen.compiler.codegen.writer import INDENT, PythonWriter
 from mpgen.compiler.frontend.namespace import Namespace
 from mpgen.compiler.ir import (
     Args,
     BlockClass,
+    Expr,
     Graph,
+    InitRule,
     Node,
     OpKind,
     Step,
     TensorType,
     device_runs,
+    params_used,
     unit_labels,
 )
 
@@ -98,11 +101,19 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
     if block.params_count is not None:
         doc += ["", f"{count(block.params_count)} parameters per instance."]
     var = {t.name: t.var for t in block.inputs} | {n.name: n.var for n in block.nodes}
+    var |= {e.name: e.var for n in block.nodes for e in n.elements}
     ns = Namespace({"self", *block.params, *var.values()})
     loop_var = ns.fresh("layer") if any(n.repeat and n.repeat > 1 for n in block.nodes) else None
     shapes = dict(block.shapes)
+    # Params a call in forward reads are kept as attributes (self.dim).
+    in_forward = set().union(*(params_used(v) for n in block.nodes for v in n.call.values))
+    kept = [p for p in block.params if p in in_forward]
+    names = Names({p: f"self.{p}" for p in kept}, var)
+    device = f"{block.inputs[0].var}.device" if block.inputs else None
 
     def init() -> None:
+        for p in kept:
+            w.line(f"self.{p} = {p}")
         for node in block.nodes:
             if not node.op.has_module:
                 continue
@@ -111,12 +122,14 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
                 w.line(f"self.{node.name} = nn.ModuleList([{ctor} for _ in range({node.repeat})])")
             else:
                 w.line(f"self.{node.name} = {ctor}")
+            for rule in node.inits:
+                _init_line(w, f"self.{node.name}.{rule.param}", rule, guard=False)
 
     def forward() -> None:
         for node in block.nodes:
             step = Step(node.name, "", tuple(var[r] for r in node.inputs), node.var, 0,
                         node.instances, loop_var if node.repeat and node.repeat > 1 else None)
-            _step(w, node, step, shapes.get(node.name))
+            _step(w, node, step, names, shapes.get(node.name), device)
         w.line(f"return {', '.join(var[o] for o in block.outputs)}")
 
     _class(w, block.name, doc, block.params, init, [t.var for t in block.inputs],
@@ -154,6 +167,17 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                      f'[{ctor}.to("{d}") for _ in range({stop - start})]'
                      for start, stop, d in runs]
             w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
+        for node in graph.nodes:
+            for tie in node.ties:  # NOTE: [Tied parameters across devices]
+                owner, here = nodes[tie.owner].devices[0], node.devices[0]
+                w.comment(f"Tied: {node.name}.{tie.param} is {tie.source}, owned on {owner}"
+                          + ("" if owner == here else f"; forward moves a copy to {here}"))
+                w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
+        _initialization(w, graph)
+
+    var = {t.name: t.var for t in graph.inputs} | {n.name: n.var for n in graph.nodes}
+    var |= {e.name: e.var for n in graph.nodes for e in n.elements}
+    names = Names({}, var)
 
     def forward() -> None:
         for i, section in enumerate(graph.plan.sections):
@@ -163,7 +187,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
             for t in section.transfers:
                 w.line(f'{t.dst_var} = {t.src_var}.to("{t.dst}")', _shape(t.type))
             for step in section.steps:
-                _step(w, nodes[step.node], step)
+                _step(w, nodes[step.node], step, names, device=step.device)
         w.line(f"return {', '.join(graph.plan.returns)}")
 
     _class(w, graph.name, doc, [], init, [t.var for t in graph.inputs], len(graph.outputs),
@@ -181,39 +205,81 @@ def _spread(node: Node, runs: Sequence[tuple[int, int, str]]) -> list[str]:
 
 # -- statements -----------------------------------------------------------------
 
-def _constructor(node: Node) -> str:
-    return _call(node.op.callee, [], node.init)
+def _constructor(node: Node, names: Optional[Names] = None) -> str:
+    return _call(node.op.callee, [], node.init, names)
 
 
-def _call(callee: str, tensors: Sequence[str], args: Args) -> str:
-    return call(callee, [*tensors, *(literal(a) for a in args.positional)], args.keyword)
+def _call(callee: str, tensors: Sequence[str], args: Args, names: Optional[Names] = None,
+          extra: Sequence[tuple[str, Any]] = ()) -> str:
+    positional = [*tensors, *(literal(a, names) for a in args.positional)]
+    return call(callee, positional, [*extra, *args.keyword], names)
 
 
 def _shape(t: Optional[TensorType]) -> Optional[str]:
     return str(t) if t is not None and t.shape else None
 
 
-def _apply(node: Node, reads: Sequence[str], target: str) -> str:
-    """The call that runs ``node`` on ``reads``: its function, or ``target`` (a module)."""
+def _tuple_code(items: Sequence[str]) -> str:
+    return f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+
+
+def _apply(node: Node, reads: Sequence[str], target: str, names: Names,
+           device: Optional[str] = None, tied: Sequence[tuple[str, str]] = ()) -> str:
+    """The call that runs ``node`` on ``reads`` (one variable per input): its
+    function, or ``target`` (a module); ``device`` makes a factory's tensor."""
+    tensors, by_keyword = node.feeding.build(list(reads), pack=_tuple_code)
+    keywords = [(k, Expr(v)) for k, v in by_keyword.items()]
     if node.op.kind is OpKind.FUNCTION:
-        tensors = [f"[{', '.join(reads)}]"] if node.op.seq_input else list(reads)
-        code = _call(node.op.callee, tensors, node.call)
+        given = [f"[{', '.join(tensors)}]"] if node.op.seq_input else tensors
+        if node.factory and device is not None:
+            keywords.append(("device", device if "." not in device else Expr(device)))
+        code = _call(node.op.callee, given, node.call, names, keywords)
+    elif tied:
+        # NOTE: [Tied parameters across devices] (placement.transfers)
+        params = "{" + ", ".join(f"{p!r}: {v}" for p, v in tied) + "}"
+        code = f"torch.func.functional_call({target}, {params}, {_tuple_code(tensors)}"
+        kw = [*keywords, *node.call.keyword]
+        if kw:  # functional_call takes forward's keyword arguments as a dict
+            code += ", {" + ", ".join(f"{k!r}: {literal(v, names)}" for k, v in kw) + "}"
+        code += ")"
     else:
-        code = _call(target, reads, node.call)
+        code = _call(target, tensors, node.call, names, keywords)
     return code + (f"[{node.output}]" if node.output is not None else "")
 
 
-def _step(w: PythonWriter, node: Node, step: Step,
-          shape: Optional[TensorType] = None) -> None:
+def _target(node: Node, step: Step) -> str:
+    """What a step assigns: its variable, or the unpacking of a returned tuple."""
+    if not node.pattern:
+        return step.out_var
+    var = {e.name: e.var for e in node.elements}
+
+    def unpack(pattern: tuple, top: bool) -> str:
+        items = [unpack(p, False) if isinstance(p, tuple) else var[p] if p else "_"
+                 for p in pattern]
+        text = ", ".join(items) + ("," if len(items) == 1 else "")
+        return text if top else f"({text})"
+
+    return unpack(node.pattern, True)
+
+
+def _comment(node: Node, shape: Optional[TensorType]) -> Optional[str]:
+    if node.pattern:
+        return ", ".join(f"{e.name} {e.type}" for e in node.elements if e.type is not None)
+    return _shape(shape if shape is not None else node.out)
+
+
+def _step(w: PythonWriter, node: Node, step: Step, names: Names,
+          shape: Optional[TensorType] = None, device: Optional[str] = None) -> None:
     """Run one step: a layer, one instance, or a loop over a run of instances."""
-    comment = _shape(shape if shape is not None else node.out)
-    out = step.out_var
+    comment = _comment(node, shape)
+    out = _target(node, step)
     if node.repeat is None:
-        w.line(f"{out} = {_apply(node, step.reads, f'self.{node.name}')}", comment)
+        code = _apply(node, step.reads, f"self.{node.name}", names, device, step.tied)
+        w.line(f"{out} = {code}", comment)
         return
     if step.stop - step.start == 1:
         target = f"self.{node.name}[{step.start}]"
-        w.line(f"{out} = {_apply(node, step.reads, target)}", comment)
+        w.line(f"{out} = {_apply(node, step.reads, target, names, device)}", comment)
         return
     first, extra = step.reads[0], list(step.reads[1:])
     if first != out:
@@ -223,4 +289,33 @@ def _step(w: PythonWriter, node: Node, step: Step,
     else:
         modules = f"self.{node.name}[{step.start}:{step.stop}]"
     with w.block(f"for {step.loop_var} in {modules}"):
-        w.line(f"{out} = {_apply(node, [out, *extra], step.loop_var)}", comment)
+        w.line(f"{out} = {_apply(node, [out, *extra], step.loop_var, names, device)}", comment)
+
+
+def _initialization(w: PythonWriter, graph: Graph) -> None:
+    """``init:``: the top-level rules over every module, in module order, then
+    each layer's own."""
+    if not graph.init_rules and not any(n.inits for n in graph.nodes):
+        return
+    w.comment("Initialization (init: in the spec), in module order")
+    by_class: dict[str, list[InitRule]] = {}
+    for rule in graph.init_rules:
+        by_class.setdefault(rule.module, []).append(rule)
+    if by_class:
+        with w.block("for module in self.modules()"):
+            for i, (cls, rules) in enumerate(by_class.items()):
+                with w.block(f"{'if' if i == 0 else 'elif'} isinstance(module, nn.{cls})"):
+                    for rule in rules:
+                        _init_line(w, f"module.{rule.param}", rule, guard=rule.param == "bias")
+    for node in graph.nodes:
+        for rule in node.inits:
+            _init_line(w, f"self.{node.name}.{rule.param}", rule, guard=False)
+
+
+def _init_line(w: PythonWriter, tensor: str, rule: InitRule, guard: bool) -> None:
+    code = call(f"nn.init.{rule.init.fn}_", [tensor], rule.init.kwargs)
+    if guard:
+        with w.block(f"if {tensor} is not None"):
+            w.line(code)
+    else:
+        w.line(code)

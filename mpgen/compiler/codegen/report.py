@@ -142,10 +142,29 @@ def report_context(graph: Graph) -> ReportContext:
         transfer_notes=_transfer_notes(graph, costs),
         legend=[f"{md_code(d)}: {PALETTE[i % len(PALETTE)][0]}" for i, d in enumerate(devices)],
         mermaid=_mermaid(graph, costs, devices),
-        notes=[] if all(u.measured for u in costs.units) else [
+        notes=_tie_notes(graph, costs) + ([] if all(u.measured for u in costs.units) else [
             "Activations of " + ", ".join(md_code(u.name) for u in costs.units if not u.measured)
-            + " could not be measured on the meta device; their output size is used instead."],
+            + " could not be measured on the meta device; their output size is used instead."]),
     )
+
+
+def _tie_notes(graph: Graph, costs: Costs) -> list[str]:
+    """One sentence per tied parameter: who owns it, where, what moves."""
+    notes = []
+    for node in graph.nodes:
+        for tie in node.ties:
+            owner = graph.node(tie.owner).devices[0]
+            here = node.devices[0]
+            text = (f"Tied: {md_code(f'{node.name}.{tie.param}')} is {md_code(tie.source)}, "
+                    f"one parameter owned by {md_code(tie.owner)} on {md_code(owner)} and "
+                    "counted there once")
+            if here != owner:
+                size = human_bytes(costs.nbytes(tie.source))
+                text += (f"; {md_code(node.name)} on {md_code(here)} reads a copy moved in "
+                         f"forward ({size} per step), and backward returns its gradient to "
+                         "the one parameter")
+            notes.append(text + ".")
+    return notes
 
 
 def _how(kind: str, choice, device_map) -> list[str]:
@@ -283,6 +302,7 @@ def _mermaid(graph: Graph, costs: Costs, devices: list[str]) -> list[str]:
     for i, t in enumerate(graph.inputs):
         ids[t.name] = f"in{i}"
         lines.append(f'  in{i}(["{mermaid_text(t.name)}"]):::input')
+    producer = {v: n.name for n in graph.nodes for v in n.value_names}
     first: dict[str, tuple[str, str]] = {}  # node -> (id, device) of its first run
     last: dict[str, tuple[str, str]] = {}
     edges = []
@@ -299,7 +319,11 @@ def _mermaid(graph: Graph, costs: Costs, devices: list[str]) -> list[str]:
                     if value in ids:
                         edges.append(f"  {ids[value]} --> {node_id}")
                     else:
-                        edges.append(_edge(last[value], first[node.name], costs.nbytes(value)))
+                        edges.append(_edge(last[producer[value]], first[node.name],
+                                           costs.nbytes(value)))
+                for tie in node.ties:  # a shared parameter: a dotted edge from its owner
+                    label = mermaid_text(f"tied {tie.source}")
+                    edges.append(f'  {first[tie.owner][0]} -.->|"{label}"| {node_id}')
             else:
                 edges.append(_edge(last[node.name], (node_id, device),
                                    costs.nbytes(node.name)))

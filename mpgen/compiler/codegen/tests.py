@@ -81,7 +81,7 @@ def model_facts(graph: Graph) -> ModelFacts:
         devices=tuple(graph.devices),
         placement=placement,
         total_params=graph.total_params,
-        output_shapes=[graph.node(o).out.concrete(dims) for o in graph.outputs],
+        output_shapes=[graph.type_of(o).concrete(dims) for o in graph.outputs],
         transfers=transfers,
         input_lines=input_lines,
         input_vars=input_vars,

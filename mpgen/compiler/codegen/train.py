@@ -101,7 +101,7 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
     batch_ns = Namespace(GLOBALS | {graph.name, *_SCAFFOLD_GLOBALS})
     params, batch_lines, inputs, targets, _ = batch_code(graph, batch_ns)
     scaffold, ns = _scaffold_names(graph)
-    plan_devices = {n.name: n.devices[-1] for n in graph.nodes}
+    plan_devices = {v: n.devices[-1] for n in graph.nodes for v in n.value_names}
     out_vars = [ns.fresh(o) for o in graph.outputs]
     loss_init, loss_lines, parts = [], [], []
     multi = len(train.losses) > 1

@@ -62,9 +62,24 @@ def candidates(blocks: Iterable[str]) -> list[str]:
     return [*nn_module_names(), *blocks, *_function_names("torch"), *_function_names("F")]
 
 
-def resolve_op(spelled: str, blocks: Iterable[str], search_path: Iterable[str] = ()) -> Op:
-    """Find what ``spelled`` names; raises :class:`OpError`."""
+#: torch functions that make a tensor from sizes: layers with ``in: []``,
+#: created on their layer's device.
+FACTORIES = frozenset({"arange", "zeros", "ones", "full", "eye", "empty", "linspace",
+                       "logspace", "tril_indices", "triu_indices", "rand", "randn",
+                       "randint", "randperm", "tensor"})
+
+
+def resolve_op(spelled: str, blocks: Iterable[str], search_path: Iterable[str] = (),
+               factory: bool = False) -> Op:
+    """Find what ``spelled`` names (``factory``: a layer with ``in: []``);
+    raises :class:`OpError`."""
     blocks = list(blocks)
+    name = spelled.removeprefix("torch.")
+    if spelled.startswith("torch.") and name in FACTORIES:
+        if not factory:
+            raise OpError(f"{spelled} makes a new tensor: mark the layer as a factory with "
+                          "'in: []' (it is then created on its layer's device)")
+        return Op(OpKind.FUNCTION, spelled, spelled, target=getattr(torch, name))
     if spelled in blocks:
         return Op(OpKind.BLOCK, spelled, spelled, target=spelled)
     if spelled.startswith(("torch.", "F.")) and spelled.count(".") == 1:

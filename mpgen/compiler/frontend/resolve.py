@@ -9,19 +9,27 @@ collected and reported together, each at its YAML node.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
+import inspect
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from torch import nn
 
-from mpgen.compiler.frontend import ops
+from mpgen.compiler.frontend import expressions, ops
 from mpgen.compiler.ir import (
     Args,
     BlockClass,
+    Element,
     Expr,
+    Feed,
     Graph,
+    Initializer,
+    InitRule,
     InputTensor,
     Node,
     Op,
@@ -29,6 +37,11 @@ from mpgen.compiler.ir import (
     Param,
     SymDim,
     TensorType,
+    IfTraining,
+    Tie,
+    Training,
+    params_used,
+    sizes_used,
 )
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace, identifier_problem
 from mpgen.errors import Collector, Position, did_you_mean
@@ -114,6 +127,7 @@ class _Resolver:
             ns=self.forward_namespace(inputs),
         )
         outputs = self.outputs(("outputs",), spec.outputs, nodes)
+        init_rules = self.model_inits()
         self.errors.raise_if_any()
         return Graph(
             name=spec.name,
@@ -124,7 +138,21 @@ class _Resolver:
             outputs=tuple(outputs),
             blocks=tuple(blocks),
             pos=self.value("name"),
+            init_rules=tuple(init_rules),
         )
+
+    def model_inits(self) -> list[InitRule]:
+        """The top-level ``init:``: torch.nn class -> parameter -> initializer."""
+        rules: list[InitRule] = []
+        names = ops.nn_module_names()
+        for cls, mapping in (self.spec.init or {}).items():
+            if cls not in names:
+                self.errors.add(self.key("init", cls), f"init: unknown torch.nn module "
+                                f"{cls!r}{did_you_mean(cls, names)}")
+                continue
+            found = self.initializers(("init", cls), mapping, f"init: {cls}")
+            rules += [dataclasses.replace(r, module=cls) for r in found or []]
+        return rules
 
     def forward_namespace(self, inputs: list[InputTensor]) -> Namespace:
         ns = self.globals.child()
@@ -190,6 +218,8 @@ class _Resolver:
                 problem = f"{name!r} would shadow nn.Module.{name}"
             if problem is None and name in input_names:
                 problem = f"{name!r} is also the name of an input"
+            if problem is None and params is not None and name in params:
+                problem = f"{name!r} is also the name of a block parameter"
             if problem:
                 self.errors.add(where, f"{self.label((*path, name))}: {problem}")
                 failed.add(name)
@@ -207,7 +237,8 @@ class _Resolver:
               failed: set[str]) -> Optional[Node]:
         lpath = (*path, name)
         try:
-            op = ops.resolve_op(layer.op, blocks, self.search_path)
+            op = ops.resolve_op(layer.op, blocks, self.search_path,
+                                factory=layer.in_ is not None and not layer.in_)
         except ops.OpError as exc:
             hint = did_you_mean(layer.op, ops.candidates(blocks)) if "unknown op" in str(exc) else ""
             if layer.op in self.spec.blocks and layer.op not in blocks:
@@ -216,16 +247,23 @@ class _Resolver:
             self.errors.add(self.value(*lpath, "op"), f"{self.label(lpath)}: {exc}{hint}")
             return None
         # Inputs: default is the previous layer, or the first input.
+        factory = layer.in_ is not None and not layer.in_
         if layer.in_ is None:
+            previous = earlier[-1] if index and earlier and earlier[-1].name == all_names[
+                index - 1] else None
+            if previous is not None and previous.pattern:
+                self.errors.add(self.key(*lpath), f"{self.label(lpath)}: the layer before it, "
+                                f"{previous.name!r}, returns a tuple named by its outputs "
+                                f"({', '.join(previous.value_names)}); say which to read with "
+                                "'in:'")
+                return None
             refs = [all_names[index - 1]] if index else input_names[:1]
             ref_pos = [self.key(*lpath)] * len(refs)
+            feed = None
         else:
-            refs = list(layer.in_)
-            in_path = (*lpath, "in")
-            is_list = isinstance(self._raw(in_path), list)
-            ref_pos = [self.value(*in_path, i) if is_list else self.value(*in_path)
-                       for i in range(len(refs))]
-        known = input_names + [n.name for n in earlier]
+            refs, ref_pos, feed = self.feed((*lpath, "in"), layer.in_)
+        known = input_names + [v for n in earlier for v in n.value_names]
+        tuples = {n.name: n for n in earlier if n.pattern}
         ok = True
         for ref, pos in zip(refs, ref_pos):
             if ref in known:
@@ -233,7 +271,10 @@ class _Resolver:
             ok = False
             if ref in failed:
                 continue  # its own error is reported
-            if ref == name:
+            if ref in tuples:
+                msg = (f"{self.label(lpath)} reads {ref!r}, which returns a tuple named by "
+                       f"its outputs; read its elements ({', '.join(tuples[ref].value_names)})")
+            elif ref == name:
                 msg = f"{self.label(lpath)} cannot read its own output"
             elif ref in all_names:
                 msg = (f"{self.label(lpath)} reads {ref!r}, which is defined later; "
@@ -243,23 +284,209 @@ class _Resolver:
                     f" (it can read {', '.join(known)})" if len(known) <= 8 else "")
                 msg = f"{self.label(lpath)} reads unknown {ref!r}{hint}"
             self.errors.add(pos, msg)
+        if factory and op.kind is not OpKind.FUNCTION:
+            self.errors.add(self.value(*lpath, "in"), f"{self.label(lpath)}: 'in: []' marks a "
+                            f"factory such as torch.arange or torch.zeros; {op.spelled} is a "
+                            "module and reads a tensor")
+            ok = False
         if layer.repeat is not None and op.kind is OpKind.FUNCTION:
             self.errors.add(self.value(*lpath, "repeat"),
                             f"{self.label(lpath)}: repeat needs a module or block op, not a function")
             ok = False
         label = self.label(lpath)
-        args = tuple(self.literal(v, (*lpath, "args", i), params, label)
+        # size() reads a tensor in forward: only arguments of a call made there.
+        in_forward = op.kind is OpKind.FUNCTION
+        scope = Scope(params, known if in_forward else None)
+        args = tuple(self.literal(v, (*lpath, "args", i), scope, label)
                      for i, v in enumerate(layer.args))
-        kwargs = tuple((k, self.literal(v, (*lpath, k), params, label, key=k))
+        kwargs = tuple((k, self.literal(v, (*lpath, k), scope, label, key=k))
                        for k, v in layer.kwargs.items())
-        ok = self.check_call(op, lpath, name, args, kwargs, len(refs)) and ok
+        call_kwargs = tuple((k, self.literal(v, (*lpath, "call", k), Scope(params, known), label,
+                                             key=k))
+                            for k, v in (layer.call or {}).items())
+        if in_forward:
+            for key, _ in call_kwargs:
+                if key in dict(kwargs):
+                    self.errors.add(self.key(*lpath, "call", key), f"{label}: {key!r} is given "
+                                    f"both as a keyword and in call:")
+                    ok = False
+        n_inputs = len(refs) if feed is None else len(feed.positional)
+        ok = self.check_call(op, lpath, name, args, kwargs, n_inputs) and ok
+        pattern, elements = self.elements(lpath, layer, ns, input_names, all_names, earlier)
+        if layer.outputs is not None and pattern is None:
+            ok = False
+        ties = self.ties(lpath, layer, op, params, earlier)
+        inits = self.layer_inits(lpath, layer, op)
+        if ties is None or inits is None:
+            ok = False
         if not ok:
             return None
         var = ns.fresh(name)
         given = Args(args, kwargs)
-        init, call = (Args(), given) if op.kind is OpKind.FUNCTION else (given, Args())
+        if op.kind is OpKind.FUNCTION:
+            init, call = Args(), Args(args, _train_mode(op, n_inputs, args,
+                                                         kwargs + call_kwargs))
+        else:
+            init, call = given, Args((), call_kwargs)
         return Node(name=name, var=var, op=op, init=init, call=call, inputs=tuple(refs),
-                    pos=self.key(*lpath), repeat=layer.repeat, output=layer.output)
+                    pos=self.key(*lpath), repeat=layer.repeat, output=layer.output, feed=feed,
+                    pattern=pattern, elements=elements, factory=factory, ties=ties or (),
+                    inits=inits or ())
+
+    # -- the new forms of a layer -------------------------------------------
+    def feed(self, in_path, items: list) -> tuple[list[str], list[Position], Feed]:
+        """``in:`` items -> the names read (flat), their positions, the Feed."""
+        refs: list[str] = []
+        where: list[Position] = []
+        raw = self._raw(in_path)
+
+        def item(value, path) -> Any:
+            if isinstance(value, list):
+                return tuple(item(v, (*path, i)) for i, v in enumerate(value))
+            refs.append(value)
+            where.append(self.value(*path))
+            return len(refs) - 1
+
+        def top(i):
+            return (*in_path, i) if isinstance(raw, list) else in_path
+
+        positional, keyword = [], []
+        for i, value in enumerate(items):
+            if isinstance(value, dict):
+                for key, ref in value.items():
+                    keyword.append((key, item(ref, (*top(i), key))))
+            else:
+                positional.append(item(value, top(i)))
+        return refs, where, Feed(tuple(positional), tuple(keyword))
+
+    def elements(self, lpath, layer: LayerSpec, ns: Namespace, input_names, all_names,
+                 earlier: list[Node]) -> tuple[Optional[tuple], tuple[Element, ...]]:
+        """A layer's ``outputs:`` -> the unpacking pattern and its named elements."""
+        if layer.outputs is None:
+            return None, ()
+        label = self.label(lpath)
+        if layer.repeat is not None or layer.output is not None:
+            what = "repeat" if layer.repeat is not None else "output"
+            self.errors.add(self.key(*lpath, "outputs"), f"{label}: 'outputs' names the "
+                            f"elements of a returned tuple and cannot be combined with "
+                            f"'{what}'")
+            return None, ()
+        taken = set(input_names) | set(all_names) | {v for n in earlier for v in n.value_names}
+        elements: list[Element] = []
+        ok = True
+
+        def walk(items, path, at) -> tuple:
+            nonlocal ok
+            pattern = []
+            for i, value in enumerate(items):
+                if isinstance(value, list):
+                    pattern.append(walk(value, (*path, i), (*at, i)))
+                    continue
+                if value == "_":
+                    pattern.append(None)
+                    continue
+                pos = self.value(*path, i)
+                problem = identifier_problem(value)
+                if problem is None and value in _MODULE_ATTRS:
+                    problem = f"{value!r} would shadow nn.Module.{value}"
+                if problem is None and (value in taken or value in [e.name for e in elements]):
+                    problem = f"{value!r} is already the name of an input, a layer or a value"
+                if problem:
+                    self.errors.add(pos, f"{label}: outputs: {problem}")
+                    ok = False
+                    pattern.append(None)
+                    continue
+                elements.append(Element(value, ns.fresh(value), (*at, i)))
+                pattern.append(value)
+            return tuple(pattern)
+
+        pattern = walk(layer.outputs, (*lpath, "outputs"), ())
+        if ok and not elements:
+            self.errors.add(self.key(*lpath, "outputs"), f"{label}: outputs: name at least "
+                            "one element ('_' drops one)")
+            ok = False
+        return (pattern, tuple(elements)) if ok else (None, ())
+
+    def ties(self, lpath, layer: LayerSpec, op: Op, params, earlier: list[Node]
+             ) -> Optional[tuple[Tie, ...]]:
+        if not layer.tie:
+            return ()
+        label = self.label(lpath)
+        if params is not None or not op.has_module or layer.repeat is not None:
+            why = ("inside a block" if params is not None else
+                   "on a function layer" if not op.has_module else "on a repeated layer")
+            self.errors.add(self.key(*lpath, "tie"), f"{label}: tie: is not supported {why}; "
+                            "tie a layer of the model to an earlier one")
+            return None
+        ties = []
+        owners = {n.name: n for n in earlier if n.op.has_module}
+        for param, target in layer.tie.items():
+            pos = self.value(*lpath, "tie", param)
+            owner, dot, owner_param = target.partition(".")
+            if not dot or not owner or not owner_param:
+                self.errors.add(pos, f"{label}: tie: {param}: expected LAYER.PARAM, like "
+                                f"'wte.weight', got {target!r}")
+                return None
+            if owner not in owners:
+                known = list(owners)
+                self.errors.add(pos, f"{label}: tie: {param}: {owner!r} is not an earlier "
+                                f"layer with parameters{did_you_mean(owner, known)}")
+                return None
+            if owners[owner].repeat is not None:
+                self.errors.add(pos, f"{label}: tie: {param}: {owner!r} is repeated; tie to "
+                                "a layer that is not")
+                return None
+            ties.append(Tie(param, owner, owner_param, pos))
+        return tuple(ties)
+
+    def layer_inits(self, lpath, layer: LayerSpec, op: Op) -> Optional[tuple[InitRule, ...]]:
+        if not layer.init_map:
+            return ()
+        if not op.has_module:
+            self.errors.add(self.key(*lpath, "init"), f"{self.label(lpath)}: init: needs a "
+                            "module with parameters, not a function")
+            return None
+        rules = self.initializers((*lpath, "init"), layer.init_map, self.label(lpath))
+        if rules is None:
+            return None
+        return tuple(dataclasses.replace(r, layer=lpath[-1]) for r in rules)
+
+    def initializers(self, path, mapping: dict, label: str) -> Optional[list[InitRule]]:
+        """``{param: initializer}`` -> rules; errors at each bad entry."""
+        rules = []
+        ok = True
+        for param, spec in mapping.items():
+            pos = self.value(*path, param)
+            name, arg = (spec, None) if isinstance(spec, str) else next(iter(spec.items()))
+            fn = init_functions().get(name)
+            if fn is None:
+                self.errors.add(pos, f"{label}: init: unknown initializer {name!r}"
+                                f"{did_you_mean(name, list(init_functions()))}")
+                ok = False
+                continue
+            if arg is None:
+                kwargs = {}
+            elif isinstance(arg, dict):
+                kwargs = dict(arg)
+            else:  # {constant: 0.5}: the one value argument
+                kwargs = {fn.value_arg: arg} if fn.value_arg else None
+                if kwargs is None:
+                    self.errors.add(pos, f"{label}: init: {name} takes keyword arguments "
+                                    f"({', '.join(fn.names) or 'none'}), like "
+                                    f"{{{name}: {{{fn.names[0] if fn.names else 'x'}: ...}}}}")
+                    ok = False
+                    continue
+            values = []
+            for key, value in kwargs.items():
+                if key not in fn.names:
+                    self.errors.add(pos, f"{label}: init: unknown argument {key!r} for "
+                                    f"{name}{did_you_mean(key, fn.names)}")
+                    ok = False
+                    continue
+                values.append((key, self.literal(value, (*path, param), Scope(None, None),
+                                                 label)))
+            rules.append(InitRule(param, Initializer(name, tuple(values)), pos))
+        return rules if ok else None
 
     def _raw(self, path):
         node = self.loaded.data
@@ -267,25 +494,48 @@ class _Resolver:
             node = node[part]
         return node
 
-    def literal(self, value, path, params: Optional[list[str]], label: str, key: str = ""):
-        """A spec value as IR data: ``$p`` -> Param, dtypes -> Expr."""
+    def literal(self, value, path, scope: "Scope", label: str, key: str = ""):
+        """A spec value as IR data: ``$p`` -> Param, ``=...`` -> an expression,
+        dtypes -> Expr."""
         if isinstance(value, list):
-            return [self.literal(v, (*path, i), params, label) for i, v in enumerate(value)]
+            return [self.literal(v, (*path, i), scope, label) for i, v in enumerate(value)]
         if isinstance(value, str) and value.startswith("$"):
-            pname = value[1:]
-            if params is None:
-                self.errors.add(self.value(*path), f"{label}: {value!r} is a block "
-                                "parameter, but this layer is not inside a block")
-            elif pname not in params:
-                self.errors.add(self.value(*path), f"{label}: unknown block parameter "
-                                f"{value!r}{did_you_mean(pname, params)}")
-            return Param(pname)
+            self.check_param(value[1:], value, path, scope, label)
+            return Param(value[1:])
+        if expressions.is_expression(value):
+            try:
+                tree = expressions.parse(value)
+            except expressions.ExpressionError as exc:
+                self.errors.add(self.value(*path), f"{label}: expression {value!r}: {exc}")
+                return 0
+            for name in sorted(params_used(tree)):
+                self.check_param(name, value, path, scope, label)
+            for name in sorted(sizes_used(tree)):
+                if scope.sizes is None:
+                    self.errors.add(self.value(*path), f"{label}: expression {value!r}: "
+                                    "size() is read in forward, so it can only be used in the "
+                                    "arguments of a torch.*/F.* layer or in call:, not in a "
+                                    "module's constructor arguments")
+                elif name not in scope.sizes:
+                    self.errors.add(self.value(*path), f"{label}: expression {value!r}: "
+                                    f"size() of {name!r}, which is not in scope here"
+                                    f"{did_you_mean(name, scope.sizes)}")
+            return tree
         if key == "dtype" and isinstance(value, str):
             if value not in DTYPES:
                 self.errors.add(self.value(*path), f"{label}: unknown dtype "
                                 f"{value!r}{did_you_mean(value, DTYPES)}")
             return Expr(f"torch.{value}")
         return value
+
+    def check_param(self, name: str, written: str, path, scope: "Scope", label: str) -> None:
+        shown = f"${name}"
+        if scope.params is None:
+            self.errors.add(self.value(*path), f"{label}: {shown!r} is a block parameter, but "
+                            "this layer is not inside a block")
+        elif name not in scope.params:
+            self.errors.add(self.value(*path), f"{label}: unknown block parameter "
+                            f"{shown!r}{did_you_mean(name, scope.params)}")
 
     def check_call(self, op: Op, lpath, name, args, kwargs, n_inputs) -> bool:
         if op.kind is OpKind.BLOCK:
@@ -343,19 +593,84 @@ class _Resolver:
 
     def outputs(self, path, outputs: Optional[list[str]], nodes: list[Node]) -> list[str]:
         if outputs is None:
-            return [nodes[-1].name] if nodes else []
-        names = [n.name for n in nodes]
+            return list(nodes[-1].value_names) if nodes else []
+        names = [v for n in nodes for v in n.value_names]
+        tuples = {n.name: n for n in nodes if n.pattern}
         raw = self._raw(path)
         result = []
         for i, out in enumerate(outputs):
             pos = self.value(*path, i) if isinstance(raw, list) else self.value(*path)
-            if out not in names:
+            if out in tuples:
+                self.errors.add(pos, f"outputs: {out!r} returns a tuple named by its outputs; "
+                                f"list its elements ({', '.join(tuples[out].value_names)})")
+            elif out not in names:
                 self.errors.add(pos, f"outputs: unknown layer {out!r}{did_you_mean(out, names)}")
             elif out in result:
                 self.errors.add(pos, f"outputs: {out!r} is listed twice")
             else:
                 result.append(out)
         return result
+
+
+#: Functions whose randomness is for training only, and the name of their flag.
+_TRAINING_FLAG = {
+    **{f"F.{n}": "training" for n in ("dropout", "alpha_dropout", "feature_alpha_dropout",
+                                      "dropout1d", "dropout2d", "dropout3d", "rrelu")},
+    **{f"torch.{n}": "train" for n in ("dropout", "alpha_dropout", "feature_dropout",
+                                       "feature_alpha_dropout")},
+}
+
+
+def _train_mode(op: Op, n_inputs: int, args: tuple, kwargs: tuple) -> tuple:
+    """A function layer's keywords, with what depends on training mode tied
+    to the module's (``model.eval()`` turns dropout off, as nn.Dropout does):
+    a dropout-like function not given its flag gets ``self.training``, and a
+    ``dropout_p`` applies only while training."""
+    given = dict(kwargs)
+    flag = _TRAINING_FLAG.get(op.spelled)
+    if flag is not None and flag not in given:
+        try:
+            names = list(inspect.signature(op.target).parameters)
+        except (TypeError, ValueError):  # torch.dropout(input, p, train)
+            names = ["input", "p", flag]
+        position = names.index(flag) if flag in names else len(names)
+        if n_inputs + len(args) <= position:
+            given[flag] = Training()
+    if "dropout_p" in given and given["dropout_p"] not in (0, 0.0, None):
+        given["dropout_p"] = IfTraining(given["dropout_p"], 0.0)
+    return tuple(given.items())
+
+
+@dataclass(frozen=True)
+class Scope:
+    """What a value may read: block params (None outside a block) and the
+    tensors whose sizes it may take (None where it is not computed in forward)."""
+
+    params: Optional[list[str]]
+    sizes: Optional[list[str]]
+
+
+@functools.cache
+def init_functions() -> dict[str, "InitFunction"]:
+    """``torch.nn.init`` by the spec's names: ``normal`` -> ``nn.init.normal_``."""
+    result = {}
+    for attr in sorted(dir(nn.init)):
+        fn = getattr(nn.init, attr)
+        if not (attr.endswith("_") and not attr.startswith("_") and callable(fn)):
+            continue
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        names = [p.name for p in params if p.name != "generator"
+                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        required = [p.name for p in params if p.default is p.empty and p.name in names]
+        result[attr[:-1]] = InitFunction(attr, tuple(names), required[0] if required else None)
+    return result
+
+
+@dataclass(frozen=True)
+class InitFunction:
+    attr: str  # nn.init attribute: normal_
+    names: tuple[str, ...]  # keyword arguments after the tensor
+    value_arg: Optional[str]  # the one required argument ({constant: 0.5} -> val)
 
 
 def _user_roots(spec: Spec) -> set[str]:

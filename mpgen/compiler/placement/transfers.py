@@ -8,6 +8,17 @@
 # and the value has no other copy, the copy takes over the variable name
 # (``h = h.to("cuda:1")``) as hand-written code does; otherwise every copy gets
 # a name saying where it lives (``trunk_cuda1``, ``trunk_cuda2``).
+#
+# NOTE: [Tied parameters across devices]
+# A tied parameter (``tie: {weight: wte.weight}``) has one owner: the layer
+# it is tied to, on that layer's device; the state dict lists it under both
+# names and the optimizer sees it once. A tied layer on another device reads
+# a copy moved to its device in forward (a Transfer of ``wte.weight``, made
+# in the section of the reading layer), so backward sends the gradient of
+# that use back to the one parameter, where it adds to the owner's own. This
+# is the single-process form of what pipeline schedules do with first- and
+# last-stage embeddings; the transfer plan, the report and the memory costs
+# show the move.
 """
 
 from __future__ import annotations
@@ -44,9 +55,11 @@ def assign(graph: Graph, devices: Sequence[tuple[str, ...]],
 
 def plan_transfers(graph: Graph) -> ForwardPlan:
     """Sections of forward, with one transfer per (value, reading device)."""
-    ns = Namespace({"self", *(t.var for t in graph.inputs), *(n.var for n in graph.nodes)})
+    ns = Namespace({"self", *(t.var for t in graph.inputs), *(n.var for n in graph.nodes),
+                    *(e.var for n in graph.nodes for e in n.elements)})
     refs = {t.name: ValueRef(t.name) for t in graph.inputs} | {n.name: n.value()
                                                                for n in graph.nodes}
+    refs |= {e.name: ValueRef(e.name) for n in graph.nodes for e in n.elements}
     home: dict[ValueRef, Optional[str]] = {refs[t.name]: None for t in graph.inputs}
     var: dict[ValueRef, str] = {refs[t.name]: t.var for t in graph.inputs}
     types = {refs[t.name]: t.type for t in graph.inputs}
@@ -56,6 +69,8 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
         reads = [refs[name] for name in node.inputs]
         for start, stop, device in device_runs(node.devices):
             steps.append((node, start, stop, device, reads))
+            for e in node.elements:  # the named elements of a returned tuple
+                home[refs[e.name]], var[refs[e.name]], types[refs[e.name]] = device, e.var, e.type
             # A later run of a repeated layer reads this run's output.
             out = node.value(stop - 1)
             reads = [out, *reads[1:]]
@@ -95,11 +110,20 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
                                           types[value]))
                 copies[(value, device)] = dst_var
             read_vars.append(copies[(value, device)])
+        tied = []
+        for tie in node.ties:  # NOTE: [Tied parameters across devices]
+            owner = graph.node(tie.owner).devices[0]
+            if owner != device:
+                copy = ns.fresh(f"{tie.owner}_{tie.owner_param}".replace(".", "_"))
+                transfers.append(Transfer(ValueRef(tie.source), owner, device,
+                                          f"self.{tie.source}", copy, tie.type))
+                tied.append((tie.param, copy))
         loop_var = None
         if node.repeat is not None and stop - start > 1:
             kind = "block" if node.op.kind.value == "block" else "layer"
             loop_var = loop_names.get(kind) or loop_names.setdefault(kind, ns.fresh(kind))
-        step = Step(node.name, device, tuple(read_vars), node.var, start, stop, loop_var)
+        step = Step(node.name, device, tuple(read_vars), node.var, start, stop, loop_var,
+                    tuple(tied))
         if sections and sections[-1].device == device:
             last = sections[-1]
             sections[-1] = Section(device, last.transfers + tuple(transfers), last.steps + (step,))

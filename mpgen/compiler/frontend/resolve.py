@@ -446,7 +446,7 @@ class _Resolver:
             self.errors.add(self.key(*lpath, "init"), f"{self.label(lpath)}: init: needs a "
                             "module with parameters, not a function")
             return None
-        rules = self.initializers((*lpath, "init"), layer.init_map, self.label(lpath))
+        rules = self.initializers((*lpath, "init"), layer.init_map, f"{self.label(lpath)}: init")
         if rules is None:
             return None
         return tuple(dataclasses.replace(r, layer=lpath[-1]) for r in rules)
@@ -460,7 +460,7 @@ class _Resolver:
             name, arg = (spec, None) if isinstance(spec, str) else next(iter(spec.items()))
             fn = init_functions().get(name)
             if fn is None:
-                self.errors.add(pos, f"{label}: init: unknown initializer {name!r}"
+                self.errors.add(pos, f"{label}: {param}: unknown initializer {name!r}"
                                 f"{did_you_mean(name, list(init_functions()))}")
                 ok = False
                 continue
@@ -471,7 +471,7 @@ class _Resolver:
             else:  # {constant: 0.5}: the one value argument
                 kwargs = {fn.value_arg: arg} if fn.value_arg else None
                 if kwargs is None:
-                    self.errors.add(pos, f"{label}: init: {name} takes keyword arguments "
+                    self.errors.add(pos, f"{label}: {param}: {name} takes keyword arguments "
                                     f"({', '.join(fn.names) or 'none'}), like "
                                     f"{{{name}: {{{fn.names[0] if fn.names else 'x'}: ...}}}}")
                     ok = False
@@ -479,7 +479,7 @@ class _Resolver:
             values = []
             for key, value in kwargs.items():
                 if key not in fn.names:
-                    self.errors.add(pos, f"{label}: init: unknown argument {key!r} for "
+                    self.errors.add(pos, f"{label}: {param}: unknown argument {key!r} for "
                                     f"{name}{did_you_mean(key, fn.names)}")
                     ok = False
                     continue

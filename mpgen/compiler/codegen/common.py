@@ -86,7 +86,8 @@ def literal(value: Any, names: Optional[Names] = None) -> str:
 def _expression(value: Any, names: Names, outer: int = 0, right: bool = False) -> str:
     """An expression with the parentheses Python needs, and no others."""
     if isinstance(value, Size):
-        return f"{names.tensors.get(value.value, value.value)}.size({value.dim})"
+        # The front end checked the name is in scope; only its variable is written.
+        return f"{names.tensors[value.value]}.size({value.dim})"
     if isinstance(value, Neg):
         mine = _PRECEDENCE["neg"]
         text = f"-{_expression(value.operand, names, mine)}"

@@ -92,8 +92,11 @@ layers:
 """)
     assert "self.qkv = nn.Linear(dim, 3 * dim)" in code
     # A param read in forward is kept on the block (it was an undefined name).
-    assert "self.dim = dim" in code and "torch.split(qkv, self.dim, dim=-1)" in code
+    assert "self.dim = dim" in code
     assert "sizes=[self.heads, self.dim // self.heads]" in code
+    # The elements of a returned tuple get their shapes in the comment.
+    assert ("# q [batch, 8], k [batch, 8], v [batch, 8]\n"
+            "        q, k, v = torch.split(qkv, self.dim, dim=-1)\n") in code
     assert str(graph.node("heads").out) == "[batch, 2, 4]"
     assert Model()(torch.randn(3, 8)).shape == (3, 2, 4)
 

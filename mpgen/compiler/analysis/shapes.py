@@ -327,8 +327,8 @@ class _Runner(meta.Hooks):
         return out
 
     def block_done(self, block, params, outputs, module) -> None:
-        types = {n.name: self.symbols.type(outputs[n.name]) for n in block.nodes
-                 if not n.pattern}
+        types = {name: self.symbols.type(outputs[name]) for n in block.nodes
+                 for name in n.value_names}
         count = sum(p.numel() for p in module.parameters())
         self.block_uses.setdefault(block.name, []).append((dict(params), types, count))
 
@@ -442,14 +442,15 @@ def _block_facts(block: BlockClass, uses) -> BlockClass:
         return block
     counts = {count for _, _, count in uses}
     shapes = []
-    for node in block.nodes:
-        types = [t.get(node.name) for _, t, _ in uses]
+    # A shape comment per value: a layer's output, or each named element.
+    for name in [v for node in block.nodes for v in node.value_names]:
+        types = [t.get(name) for _, t, _ in uses]
         if any(t is None for t in types):
-            shapes.append((node.name, None))
+            shapes.append((name, None))
             continue
         first = types[0]
         if any(len(t.shape) != len(first.shape) or t.dtype != first.dtype for t in types):
-            shapes.append((node.name, None))
+            shapes.append((name, None))
             continue
         dims = []
         for i, dim in enumerate(first.shape):
@@ -465,6 +466,6 @@ def _block_facts(block: BlockClass, uses) -> BlockClass:
             by_param = [p for p in block.params
                         if all(values.get(p) == c for (values, _, _), c in zip(uses, column))]
             dims.append(by_param[0] if len(by_param) == 1 else "?")
-        shapes.append((node.name, TensorType(tuple(dims), first.dtype)))
+        shapes.append((name, TensorType(tuple(dims), first.dtype)))
     return dataclasses.replace(block, shapes=tuple(shapes),
                                params_count=counts.pop() if len(counts) == 1 else None)

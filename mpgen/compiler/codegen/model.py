@@ -8,7 +8,7 @@ front end's namespace) or from a namespace here; every value goes through
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from mpgen.compiler.codegen.common import Names, call, count, header, literal
 from mpgen.compiler.codegen.format import LINE_LENGTH
@@ -129,7 +129,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
         for node in block.nodes:
             step = Step(node.name, "", tuple(var[r] for r in node.inputs), node.var, 0,
                         node.instances, loop_var if node.repeat and node.repeat > 1 else None)
-            _step(w, node, step, names, shapes.get(node.name), device)
+            _step(w, node, step, names, shapes, device)
         w.line(f"return {', '.join(var[o] for o in block.outputs)}")
 
     _class(w, block.name, doc, block.params, init, [t.var for t in block.inputs],
@@ -262,16 +262,20 @@ def _target(node: Node, step: Step) -> str:
     return unpack(node.pattern, True)
 
 
-def _comment(node: Node, shape: Optional[TensorType]) -> Optional[str]:
+def _comment(node: Node, shapes: Mapping[str, Optional[TensorType]]) -> Optional[str]:
+    """The shape comment of a step: its output's, or each named element's
+    (``shapes``: a block's comments by value, valid for all its uses)."""
     if node.pattern:
-        return ", ".join(f"{e.name} {e.type}" for e in node.elements if e.type is not None)
-    return _shape(shape if shape is not None else node.out)
+        types = [(e.name, shapes.get(e.name) or e.type) for e in node.elements]
+        return ", ".join(f"{name} {t}" for name, t in types if t is not None) or None
+    return _shape(shapes.get(node.name) or node.out)
 
 
 def _step(w: PythonWriter, node: Node, step: Step, names: Names,
-          shape: Optional[TensorType] = None, device: Optional[str] = None) -> None:
+          shapes: Mapping[str, Optional[TensorType]] = {},
+          device: Optional[str] = None) -> None:
     """Run one step: a layer, one instance, or a loop over a run of instances."""
-    comment = _comment(node, shape)
+    comment = _comment(node, shapes)
     out = _target(node, step)
     if node.repeat is None:
         code = _apply(node, step.reads, f"self.{node.name}", names, device, step.tied)

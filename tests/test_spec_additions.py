@@ -209,6 +209,10 @@ outputs: [head, hn, cn]
 """)
     assert "out, (hn, cn) = self.lstm(x, (h0, c0))" in code
     assert str(graph.type_of("hn")) == "[1, batch, 6]"
+    from mpgen.commands import show
+
+    assert "out [seq, batch, 6], hn [1, batch, 6], cn [1, batch, 6]" in (
+        show.to_table(graph))
     model = Model()
     reference = nn.LSTM(4, 6)
     reference.load_state_dict(model.lstm.state_dict())

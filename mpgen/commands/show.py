@@ -23,7 +23,7 @@ def rows(graph: Graph) -> list[dict[str, Any]]:
     result = []
     for node in graph.nodes:
         for label, device, n in _runs(node):
-            result.append({
+            row = {
                 "name": label,
                 "op": node.op.spelled,
                 "device": device,
@@ -31,7 +31,11 @@ def rows(graph: Graph) -> list[dict[str, Any]]:
                 "shape": _shape(node.out) if node.out else None,
                 "dtype": node.out.dtype if node.out else None,
                 "params": node.params * n,
-            })
+            }
+            if node.pattern:  # a returned tuple: the shape of each named element
+                row["elements"] = {e.name: {"shape": _shape(e.type), "dtype": e.type.dtype}
+                                   for e in node.elements if e.type is not None}
+            result.append(row)
     return result
 
 
@@ -58,6 +62,9 @@ def to_table(graph: Graph) -> str:
     table = [("layer", "op", "device", "output", "params")]
     for row in rows(graph):
         shape = "[" + ", ".join(str(d) for d in row["shape"]) + "]" if row["shape"] else ""
+        if "elements" in row:
+            shape = ", ".join(f"{name} [{', '.join(str(d) for d in e['shape'])}]"
+                              for name, e in row["elements"].items())
         table.append((row["name"], row["op"], row["device"], shape, f"{row['params']:,}"))
     widths = [max(len(r[i]) for r in table) for i in range(5)]
 

@@ -68,12 +68,16 @@ _TORCHVISION_SCHEMAS = let_torchvision_import()
 
 # -- GPT-2 ---------------------------------------------------------------------
 
-transformers = pytest.importorskip("transformers")
+def hugging_face():
+    """transformers, or a skip of the GPT-2 checks only."""
+    return pytest.importorskip("transformers")
+
 
 VOCAB, POSITIONS, WIDTH, HEADS, LAYERS = 65, 32, 64, 4, 4
 
 
 def hf_gpt2(activation: str) -> nn.Module:
+    transformers = hugging_face()
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_positions=POSITIONS, n_embd=WIDTH, n_layer=LAYERS,
         n_head=HEADS, activation_function=activation, resid_pdrop=0.0,
@@ -148,9 +152,9 @@ def gpt2_encoder_layers(tmp_path_factory):
 
 
 def run_on_virtual_gpus(model_class, reference, weights, idx, targets):
-    """Load ``weights`` strictly (as many parameters as ``reference``), run forward and backward through the model
-    as generated for two GPUs; the logits and the tied embedding's gradient,
-    as plain CPU tensors."""
+    """Load ``weights`` strictly into the model as generated for two GPUs (as
+    many parameters as ``reference``), run forward and backward; the logits
+    and the tied embedding's gradient, as plain CPU tensors."""
     with virtual_devices(cuda=2):
         model = model_class()
         assert count(model) == count(reference)
@@ -216,6 +220,7 @@ def test_gpt2_small_example_is_the_published_size():
     assert graph.total_params == 124_439_808
     assert graph.node("h").devices == ("cuda:0",) * 6 + ("cuda:1",) * 6
     assert graph.node("lm_head").devices == ("cuda:1",)
+    transformers = hugging_face()
     with torch.device("meta"):
         reference = transformers.GPT2LMHeadModel(transformers.GPT2Config())
     assert count(reference) == 124_439_808

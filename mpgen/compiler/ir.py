@@ -27,7 +27,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from mpgen.errors import Position
 
@@ -237,43 +237,31 @@ class IfTraining:
     otherwise: Any
 
 
-def uses_size(value: Any) -> bool:
-    """True when ``value`` needs a tensor's run-time size (so belongs in ``forward``)."""
-    if isinstance(value, Size):
-        return True
+def leaves(value: Any) -> Iterator[Any]:
+    """The parts of an argument value that are not lists or expressions."""
     if isinstance(value, BinOp):
-        return uses_size(value.left) or uses_size(value.right)
-    if isinstance(value, Neg):
-        return uses_size(value.operand)
-    if isinstance(value, list):
-        return any(uses_size(v) for v in value)
-    return False
+        yield from leaves(value.left)
+        yield from leaves(value.right)
+    elif isinstance(value, Neg):
+        yield from leaves(value.operand)
+    elif isinstance(value, IfTraining):
+        yield from leaves(value.value)
+        yield from leaves(value.otherwise)
+    elif isinstance(value, list):
+        for item in value:
+            yield from leaves(item)
+    else:
+        yield value
 
 
 def params_used(value: Any) -> set[str]:
     """The block params an argument value reads."""
-    if isinstance(value, Param):
-        return {value.name}
-    if isinstance(value, BinOp):
-        return params_used(value.left) | params_used(value.right)
-    if isinstance(value, Neg):
-        return params_used(value.operand)
-    if isinstance(value, list):
-        return set().union(*(params_used(v) for v in value)) if value else set()
-    return set()
+    return {leaf.name for leaf in leaves(value) if isinstance(leaf, Param)}
 
 
 def sizes_used(value: Any) -> set[str]:
-    """The tensors whose sizes an argument value reads."""
-    if isinstance(value, Size):
-        return {value.value}
-    if isinstance(value, BinOp):
-        return sizes_used(value.left) | sizes_used(value.right)
-    if isinstance(value, Neg):
-        return sizes_used(value.operand)
-    if isinstance(value, list):
-        return set().union(*(sizes_used(v) for v in value)) if value else set()
-    return set()
+    """The tensors whose sizes an argument value reads (in forward)."""
+    return {leaf.value for leaf in leaves(value) if isinstance(leaf, Size)}
 
 
 @dataclass(frozen=True)

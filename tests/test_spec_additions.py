@@ -396,3 +396,21 @@ layers:
   att: {op: F.scaled_dot_product_attention, in: [q, q, q], dropout_p: 0.1}
 """)
     assert "dropout_p=0.1 if self.training else 0.0" in code
+
+
+@pytest.mark.parametrize("args, message", [
+    ('["=size(idx, 5)"]', "layer 'pos': torch.arange(size(idx, 5)) fails: size(idx, 5): idx "
+                          "has 2 dims"),
+    ('["=size(idx, 1) / 0"]', "layer 'pos': torch.arange(size(idx, 1) / 0) fails: division by "
+                              "zero"),
+])
+def test_run_time_sizes_that_fail_at_build_time_are_shown_as_written(tmp_path, args, message):
+    text = """
+mpgen: 1
+name: P
+inputs:
+  idx: {shape: [batch, seq], dtype: int64}
+layers:
+  pos: {op: torch.arange, in: [], args: ARGS}
+""".replace("ARGS", args)
+    assert error_of(tmp_path, text) == "spec.yaml:6:3: " + message

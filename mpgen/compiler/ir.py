@@ -27,7 +27,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from mpgen.errors import Position
 
@@ -235,6 +235,28 @@ class IfTraining:
 
     value: Any
     otherwise: Any
+
+
+#: Operator precedence in expressions (Python's).
+PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "//": 2, "%": 2, "neg": 3, "**": 4}
+
+
+def expression_text(value: Any, leaf: Callable[[Any], str], outer: int = 0) -> str:
+    """An expression as text, with the parentheses Python needs and no others;
+    ``leaf`` writes what is not an operator (a number, a param, a size)."""
+    if isinstance(value, Neg):
+        mine = PRECEDENCE["neg"]
+        text = f"-{expression_text(value.operand, leaf, mine)}"
+    elif isinstance(value, BinOp):
+        mine = PRECEDENCE[value.op]
+        # ** groups to the right, the others to the left.
+        left = expression_text(value.left, leaf, mine + (value.op == "**"))
+        right = expression_text(value.right, leaf, mine + (value.op != "**"))
+        text = f"{left} {value.op} {right}"
+    else:
+        text = leaf(value)
+        return f"({text})" if text.startswith("-") and outer else text
+    return f"({text})" if mine < outer else text
 
 
 def leaves(value: Any) -> Iterator[Any]:

@@ -33,6 +33,7 @@ from torch import nn
 
 from mpgen.compiler.analysis import meta
 from mpgen.compiler.ir import (
+    BinOp,
     BlockClass,
     Dim,
     Expr,
@@ -40,9 +41,12 @@ from mpgen.compiler.ir import (
     InputTensor,
     Node,
     OpKind,
+    Neg,
     Param,
+    Size,
     SymDim,
     TensorType,
+    expression_text,
 )
 from mpgen.errors import Collector, ErrorList, MpgenError, did_you_mean
 
@@ -317,8 +321,9 @@ class _Runner(meta.Hooks):
         except Exception as exc:
             given = ", ".join(f"{name} {self.symbols.type(t)}"
                               for name, t in zip(node.inputs, inputs))
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} fails on "
-                             f"{given}: {self.symbols.text(_clean(exc))}") from None
+            on = f" on {given}" if given else ""
+            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} fails{on}: "
+                             f"{self.symbols.text(_clean(exc))}") from None
         if not isinstance(out, torch.Tensor) and not node.pattern:
             hint = (f"; make one element the layer's output with 'output: 0' (0 to "
                     f"{len(out) - 1})" if isinstance(out, (tuple, list)) else "")
@@ -406,11 +411,17 @@ def _rnn_one_step(module: Optional[nn.Module]) -> Iterator[None]:
 
 
 def _call_text(node: Node, params: Mapping[str, Any]) -> str:
-    def show(v):
+    def show(v):  # as the spec writes it, block params set where known
         if isinstance(v, Param):
             return repr(params[v.name]) if v.name in params else f"${v.name}"
         if isinstance(v, Expr):
             return v.code
+        if isinstance(v, Size):
+            return f"size({v.value}, {v.dim})"
+        if isinstance(v, (BinOp, Neg)):
+            return expression_text(v, show)
+        if isinstance(v, list):
+            return "[" + ", ".join(show(x) for x in v) + "]"
         return repr(v)
     given = node.init or node.call
     parts = ([show(a) for a in given.positional]

@@ -26,6 +26,7 @@ from mpgen.compiler.ir import (
     Size,
     TensorType,
     Training,
+    expression_text,
 )
 
 
@@ -56,10 +57,6 @@ class Names:
     tensors: Mapping[str, str] = field(default_factory=dict)
 
 
-#: Operator precedence in generated expressions (Python's).
-_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2, "//": 2, "%": 2, "neg": 3, "**": 4}
-
-
 def literal(value: Any, names: Optional[Names] = None) -> str:
     """Python source for an IR value; strings always go through repr."""
     names = names or Names()
@@ -72,8 +69,11 @@ def literal(value: Any, names: Optional[Names] = None) -> str:
     if isinstance(value, IfTraining):
         return (f"{literal(value.value, names)} if self.training else "
                 f"{literal(value.otherwise, names)}")
-    if isinstance(value, (BinOp, Neg, Size)):
-        return _expression(value, names)
+    if isinstance(value, Size):
+        # The front end checked the name is in scope; only its variable is written.
+        return f"{names.tensors[value.value]}.size({value.dim})"
+    if isinstance(value, (BinOp, Neg)):
+        return expression_text(value, lambda leaf: literal(leaf, names))
     if isinstance(value, list):
         return "[" + ", ".join(literal(v, names) for v in value) + "]"
     if isinstance(value, float) and not math.isfinite(value):
@@ -81,26 +81,6 @@ def literal(value: Any, names: Optional[Names] = None) -> str:
     if isinstance(value, (bool, int, float, str)) or value is None:
         return repr(value)
     raise TypeError(f"not a spec literal: {value!r}")
-
-
-def _expression(value: Any, names: Names, outer: int = 0, right: bool = False) -> str:
-    """An expression with the parentheses Python needs, and no others."""
-    if isinstance(value, Size):
-        # The front end checked the name is in scope; only its variable is written.
-        return f"{names.tensors[value.value]}.size({value.dim})"
-    if isinstance(value, Neg):
-        mine = _PRECEDENCE["neg"]
-        text = f"-{_expression(value.operand, names, mine)}"
-    elif isinstance(value, BinOp):
-        mine = _PRECEDENCE[value.op]
-        # ** groups to the right, the others to the left.
-        left = _expression(value.left, names, mine + (value.op == "**"))
-        rhs = _expression(value.right, names, mine + (value.op != "**"))
-        text = f"{left} {value.op} {rhs}"
-    else:
-        text = literal(value, names)
-        return f"({text})" if text.startswith("-") and outer else text
-    return f"({text})" if mine < outer else text
 
 
 def call(callee: str, args: Sequence[str], kwargs: Iterable[tuple[str, Any]],

@@ -784,13 +784,6 @@ class Graph:
             return next(e.type for e in node.elements if e.name == name)
         return node.out
 
-    def value_of(self, name: str) -> ValueRef:
-        """The value a node or input name stands for (a repeated layer: its last instance's)."""
-        for node in self.nodes:
-            if node.name == name:
-                return node.value()
-        return ValueRef(name)
-
     @property
     def devices(self) -> tuple[str, ...]:
         """Devices used, in first-use order."""

@@ -267,8 +267,7 @@ def _tie(node: Node, module: Optional[nn.Module], modules: Mapping[str, nn.Modul
         if module is None or owner is None:
             continue
         shared = owner.get_parameter(tie.owner_param)
-        parent, _, attr = tie.param.rpartition(".")
-        setattr(module.get_submodule(parent) if parent else module, attr, shared)
+        meta.share_parameter(module, tie.param, shared)
         value_bytes[tie.source] = _nbytes(shared)
         tied.add(tie.param)
     return tied

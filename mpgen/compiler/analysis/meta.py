@@ -172,6 +172,13 @@ def _kind(value: Any) -> str:
     return "a tensor" if isinstance(value, torch.Tensor) else f"a {type(value).__name__}"
 
 
+def share_parameter(module: nn.Module, name: str, parameter: nn.Parameter) -> None:
+    """Make ``module``'s parameter ``name`` (dotted) the very ``parameter``,
+    as the generated ``self.lm_head.weight = self.wte.weight`` does."""
+    parent, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(parent) if parent else module, attr, parameter)
+
+
 class OutputError(Exception):
     """``output:`` does not fit what the layer returns (message is user-facing)."""
 

@@ -271,8 +271,7 @@ class _Runner(meta.Hooks):
                 raise MpgenError(tie.pos, f"{where}: {tuple(mine[tie.param].shape)} cannot be "
                                  f"{tie.owner}.{tie.owner_param}, which is "
                                  f"{tuple(theirs.shape)}")
-            parent, _, attr = tie.param.rpartition(".")
-            setattr(module.get_submodule(parent) if parent else module, attr, theirs)
+            meta.share_parameter(module, tie.param, theirs)
             tied.add(tie.param)
         return tied
 

@@ -20,6 +20,7 @@ from mpgen.compiler.ir import (
     Expr,
     Graph,
     InitRule,
+    InputTensor,
     Node,
     OpKind,
     Step,
@@ -100,8 +101,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
     doc = [f"Block {block.name}" + (f"({', '.join(block.params)})" if block.params else "") + "."]
     if block.params_count is not None:
         doc += ["", f"{count(block.params_count)} parameters per instance."]
-    var = {t.name: t.var for t in block.inputs} | {n.name: n.var for n in block.nodes}
-    var |= {e.name: e.var for n in block.nodes for e in n.elements}
+    var = _variables(block.inputs, block.nodes)
     ns = Namespace({"self", *block.params, *var.values()})
     loop_var = ns.fresh("layer") if any(n.repeat and n.repeat > 1 for n in block.nodes) else None
     shapes = dict(block.shapes)
@@ -109,7 +109,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
     in_forward = set().union(*(params_used(v) for n in block.nodes for v in n.call.values))
     kept = [p for p in block.params if p in in_forward]
     names = Names({p: f"self.{p}" for p in kept}, var)
-    device = f"{block.inputs[0].var}.device" if block.inputs else None
+    device = Expr(f"{block.inputs[0].var}.device") if block.inputs else None
 
     def init() -> None:
         for p in kept:
@@ -175,8 +175,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                 w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
         _initialization(w, graph)
 
-    var = {t.name: t.var for t in graph.inputs} | {n.name: n.var for n in graph.nodes}
-    var |= {e.name: e.var for n in graph.nodes for e in n.elements}
+    var = _variables(graph.inputs, graph.nodes)
     names = Names({}, var)
 
     def forward() -> None:
@@ -203,6 +202,13 @@ def _spread(node: Node, runs: Sequence[tuple[int, int, str]]) -> list[str]:
     return [one] if len(INDENT * 2 + "# " + one) <= LINE_LENGTH else parts
 
 
+def _variables(inputs: Sequence[InputTensor], nodes: Sequence[Node]) -> dict[str, str]:
+    """Value name -> the variable holding it in forward: inputs, layer
+    outputs and the named elements of returned tuples."""
+    var = {t.name: t.var for t in inputs} | {n.name: n.var for n in nodes}
+    return var | {e.name: e.var for n in nodes for e in n.elements}
+
+
 # -- statements -----------------------------------------------------------------
 
 def _constructor(node: Node, names: Optional[Names] = None) -> str:
@@ -224,15 +230,16 @@ def _tuple_code(items: Sequence[str]) -> str:
 
 
 def _apply(node: Node, reads: Sequence[str], target: str, names: Names,
-           device: Optional[str] = None, tied: Sequence[tuple[str, str]] = ()) -> str:
+           device: Any = None, tied: Sequence[tuple[str, str]] = ()) -> str:
     """The call that runs ``node`` on ``reads`` (one variable per input): its
-    function, or ``target`` (a module); ``device`` makes a factory's tensor."""
+    function, or ``target`` (a module); ``device`` (a value: a device name, or
+    an ``Expr`` such as ``x.device``) is where a factory makes its tensor."""
     tensors, by_keyword = node.feeding.build(list(reads), pack=_tuple_code)
     keywords = [(k, Expr(v)) for k, v in by_keyword.items()]
     if node.op.kind is OpKind.FUNCTION:
         given = [f"[{', '.join(tensors)}]"] if node.op.seq_input else tensors
         if node.factory and device is not None:
-            keywords.append(("device", device if "." not in device else Expr(device)))
+            keywords.append(("device", device))
         code = _call(node.op.callee, given, node.call, names, keywords)
     elif tied:
         # NOTE: [Tied parameters across devices] (placement.transfers)
@@ -273,7 +280,7 @@ def _comment(node: Node, shapes: Mapping[str, Optional[TensorType]]) -> Optional
 
 def _step(w: PythonWriter, node: Node, step: Step, names: Names,
           shapes: Mapping[str, Optional[TensorType]] = {},
-          device: Optional[str] = None) -> None:
+          device: Any = None) -> None:
     """Run one step: a layer, one instance, or a loop over a run of instances."""
     comment = _comment(node, shapes)
     out = _target(node, step)

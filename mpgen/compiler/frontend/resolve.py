@@ -322,12 +322,11 @@ class _Resolver:
         if not ok:
             return None
         var = ns.fresh(name)
-        given = Args(args, kwargs)
         if op.kind is OpKind.FUNCTION:
             init, call = Args(), Args(args, _train_mode(op, n_inputs, args,
                                                          kwargs + call_kwargs))
         else:
-            init, call = given, Args((), call_kwargs)
+            init, call = Args(args, kwargs), Args((), call_kwargs)
         return Node(name=name, var=var, op=op, init=init, call=call, inputs=tuple(refs),
                     pos=self.key(*lpath), repeat=layer.repeat, output=layer.output, feed=feed,
                     pattern=pattern, elements=elements, factory=factory, ties=ties or (),

@@ -30,19 +30,23 @@ class Generated:
     files: dict[str, str]
 
 
-def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Graph:
-    """Every stage up to the IR with devices and transfers; raises MpgenError."""
+def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
+                 root: str | Path | None = None) -> Graph:
+    """Every stage up to the IR with devices and transfers; raises MpgenError.
+    ``root``: the project the spec's dotted ops may import from (default: the
+    spec's repository; see ``docs/spec.md``, "User modules")."""
     loaded = load_file(path)
-    graph = frontend.lower(validate(loaded), loaded)
+    graph = frontend.lower(validate(loaded), loaded, root)
     graph = shapes.infer(graph)
     graph = targets.infer_targets(graph)
     graph = costs.measure_graph(graph)
     return placement.place(graph, device_map)
 
 
-def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Generated:
+def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
+             root: str | Path | None = None) -> Generated:
     """Compile one spec and render its files, formatted."""
-    graph = compile_spec(path, device_map)
+    graph = compile_spec(path, device_map, root)
     names = common.file_names(graph)
     sources = {
         names["model"]: model.render_model(graph),
@@ -56,14 +60,15 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -
 
 
 def generate_all(paths: Iterable[str | Path],
-                 device_map: Optional[Mapping[str, str]] = None) -> list[Generated]:
+                 device_map: Optional[Mapping[str, str]] = None,
+                 root: str | Path | None = None) -> list[Generated]:
     """Generate every spec; all errors of all specs are raised together."""
     errors = Collector()
     results: list[Generated] = []
     owners: dict[str, Generated] = {}
     for path in paths:
         try:
-            result = generate(path, device_map)
+            result = generate(path, device_map, root)
         except MpgenError as exc:
             errors.extend(exc)
             continue

@@ -13,6 +13,7 @@ from __future__ import annotations
 import keyword
 import math
 import re
+import sys
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (
@@ -261,6 +262,26 @@ def _check_init_map(value: Any) -> Any:
     return value
 
 
+def _check_import(value: Any) -> Any:
+    """An ``imports:`` entry: the top-level name of an installed package that
+    dotted ops may import (``docs/spec.md``, "User modules")."""
+    if not isinstance(value, str) or not value.replace(".", "_").isidentifier():
+        raise _error("imports", f"expected the name of a package, like mylayers; got "
+                     f"{shown(value)}")
+    top = value.split(".")[0]
+    if top != value:
+        raise _error("imports", f"{value!r}: list the top-level package, {top!r}")
+    if value.startswith("_"):
+        raise _error("imports", f"{value!r} is private (starts with '_'); list a public package")
+    if value in ("torch", "mpgen"):
+        raise _error("imports", f"{value!r} is not a package of layers: torch's ops are "
+                     "spelled Linear, torch.NAME or F.NAME")
+    if value in sys.stdlib_module_names:
+        raise _error("imports", f"{value!r} is in the standard library, which mpgen never "
+                     "imports for an op")
+    return value
+
+
 #: A layer's ``init:``: parameter -> initializer; a plain value is instead the
 #: constructor's own ``init`` argument (``nn.PReLU(init=0.25)``).
 LayerInit = Annotated[Any, AfterValidator(
@@ -478,6 +499,8 @@ class Spec(_Model):
     train: Optional[TrainSpec] = None
     # module class -> parameter -> initializer
     init: Optional[dict[StrictStr, Annotated[Any, AfterValidator(_check_init_map)]]] = None
+    # installed packages (top-level names) dotted ops may import
+    imports: Optional[list[Annotated[Any, AfterValidator(_check_import)]]] = None
 
     _one_output = field_validator("outputs", mode="before")(_one_or_many)
 

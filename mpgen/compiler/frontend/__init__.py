@@ -7,6 +7,8 @@ stage works on the IR alone.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
+from typing import Optional
 
 from mpgen.compiler.frontend.placement import placement_request
 from mpgen.compiler.frontend.resolve import resolve
@@ -17,10 +19,11 @@ from mpgen.spec_schema.load import LoadedSpec
 from mpgen.spec_schema.models import Spec
 
 
-def lower(spec: Spec, loaded: LoadedSpec) -> Graph:
+def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> Graph:
     """Layers, training settings and the placement request, with every
-    mistake of the three reported together; raises MpgenError."""
-    graph = resolve(spec, loaded)
+    mistake of the three reported together; raises MpgenError. ``root``: the
+    project a dotted op may import from (``frontend.imports``)."""
+    graph = resolve(spec, loaded, root)
     errors = Collector()
     try:
         graph = resolve_train(graph, spec.train, loaded.source)

@@ -1,9 +1,10 @@
 """Resolve an ``op:`` string against torch, the spec's blocks and user code.
 
-An op is looked up, never evaluated: ``torch.NAME`` and ``F.NAME`` are
-attribute lookups on the real modules, a ``torch.nn`` class name must be an
-``nn.Module`` subclass, and a dotted user path is imported (the user asked for
-their module) and must name an ``nn.Module`` subclass. Keyword arguments are
+An op is looked up, never evaluated: ``torch.NAME`` and ``F.NAME`` must be
+in the allowlist of tensor functions (:func:`function_names`), a ``torch.nn``
+class name must be an ``nn.Module`` subclass, and a dotted user path is
+imported under the policy of :mod:`~mpgen.compiler.frontend.imports` and must
+name an ``nn.Module`` subclass. Keyword arguments are
 checked against the callee's real signature: ``inspect.signature`` where
 Python has one, otherwise the ATen operator schemas of the same name.
 """
@@ -11,9 +12,7 @@ Python has one, otherwise the ATen operator schemas of the same name.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
@@ -21,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mpgen.compiler.frontend import imports
 from mpgen.compiler.ir import Op, OpKind
 
 #: nn classes that only hold other modules; the spec has blocks for that.
@@ -48,18 +48,24 @@ def nn_module_names() -> tuple[str, ...]:
 
 
 @functools.cache
-def _function_names(prefix: str) -> tuple[str, ...]:
-    module = torch if prefix == "torch" else F
-    return tuple(
-        f"{prefix}.{n}" for n in dir(module)
-        if not n.startswith("_") and callable(getattr(module, n))
-        and not inspect.isclass(getattr(module, n))
-    )
+def function_names(prefix: str) -> frozenset[str]:
+    """``NAME`` of every function op ``torch.NAME`` (``prefix`` "torch") or
+    ``F.NAME`` ("F"): an allowlist, the public functions of the namespace
+    that torch itself lists as taking tensors (the functions
+    ``__torch_function__`` can override), plus the :data:`FACTORIES`."""
+    overridable = torch.overrides.get_overridable_functions()
+    module, namespaces = (torch, (torch, torch.functional)) if prefix == "torch" else (F, (F,))
+    allowed = {id(fn) for namespace in namespaces for fn in overridable.get(namespace, ())}
+    names = {name for name, obj in vars(module).items()
+             if not name.startswith("_") and id(obj) in allowed and not inspect.isclass(obj)}
+    return frozenset(names | (FACTORIES if prefix == "torch" else set()))
 
 
 def candidates(blocks: Iterable[str]) -> list[str]:
     """Every op name, for did-you-mean suggestions."""
-    return [*nn_module_names(), *blocks, *_function_names("torch"), *_function_names("F")]
+    return [*nn_module_names(), *blocks,
+            *(f"{prefix}.{name}" for prefix in ("torch", "F")
+              for name in sorted(function_names(prefix)))]
 
 
 #: torch functions that make a tensor from sizes: layers with ``in: []``,
@@ -69,10 +75,11 @@ FACTORIES = frozenset({"arange", "zeros", "ones", "full", "eye", "empty", "linsp
                        "randint", "randperm", "tensor"})
 
 
-def resolve_op(spelled: str, blocks: Iterable[str], search_path: Iterable[str] = (),
-               factory: bool = False) -> Op:
-    """Find what ``spelled`` names (``factory``: a layer with ``in: []``);
-    raises :class:`OpError`."""
+def resolve_op(spelled: str, blocks: Iterable[str],
+               project: Optional[imports.Project] = None, factory: bool = False) -> Op:
+    """Find what ``spelled`` names (``factory``: a layer with ``in: []``); a
+    dotted op's module comes from ``project`` (default: that of a spec in the
+    working directory); raises :class:`OpError`."""
     blocks = list(blocks)
     name = spelled.removeprefix("torch.")
     if spelled.startswith("torch.") and name in FACTORIES:
@@ -85,13 +92,15 @@ def resolve_op(spelled: str, blocks: Iterable[str], search_path: Iterable[str] =
     if spelled.startswith(("torch.", "F.")) and spelled.count(".") == 1:
         prefix, name = spelled.split(".")
         module = torch if prefix == "torch" else F
-        fn = getattr(module, name, None) if not name.startswith("_") else None
-        if fn is None or inspect.isclass(fn) or inspect.ismodule(fn) or not callable(fn):
-            raise OpError(f"unknown op {spelled!r}")
-        if prefix == "torch" and not _is_tensor_operator(fn):
-            # torch.save, torch.manual_seed, torch.randn, ...: not a layer, and
+        if name not in function_names(prefix):
+            if name.startswith("_") or name not in vars(module):
+                raise OpError(f"unknown op {spelled!r}")
+            # torch.save, torch.manual_seed, torch.Tensor: not a layer, and
             # running it on meta tensors at build time could have side effects.
-            raise OpError(f"{spelled!r} is not a tensor operation a layer can apply")
+            raise OpError(f"{spelled!r} is not a tensor operation a layer can apply; a "
+                          f"function op is one of torch's functions over tensors "
+                          f"(torch.add, F.relu, ...)")
+        fn = getattr(module, name)
         return Op(OpKind.FUNCTION, spelled, spelled, target=fn, seq_input=_takes_sequence(fn))
     if "." not in spelled:
         if spelled.startswith("Lazy") and spelled[4:] in nn_module_names():
@@ -103,37 +112,17 @@ def resolve_op(spelled: str, blocks: Iterable[str], search_path: Iterable[str] =
         if spelled in _CONTAINERS:
             raise OpError(f"{spelled!r} is a container; define a block instead")
         raise OpError(f"unknown op {spelled!r}")
-    return _user_op(spelled, search_path)
+    return _user_op(spelled, project)
 
 
-def _user_op(spelled: str, search_path: Iterable[str]) -> Op:
-    parts = spelled.split(".")
-    if not all(p.isidentifier() for p in parts):
+def _user_op(spelled: str, project: Optional[imports.Project]) -> Op:
+    if not all(p.isidentifier() for p in spelled.split(".")):
         raise OpError(f"unknown op {spelled!r}: not a dotted Python path")
-    module_name, class_name = ".".join(parts[:-1]), parts[-1]
-    if parts[0] in ("torch", "mpgen"):
-        raise OpError(f"{spelled!r} is not an op: use a torch.nn class name (Linear), "
-                      "torch.NAME or F.NAME")
-    if parts[0] in sys.stdlib_module_names:
-        # Never import the standard library for an op (``this``, ``os``...):
-        # importing it can have effects, and a user op lives in the user's package.
-        raise OpError(f"{spelled!r} is in the standard library, not an nn.Module class; a "
-                      "dotted op names your own class, e.g. 'mypkg.layers.Gate'")
-    added = [p for p in search_path if p not in sys.path]
-    sys.path[:0] = added
     try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any import failure is the user's to fix
-        raise OpError(
-            f"cannot import {module_name!r} for op {spelled!r}: {type(exc).__name__}: {exc}"
-        ) from None
-    finally:
-        for p in added:
-            sys.path.remove(p)
-    cls = getattr(module, class_name, None)
-    if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
-        raise OpError(f"{spelled!r} is not an nn.Module class")
-    return Op(OpKind.USER, spelled, spelled, target=cls, module=module_name)
+        cls, module = imports.user_class(spelled, project or imports.Project.of("spec.yaml"))
+    except imports.Refused as exc:
+        raise OpError(str(exc)) from None
+    return Op(OpKind.USER, spelled, spelled, target=cls, module=module)
 
 
 @dataclass(frozen=True)
@@ -198,20 +187,6 @@ def _schemas(fn: Callable) -> list:
         s for s in schemas
         if s.arguments and "Tensor" in str(s.arguments[0].type) and not s.overload_name.endswith("out")
     ]
-
-
-def _is_tensor_operator(fn: Callable) -> bool:
-    """A torch function with an ATen schema that takes a tensor (or a tensor
-    list) first, or a Python function of torch's that is defined over one."""
-    if _schemas(fn):
-        return True
-    try:
-        first = next(iter(inspect.signature(fn).parameters.values()), None)
-    except (TypeError, ValueError):
-        return False
-    module = getattr(fn, "__module__", "") or ""
-    return (first is not None and first.name in ("input", "tensor", "tensors")
-            and module.startswith("torch.functional"))
 
 
 def _takes_sequence(fn: Callable) -> bool:

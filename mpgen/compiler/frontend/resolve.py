@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 from torch import nn
 
-from mpgen.compiler.frontend import expressions, ops
+from mpgen.compiler.frontend import expressions, imports, ops
 from mpgen.compiler.ir import (
     Args,
     BlockClass,
@@ -69,18 +69,21 @@ def display_path(spec_path: str) -> str:
     return shown.encode("unicode_escape").decode("ascii").replace('"', '\\"')
 
 
-def resolve(spec: Spec, loaded: LoadedSpec) -> Graph:
-    """Build the graph; raises MpgenError (or ErrorList) for every mistake."""
-    return _Resolver(spec, loaded).graph()
+def resolve(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> Graph:
+    """Build the graph; raises MpgenError (or ErrorList) for every mistake.
+    ``root``: the project dotted ops may import from (default: the spec's
+    repository, see :class:`~mpgen.compiler.frontend.imports.Project`)."""
+    return _Resolver(spec, loaded, root).graph()
 
 
 class _Resolver:
-    def __init__(self, spec: Spec, loaded: LoadedSpec) -> None:
+    def __init__(self, spec: Spec, loaded: LoadedSpec,
+                 root: Optional[str | Path] = None) -> None:
         self.spec = spec
         self.loaded = loaded
         self.src: SourceMap = loaded.source
         self.errors = Collector()
-        self.search_path = [str(Path(loaded.path).resolve().parent), os.getcwd()]
+        self.project = imports.Project.of(loaded.path, root, spec.imports or ())
         # Top-level packages of user ops are imported by the generated module,
         # so no generated name may shadow them.
         self.globals = Namespace(GLOBALS | _user_roots(spec))
@@ -237,7 +240,7 @@ class _Resolver:
               failed: set[str]) -> Optional[Node]:
         lpath = (*path, name)
         try:
-            op = ops.resolve_op(layer.op, blocks, self.search_path,
+            op = ops.resolve_op(layer.op, blocks, self.project,
                                 factory=layer.in_ is not None and not layer.in_)
         except ops.OpError as exc:
             hint = did_you_mean(layer.op, ops.candidates(blocks)) if "unknown op" in str(exc) else ""

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
+import os
+import shlex
 import sys
 from typing import Optional, Sequence
 
 from mpgen import __version__
 from mpgen.errors import MpgenError
+from mpgen.files import reason
 
 
 class Exit(enum.IntEnum):
@@ -46,6 +50,9 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--device-map", metavar="MAP",
                          help="rewrite devices at build time: 'cuda:1=cuda:0,cuda:2=cuda:0', "
                               "or 'cpu' for everything on the CPU")
+        if name == "build":
+            cmd.add_argument("--force", action="store_true",
+                             help="overwrite files in DIR that mpgen did not generate")
     show = sub.add_parser("show", help="print every layer's device, output shape and parameters",
                           description="print every layer's device, output shape and parameters")
     show.add_argument("spec", metavar="SPEC")
@@ -67,66 +74,100 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+def _say(text: str, stream=None) -> None:
+    """Print a line; a reader that went away (``mpgen show | head``) does not
+    change the outcome: the rest of the output is dropped."""
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream)
+        stream.flush()
+    except BrokenPipeError:
+        with contextlib.suppress(OSError, ValueError):  # no more writes, also at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), stream.fileno())
+
+
+def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
+
+    results, changes = build.build(args.specs, args.out, device_map, force=args.force)
+    for path in changes.written:
+        _say(f"wrote {path}")
+    for path in changes.removed:
+        _say(f"removed {path}")
+    if not changes.written and not changes.removed:
+        _say(f"{args.out}: up to date")
+    for result in results:
+        _say(build.summary_line(result))
+    for note in build.path_notes(results, args.out):
+        _say(note, sys.stderr)
+    return Exit.OK
+
+
+def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
+    from mpgen.commands import build
+
+    diffs = build.check(args.specs, args.out, device_map)
+    if not diffs:
+        _say(f"{args.out}: up to date")
+        return Exit.OK
+    _say("".join(diffs).rstrip("\n"))
+    command = ["mpgen", "build", *args.specs, "-o", args.out]
+    if args.device_map:
+        command += ["--device-map", args.device_map]
+    _say(f"\nmpgen check: generated code in {args.out} is not current; "
+         f"run: {shlex.join(command)}", sys.stderr)
+    return Exit.DIFF
+
+
+def _run(args: argparse.Namespace) -> int:
     from mpgen.compiler import pipeline
 
-    try:
-        device_map = _device_map(args.device_map)
-        if args.command == "build":
-            results, written = build.build(args.specs, args.out, device_map)
-            for path in written:
-                print(f"wrote {path}")
-            if not written:
-                print(f"{args.out}: up to date")
-            for result in results:
-                print(build.summary_line(result))
-            for note in build.path_notes(results, args.out):
-                print(note, file=sys.stderr)
-            return Exit.OK
-        if args.command == "show":
-            from mpgen.commands import show as summary
+    device_map = _device_map(args.device_map)
+    if args.command == "build":
+        return _build(args, device_map)
+    if args.command == "check":
+        return _check(args, device_map)
+    if args.command == "show":
+        from mpgen.commands import show as summary
 
-            graph = pipeline.compile_spec(args.spec, device_map)
-            print(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
-            return Exit.OK
-        if args.command == "check":
-            diffs = build.check(args.specs, args.out, device_map)
-            if diffs:
-                sys.stdout.write("".join(diffs))
-                specs = " ".join(args.specs)
-                print(f"\nmpgen check: generated code in {args.out} is not current; "
-                      f"run: mpgen build {specs} -o {args.out}"
-                      + (f" --device-map {args.device_map}" if args.device_map else ""),
-                      file=sys.stderr)
-                return Exit.DIFF
-            print(f"{args.out}: up to date")
-            return Exit.OK
-        if args.command == "place":
-            from mpgen.commands import place as spec_edit
+        graph = pipeline.compile_spec(args.spec, device_map)
+        _say(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
+        return Exit.OK
+    if args.command == "place":
+        from mpgen.commands import place as spec_edit
 
-            placed = spec_edit.place(args.spec, device_map)
-            if args.write:
-                changed = spec_edit.write_placement(args.spec, placed)
-                print(f"{'rewrote' if changed else 'unchanged'}: {args.spec} ({placed.how})")
-            else:
-                print(f"# {args.spec}: {placed.how}")
-                print(placed.block())
-            return Exit.OK
-        if args.command == "diff":
-            from mpgen.commands import diff as layout_diff
+        placed = spec_edit.place(args.spec, device_map)
+        if args.write:
+            changed = spec_edit.write_placement(args.spec, placed)
+            _say(f"{'rewrote' if changed else 'unchanged'}: {args.spec} ({placed.how})")
+        else:
+            _say(f"# {args.spec}: {placed.how}")
+            _say(placed.block())
+        return Exit.OK
+    if args.command == "diff":
+        from mpgen.commands import diff as layout_diff
 
-            old = layout_diff.load_side(args.old)
-            new = layout_diff.load_side(args.new)
-            sys.stdout.write(layout_diff.format_diff(layout_diff.diff(old, new)))
-            return Exit.OK
-    except MpgenError as exc:
-        print(str(exc), file=sys.stderr)
-        return Exit.ERROR
-    except KeyboardInterrupt:
-        return Exit.ERROR
+        old = layout_diff.load_side(args.old)
+        new = layout_diff.load_side(args.new)
+        _say(layout_diff.format_diff(layout_diff.diff(old, new)).rstrip("\n"))
+        return Exit.OK
     raise AssertionError(args.command)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run one command; the exit status is an :class:`Exit`: 0, 1 or 2, and
+    nothing else (argparse's usage errors are 2 too)."""
+    args = _parser().parse_args(argv)
+    try:
+        return _run(args)
+    except MpgenError as exc:
+        _say(str(exc), sys.stderr)
+    except OSError as exc:  # the environment (a deleted working folder...), not the spec
+        where = f": {exc.filename}" if exc.filename else ""
+        _say(f"mpgen: {reason(exc)}{where}", sys.stderr)
+    except KeyboardInterrupt:
+        _say("mpgen: interrupted", sys.stderr)
+    return Exit.ERROR
 
 
 if __name__ == "__main__":  # pragma: no cover

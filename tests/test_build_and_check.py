@@ -140,7 +140,7 @@ def test_failed_build_leaves_existing_output_untouched(tmp_path):
     spec.write_text(spec.read_text().replace("args: [20, 10]", "args: [30, 10]"))
     assert main(["build", str(spec), "-o", str(out)]) == 2
     assert before == {p.name: p.read_bytes() for p in out.iterdir()}
-    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]  # no staging left
 
 
 def test_two_specs_with_the_same_model_name_are_an_error(tmp_path, capsys):

@@ -8,20 +8,30 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from mpgen.compiler.codegen.common import file_names
-from mpgen.compiler.codegen.write import diff_files, write_files
+from mpgen.compiler.codegen.write import Changes, diff_files, write_files
 from mpgen.compiler.ir import Graph, Node, OpKind
 from mpgen.compiler.pipeline import Generated, generate_all
 
 
 def build(paths: Iterable[str | Path], out_dir: str | Path,
-          device_map: Optional[Mapping[str, str]] = None) -> tuple[list[Generated], list[Path]]:
-    """Generate all specs, then (only if all succeeded) write the files.
+          device_map: Optional[Mapping[str, str]] = None,
+          force: bool = False) -> tuple[list[Generated], Changes]:
+    """Generate all specs, then (only if all succeeded) write the files and
+    remove the orphans of these specs, as one unit.
 
-    Returns what was generated and the files that changed on disk.
+    Returns what was generated and what changed on disk.
     """
     results = generate_all(paths, device_map)
-    files = {n: t for r in results for n, t in r.files.items()}
-    return results, write_files(Path(out_dir), files)
+    return results, write_files(Path(out_dir), _files(results), _specs(results), force)
+
+
+def _files(results: Iterable[Generated]) -> dict[str, str]:
+    return {n: t for r in results for n, t in r.files.items()}
+
+
+def _specs(results: Iterable[Generated]) -> dict[str, str]:
+    """Each spec as the generated headers name it -> its path."""
+    return {r.graph.spec_path: r.spec_path for r in results}
 
 
 def summary_line(result: Generated) -> str:
@@ -35,11 +45,11 @@ def summary_line(result: Generated) -> str:
 
 def check(paths: Iterable[str | Path], out_dir: str | Path,
           device_map: Optional[Mapping[str, str]] = None) -> list[str]:
-    """Unified diffs for every generated file that is stale, missing or edited."""
-    diffs: list[str] = []
-    for result in generate_all(paths, device_map):
-        diffs.extend(diff_files(Path(out_dir), result.files))
-    return diffs
+    """What ``build`` would change: a unified diff for every generated file
+    that is stale, missing or edited, and each file it would refuse to
+    overwrite or would remove."""
+    results = generate_all(paths, device_map)
+    return diff_files(Path(out_dir), _files(results), _specs(results))
 
 
 def _user_nodes(graph: Graph) -> Iterable[Node]:

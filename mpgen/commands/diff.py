@@ -1,6 +1,6 @@
 """``mpgen diff OLD NEW``: what a placement change moves, per layer and device.
 
-Each side is a spec path or ``REV:path``, read with ``git show REV:path`` in
+Each side is a spec path or ``REV:path``, read with ``git cat-file blob REV:path`` in
 the current directory's repository (the path is relative to the repository
 root, or to the current directory when written ``REV:./path``). Both sides
 are compiled in full; the diff lists the layer instances whose device
@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -23,6 +25,8 @@ from mpgen.compiler.analysis.costs import human_bytes
 from mpgen.compiler.ir import Costs, Graph, UnitRef, unit_labels
 from mpgen.compiler.pipeline import compile_spec
 from mpgen.errors import ErrorList, MpgenError, Position
+from mpgen.files import reason
+from mpgen.spec_schema.load import MAX_BYTES
 
 
 @dataclass(frozen=True)
@@ -71,12 +75,15 @@ class LayoutDiff:
 
 def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
     """Compile a spec path, or ``REV:path`` from git; errors name ``arg``."""
-    if Path(arg).is_file() or ":" not in arg:
+    if os.path.lexists(arg) or ":" not in arg:
         graph = compile_spec(arg, device_map)
         return Side(arg, graph)
     text = _git_show(arg)
+    name = os.path.basename(arg.partition(":")[2])
+    if name in ("", ".", "..") or len(name) > 100:
+        name = "spec.yaml"
     with tempfile.TemporaryDirectory(prefix="mpgen-diff-") as folder:
-        path = os.path.join(folder, os.path.basename(arg.partition(":")[2]) or "spec.yaml")
+        path = os.path.join(folder, name)
         with open(path, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         try:
@@ -86,21 +93,46 @@ def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
         return Side(arg, graph)
 
 
+#: A revision mpgen passes to git: names, ``~N``, ``^N``, ``@{...}``; never an
+#: option (``-``), a range (``..``), a path inside the revision or a space.
+_REVISION = re.compile(r"[\w@{}~^/+.,=-]+")
+
+
 def _git_show(arg: str) -> str:
-    if arg.startswith("-"):  # never let a revision be read as an option of git
-        raise MpgenError(Position(arg, 1, 1), f"{arg!r} is not a revision:path")
+    """The spec ``REV:path`` in git: one blob, at most MAX_BYTES of UTF-8."""
+    pos = Position(arg, 1, 1)
+    rev, _, path = arg.partition(":")
+    if (arg.startswith("-") or not path or not _REVISION.fullmatch(rev) or ".." in rev
+            or rev.endswith(".") or any(c in path for c in "\0\n\r")):
+        raise MpgenError(pos, f"{arg!r} is not a revision:path (such as HEAD~1:spec.yaml); "
+                         "ranges (a..b), options and other revision syntax are not accepted")
     try:
-        done = subprocess.run(["git", "show", arg], capture_output=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise MpgenError(Position(arg, 1, 1), f"cannot run git show: {exc}") from None
-    if done.returncode != 0:
-        message = done.stderr.decode("utf-8", "replace").strip().splitlines()
-        reason = message[0] if message else f"git show exited with {done.returncode}"
-        raise MpgenError(Position(arg, 1, 1), f"cannot read {arg!r} from git: {reason}")
+        with tempfile.TemporaryFile() as errors:
+            done = subprocess.Popen(["git", "cat-file", "blob", arg], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=errors)
+            timer = threading.Timer(60, done.kill)
+            timer.start()
+            try:
+                data = done.stdout.read(MAX_BYTES + 1)
+                if len(data) > MAX_BYTES:
+                    done.kill()
+            finally:
+                done.stdout.close()
+                returncode = done.wait()
+                timer.cancel()
+            errors.seek(0)
+            message = errors.read(4096).decode("utf-8", "replace").strip().splitlines()
+    except OSError as exc:
+        raise MpgenError(pos, f"cannot run git: {reason(exc)}") from None
+    if len(data) > MAX_BYTES:
+        raise MpgenError(pos, f"spec is larger than {MAX_BYTES} bytes")
+    if returncode != 0:
+        why = message[0] if message else f"git exited with {returncode}"
+        raise MpgenError(pos, f"cannot read {arg!r} from git: {why}")
     try:
-        return done.stdout.decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise MpgenError(Position(arg, 1, 1), f"spec is not UTF-8 ({exc.reason})") from None
+        raise MpgenError(pos, f"spec is not UTF-8 ({exc.reason})") from None
 
 
 def _renamed(exc: MpgenError, path: str, arg: str) -> MpgenError:

@@ -19,8 +19,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
-import shutil
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,8 @@ from mpgen.compiler.placement.auto import BALANCE_UNITS
 from mpgen.compiler.ir import Graph, device_runs, unit_labels
 from mpgen.compiler.pipeline import compile_spec
 from mpgen.errors import MpgenError, Position
+from mpgen.files import reason
+from mpgen.spec_schema.load import read_spec
 
 
 @dataclass(frozen=True)
@@ -87,30 +90,48 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
     Returns False when there is nothing to change (an explicit spec built
     without a device map). Every line outside the placement block is kept
     byte for byte; the new text is compiled and checked before it is written.
+    A symbolic link is written through (its target changes, the link stays);
+    the file keeps its mode and is replaced in one rename; a read-only spec
+    or folder is an :class:`MpgenError`.
     """
-
-
-    text = _read(path)
+    text = read_spec(path)
     if not placed.auto and not placed.graph.device_map and _find_placement(text, str(path)):
         return False  # already explicit: the spec's own spelling stays
     new_text = rewrite_text(text, placed, str(path))
     if new_text == text:
         return False
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    target = Path(os.path.realpath(path))
     try:
+        mode = target.stat()
+    except OSError as exc:
+        raise MpgenError(Position(str(path)), f"cannot rewrite the spec: {reason(exc)}") from None
+    if not (mode.st_mode & 0o222 and os.access(target, os.W_OK)):
+        raise MpgenError(Position(str(path)), "cannot rewrite the spec: it is read-only "
+                         f"(mode {stat.S_IMODE(mode.st_mode):04o}); make it writable first")
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:100]}.", suffix=".tmp",
+                                   dir=target.parent)
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(new_text)
+            f.flush()
+            os.fsync(f.fileno())
         graph = compile_spec(tmp)
         got = [(n.name, n.devices) for n in graph.nodes]
         want = [(n.name, n.devices) for n in placed.graph.nodes]
         if got != want:  # pragma: no cover - a bug in mpgen, never a user mistake
             raise MpgenError(Position(str(path), 1, 1), "internal error: the rewritten placement "
                              "does not reproduce the layout; the spec was not changed")
-        shutil.copymode(target, tmp)
+        os.chmod(tmp, stat.S_IMODE(mode.st_mode))
+        with contextlib.suppress(OSError):  # only root may give a file away
+            os.chown(tmp, mode.st_uid, mode.st_gid)
         os.replace(tmp, target)
+    except OSError as exc:
+        where = f"writing in {target.parent}" if tmp is None else f"replacing {target}"
+        raise MpgenError(Position(str(path)), f"cannot rewrite the spec: {reason(exc)} "
+                         f"({where}); the spec was not changed") from None
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.lexists(tmp):
             os.unlink(tmp)
     return True
 
@@ -172,13 +193,6 @@ def _yaml_key(key: str) -> str:
     if isinstance(plain, dict) and list(plain) == [key]:
         return key
     return "'" + key.replace("'", "''") + "'"
-
-
-def _read(path: str | Path) -> str:
-    try:
-        return Path(path).read_bytes().decode("utf-8")
-    except OSError as exc:
-        raise MpgenError(Position(str(path)), f"cannot read spec: {exc.strerror}") from None
 
 
 def _find_placement(text: str, name: str):

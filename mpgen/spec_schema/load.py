@@ -31,6 +31,7 @@ from typing import Any
 import yaml
 
 from mpgen.errors import Collector, MpgenError, Position, shown
+from mpgen.files import FileTooLarge, read_regular, reason
 
 MAX_BYTES = 1 << 20
 MAX_DEPTH = 64
@@ -163,15 +164,18 @@ def load_text(text: str, path: str) -> LoadedSpec:
     return LoadedSpec(path, text, data, source)
 
 
-def load_file(path: str | Path) -> LoadedSpec:
-    """Read and parse a spec file; a missing file is an :class:`MpgenError`."""
+def read_spec(path: str | Path) -> str:
+    """The text of the spec file at ``path``: a regular file (a symbolic link
+    to one is fine) of at most MAX_BYTES bytes of UTF-8, read without reading
+    more (NOTE [Bounded reads] in ``mpgen/files.py``); else an
+    :class:`MpgenError`."""
     name = str(path)
     try:
-        raw = Path(path).read_bytes()
+        raw = read_regular(path, MAX_BYTES)
+    except FileTooLarge:
+        raise MpgenError(Position(name, 1, 1), f"spec is larger than {MAX_BYTES} bytes") from None
     except OSError as exc:
-        raise MpgenError(Position(name), f"cannot read spec: {exc.strerror or exc}") from None
-    if len(raw) > MAX_BYTES:
-        raise MpgenError(Position(name, 1, 1), f"spec is larger than {MAX_BYTES} bytes")
+        raise MpgenError(Position(name), f"cannot read spec: {reason(exc)}") from None
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -181,7 +185,12 @@ def load_file(path: str | Path) -> LoadedSpec:
         raise MpgenError(Position(name, line, col), f"spec is not UTF-8: byte "
                          f"0x{raw[exc.start]:02x} here is not valid UTF-8 ({exc.reason}); "
                          "save the file as UTF-8") from None
-    return load_text(text, name)
+    return text
+
+
+def load_file(path: str | Path) -> LoadedSpec:
+    """Read and parse a spec file; a missing file is an :class:`MpgenError`."""
+    return load_text(read_spec(path), str(path))
 
 
 # -- YAML syntax errors, in plain words -----------------------------------

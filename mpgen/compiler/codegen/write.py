@@ -1,68 +1,357 @@
-"""Write generated files atomically, or compare them with what is on disk."""
+"""Write the generated files as one unit, or compare them with what is on disk.
+
+# NOTE: [Writes as one unit]
+# A build changes its output folder all at once or not at all. First the
+# folder is surveyed (:func:`survey`): each file the build would write is
+# missing, the same, ours and stale, or not ours (no mpgen header on its first
+# line, a symbolic link, a pipe...: refused unless ``--force``); a file with an
+# mpgen header that this build no longer produces is an orphan when its header
+# names a spec being built (a renamed model) or a spec that no longer exists
+# in its project. Then every new file is written to a staging folder inside
+# the output folder (so each rename stays on one file system) and renamed
+# over its target; each file replaced or removed is kept in the staging folder
+# (a hard link, else a copy) until the end. If any step fails, everything
+# done is undone from those backups, so the folder is as it was. SIGINT and
+# SIGTERM are held from the first write to the cleanup and delivered after
+# (Python handlers, not a signal mask: torch's threads would still take a
+# signal). ``check`` reads the same survey, so it reports exactly what
+# ``build`` would change, byte for byte.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
+import shutil
+import signal
+import stat
 import tempfile
-from pathlib import Path
-from typing import Mapping
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Iterator, Mapping, Optional
 
-from mpgen.errors import MpgenError, Position
+from mpgen.compiler.codegen.common import generated_from
+from mpgen.errors import Collector, MpgenError, Position
+from mpgen.files import FileTooLarge, kind, read_head, read_regular, reason
+
+#: An existing file is read up to this many bytes more than the generated one.
+MAX_EXTRA_BYTES = 1 << 20
+#: Bytes read to find a file's header (its first line).
+HEAD_BYTES = 4096
+#: The prefix of the staging folder a build writes in (inside the output folder).
+STAGING_PREFIX = ".mpgen-staging-"
 
 
-def write_files(out_dir: Path, files: Mapping[str, str]) -> list[Path]:
-    """Write every changed file: all to temporary files first, then each
-    renamed over its target (``os.replace``), so a failure (a full disk, a
-    read-only folder) leaves every old file as it was. Files whose content
-    is unchanged are left untouched (their mtime too). OS errors become
-    :class:`MpgenError`.
-    """
-    changed = {}
-    for name, text in files.items():
-        path = out_dir / name
-        data = text.encode("utf-8")
-        if not (path.is_file() and path.read_bytes() == data):
-            changed[path] = data
-    if not changed:
+@dataclass(frozen=True)
+class Target:
+    """A file the build writes, and what is at its place now."""
+
+    path: Path
+    data: bytes  # what the build writes
+    current: Optional[bytes] = None  # what is there, when it is mpgen's file and readable
+    exists: bool = False
+    foreign: str = ""  # why the file there is not mpgen's to replace
+    note: str = ""  # why ``current`` could not be compared (too large)
+
+    @property
+    def changed(self) -> bool:
+        return self.current != self.data
+
+
+@dataclass
+class Survey:
+    """The output folder against a build: targets and orphans."""
+
+    out_dir: Path
+    targets: list[Target] = field(default_factory=list)
+    orphans: list[tuple[Path, str]] = field(default_factory=list)  # path, whose it was
+
+
+@dataclass(frozen=True)
+class Changes:
+    """What a build did to the output folder."""
+
+    written: list[Path]
+    removed: list[Path]
+
+
+def _first_line(head: bytes) -> str:
+    return head.split(b"\n", 1)[0].decode("utf-8", "replace")
+
+
+def _target(path: Path, data: bytes) -> Target:
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return Target(path, data)
+    except OSError as exc:
+        return Target(path, data, exists=True, foreign=f"cannot look at it: {reason(exc)}")
+    if not stat.S_ISREG(mode):
+        return Target(path, data, exists=True, foreign=f"{kind(mode)}, not a file mpgen wrote")
+    current, note = None, ""
+    try:
+        current = read_regular(path, len(data) + MAX_EXTRA_BYTES)
+        head = current[:HEAD_BYTES]
+    except FileTooLarge as exc:
+        note = f"{exc}; it differs from the generated file"
+        try:
+            head = read_head(path, HEAD_BYTES)
+        except OSError as again:
+            return Target(path, data, exists=True, foreign=f"cannot read it: {reason(again)}")
+    except OSError as exc:
+        return Target(path, data, exists=True, foreign=f"cannot read it: {reason(exc)}")
+    if generated_from(_first_line(head)) is None:
+        return Target(path, data, current, exists=True,
+                      foreign="not generated by mpgen (no mpgen header)")
+    return Target(path, data, current, exists=True, note=note)
+
+
+def _project_roots(specs: Mapping[str, str | Path]) -> list[Path]:
+    """The project folders the built specs' headers are relative to (the
+    folder with ``.git`` or ``pyproject.toml`` the spec path is shown from)."""
+    roots = []
+    for shown, spec in specs.items():
+        parts = PurePosixPath(shown).parts
+        full = Path(os.path.abspath(spec))
+        if len(parts) >= len(full.parts) or full.parts[-len(parts):] != parts:
+            continue  # escaped in the header: cannot be matched to the disk
+        root = full.parents[len(parts) - 1]
+        if (root / ".git").exists() or (root / "pyproject.toml").exists():
+            roots.append(root)
+    return roots
+
+
+def _spec_exists(shown: str, roots: list[Path]) -> bool:
+    """Whether the spec a header names may still exist (True when unsure)."""
+    spellings = {shown, shown.replace("- -", "--")}  # the report's comment escapes "--"
+    with contextlib.suppress(UnicodeError):
+        spellings.add(shown.replace('\\"', '"').encode("ascii", "backslashreplace")
+                      .decode("unicode_escape"))
+    for spelling in spellings:
+        path = PurePosixPath(spelling)
+        if path.is_absolute() or ".." in path.parts:
+            return True
+        if any((root / path).exists() for root in roots):
+            return True
+    return False
+
+
+def _orphans(out_dir: Path, files: Mapping[str, str],
+             specs: Mapping[str, str | Path]) -> list[tuple[Path, str]]:
+    """Files in ``out_dir`` with an mpgen header that this build does not
+    produce, whose header names a spec being built or one that no longer
+    exists; files of other specs that exist are never touched."""
+    ours = {text.split("\n", 1)[0] for text in files.values()}
+    roots = _project_roots(specs)
+    found = []
+    try:
+        entries = sorted(os.scandir(out_dir), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
         return []
-    temps: dict[Path, str] = {}
+    for entry in entries:
+        name = entry.name
+        if name in files or name.startswith(".") or not name.endswith((".py", ".md")):
+            continue
+        try:
+            if not entry.is_file(follow_symlinks=False):
+                continue
+            line = _first_line(read_head(entry.path, HEAD_BYTES))
+        except OSError:
+            continue
+        spec = generated_from(line)
+        if spec is None:
+            continue
+        if line in ours:
+            found.append((out_dir / name, f"generated from {spec}, which no longer generates it"))
+        elif roots and not _spec_exists(spec, roots):
+            found.append((out_dir / name, f"generated from {spec}, which no longer exists"))
+    return found
+
+
+def survey(out_dir: Path, files: Mapping[str, str],
+           specs: Optional[Mapping[str, str | Path]] = None) -> Survey:
+    """Compare the output folder with a build of ``files`` from ``specs``
+    (each spec as its headers name it -> its path)."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise MpgenError(Position(str(out_dir)), "the output folder is not a folder")
+    result = Survey(out_dir)
+    result.targets = [_target(out_dir / name, text.encode("utf-8"))
+                      for name, text in files.items()]
+    result.orphans = _orphans(out_dir, files, specs or {})
+    return result
+
+
+# -- build -------------------------------------------------------------------
+
+def write_files(out_dir: Path, files: Mapping[str, str],
+                specs: Optional[Mapping[str, str | Path]] = None, force: bool = False) -> Changes:
+    """Make ``out_dir`` hold ``files`` (name -> text) and none of the orphans
+    of ``specs``, as one unit (NOTE [Writes as one unit]). Files whose content
+    is unchanged are left untouched (their mtime too). A file at a name the
+    build writes that mpgen did not write is an error unless ``force``; OS
+    errors become :class:`MpgenError` and leave the folder as it was.
+    """
+    found = survey(out_dir, files, specs)
+    foreign = [t for t in found.targets if t.foreign]
+    if foreign and not force:
+        errors = Collector()
+        for t in foreign:
+            errors.add(Position(str(t.path)), f"{t.foreign}; refusing to overwrite it; move it "
+                       "away or pass --force")
+        errors.raise_if_any()
+    changed = {t.path: t.data for t in found.targets if t.changed}
+    removed = [path for path, _ in found.orphans]
+    if changed or removed:
+        with held_signals():
+            _apply(out_dir, changed, removed)
+    return Changes(list(changed), removed)
+
+
+@contextlib.contextmanager
+def held_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM are recorded, not acted on, inside; delivered after.
+
+    Only the main thread can set handlers; elsewhere this does nothing.
+    """
+    wanted = [s for s in (getattr(signal, "SIGINT", None), getattr(signal, "SIGTERM", None))
+              if s is not None]
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous: dict[int, object] = {}
+    try:
+        for sig in wanted:
+            previous[sig] = signal.signal(sig, lambda signum, frame: caught.append(signum))
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:  # None: not set from Python, cannot be put back
+                signal.signal(sig, handler)
+        for sig in dict.fromkeys(caught):
+            signal.raise_signal(sig)
+
+
+class _Unrestored(Exception):
+    """A failed build whose undo failed too: the previous files are kept."""
+
+    def __init__(self, error: OSError, lost: list[tuple[Path, Path]]) -> None:
+        super().__init__(error)
+        self.error = error
+        self.lost = lost
+
+
+def _apply(out_dir: Path, changed: Mapping[Path, bytes], removed: list[Path]) -> None:
+    staging: Optional[Path] = None
+    keep = False
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
+        new, old = staging / "new", staging / "old"
+        new.mkdir()
+        old.mkdir()
         for path, data in changed.items():
-            fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=out_dir)
-            temps[path] = tmp
-            with os.fdopen(fd, "wb") as f:
+            with open(new / path.name, "xb") as f:
                 f.write(data)
-            os.chmod(tmp, 0o644)
-        for path, tmp in temps.items():
-            os.replace(tmp, path)
-    except OSError as exc:
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(new / path.name, 0o644)
+        _swap(changed, removed, new, old)
+    except _Unrestored as exc:
+        keep = True
+        kept = ", ".join(f"{path} (its previous content is in {backup})"
+                         for path, backup in exc.lost)
         raise MpgenError(Position(str(out_dir)), f"cannot write the generated files: "
-                         f"{exc.strerror or exc}: {exc.filename or out_dir}") from None
+                         f"{reason(exc.error)}: {exc.error.filename}; could not restore "
+                         f"{kept}") from None
+    except OSError as exc:
+        where = exc.filename
+        if where is None or STAGING_PREFIX in str(where):  # not a path the user knows
+            where = out_dir
+        raise MpgenError(Position(str(out_dir)), f"cannot write the generated files: "
+                         f"{reason(exc)}: {where}; nothing was changed") from None
     finally:
-        for tmp in temps.values():
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return list(changed)
+        if staging is not None and not keep:
+            shutil.rmtree(staging, ignore_errors=True)
 
 
-def diff_files(out_dir: Path, files: Mapping[str, str]) -> list[str]:
-    """Unified diffs for each file that is missing or differs from ``files``."""
-    diffs = []
-    for name, text in files.items():
-        path = out_dir / name
+def _backup(path: Path, backup: Path) -> None:
+    """Keep the file at ``path`` as ``backup`` without moving it away."""
+    try:
+        os.link(path, backup, follow_symlinks=False)
+    except OSError:  # a file system without hard links
+        shutil.copy2(path, backup, follow_symlinks=False)
+
+
+def _swap(changed: Mapping[Path, bytes], removed: list[Path], new: Path, old: Path) -> None:
+    """Rename every new file over its target and move every orphan into
+    ``old``; on failure undo what was done and raise the OSError, or
+    :class:`_Unrestored` when an undo failed too."""
+    done: list[tuple[Path, Optional[Path]]] = []  # (target, its previous file, if any)
+    try:
+        for path in changed:
+            backup = None
+            if os.path.lexists(path):
+                backup = old / path.name
+                _backup(path, backup)
+            os.replace(new / path.name, path)
+            done.append((path, backup))
+        for path in removed:
+            os.replace(path, old / path.name)
+            done.append((path, old / path.name))
+    except OSError as exc:
+        lost = _undo(done)
+        if lost:
+            raise _Unrestored(exc, lost) from None
+        raise
+
+
+def _undo(done: list[tuple[Path, Optional[Path]]]) -> list[tuple[Path, Path]]:
+    """Restore every target in ``done``, last first; the ones that failed."""
+    lost = []
+    for path, backup in reversed(done):
         try:
-            current = path.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            diffs.append(f"missing: {path}\n")
-            continue
-        except (OSError, UnicodeDecodeError) as exc:
-            diffs.append(f"unreadable: {path}: {exc}\n")
-            continue
-        if current != text:
-            diffs.append("".join(difflib.unified_diff(
-                current.splitlines(keepends=True), text.splitlines(keepends=True),
-                fromfile=f"{path} (on disk)", tofile=f"{path} (generated)",
-            )))
-    return diffs
+            if backup is None:
+                os.unlink(path)
+            else:
+                os.replace(backup, path)
+        except OSError:
+            if backup is not None:
+                lost.append((path, backup))
+    return lost
+
+
+# -- check -------------------------------------------------------------------
+
+def diff_files(out_dir: Path, files: Mapping[str, str],
+               specs: Optional[Mapping[str, str | Path]] = None) -> list[str]:
+    """What ``build`` would change in ``out_dir``, one text per file: a
+    unified diff of each stale file (bytes compared exactly), each missing
+    file, each file in the way that mpgen did not write, each orphan."""
+    found = survey(out_dir, files, specs)
+    report = []
+    for t in found.targets:
+        if t.foreign:
+            report.append(f"{t.path}: {t.foreign}; build would refuse to overwrite it "
+                          "(move it away, or build with --force)\n")
+        elif not t.exists:
+            report.append(f"missing: {t.path}\n")
+        elif t.note:
+            report.append(f"{t.path}: {t.note}\n")
+        elif t.changed:
+            report.append(_diff(t.path, t.current or b"", t.data))
+    for path, whose in found.orphans:
+        report.append(f"{path}: {whose}; build would remove it\n")
+    return report
+
+
+def _diff(path: Path, current: bytes, data: bytes) -> str:
+    if current.replace(b"\r\n", b"\n") == data:
+        return f"{path}: line endings differ (\\r\\n on disk; mpgen writes \\n)\n"
+    old = current.decode("utf-8", "replace").splitlines(keepends=True)
+    new = data.decode("utf-8").splitlines(keepends=True)
+    text = "".join(difflib.unified_diff(old, new, fromfile=f"{path} (on disk)",
+                                        tofile=f"{path} (generated)"))
+    return text if text.endswith("\n") else text + "\n"

@@ -14,9 +14,63 @@ from __future__ import annotations
 import builtins
 import keyword
 import re
+import sys
 
 #: Names the generated modules import or use at top level.
 GLOBALS = frozenset({"torch", "nn", "F", "math", "argparse", "time", "pytest", "sys"})
+
+
+#: The longest model name: it names the generated files (``train_<name>.py``,
+#: in snake case), which must stay within every file system's name limit.
+MAX_MODEL_NAME = 100
+
+#: Top-level modules the generated files import, directly or through torch
+#: and pytest: a generated module of the same name, next to them, would be
+#: imported instead. With the standard library and the spec's user modules,
+#: no generated file may take one of these names.
+IMPORTED_MODULES = frozenset({
+    "torch", "torchgen", "functorch", "triton", "mpgen", "numpy", "pytest", "_pytest",
+    "pluggy", "iniconfig", "packaging", "conftest", "sympy", "mpmath", "networkx", "jinja2",
+    "markupsafe", "filelock", "fsspec", "typing_extensions", "setuptools", "pkg_resources",
+})
+
+
+def module_name(class_name: str) -> str:
+    """``SimpleModel`` -> ``simple_model`` (the generated file's stem)."""
+    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", class_name)
+    return snake.lower()
+
+
+def module_stems(model: str) -> tuple[str, str, str]:
+    """The generated modules of a model: ``simple_model``, ``train_simple_model``,
+    ``test_simple_model``."""
+    stem = module_name(model)
+    return stem, f"train_{stem}", f"test_{stem}"
+
+
+def model_name_problem(name: str, user_modules: frozenset[str] | set[str] = frozenset()
+                       ) -> str | None:
+    """Why ``name`` (a valid identifier) cannot name a model, or None: too
+    long for a file name, or its generated modules would shadow a module the
+    generated code imports (the standard library, torch, ``user_modules``)."""
+    if len(name) > MAX_MODEL_NAME:
+        return (f"{len(name)} characters is too long for a model name (it names the "
+                f"generated files); use at most {MAX_MODEL_NAME}")
+    users = {m.lower() for m in user_modules}
+    for stem in module_stems(name):
+        if stem in users:
+            what = f"the module {stem!r} this spec's ops import"
+        elif stem in IMPORTED_MODULES:
+            what = f"the module {stem!r} the generated code imports"
+        elif stem in {m.lower() for m in sys.stdlib_module_names}:
+            what = f"the standard library module {stem!r}"
+        else:
+            continue
+        other = next((f"{name}{suffix}" for suffix in ("Model", "Net", "Network")
+                      if model_name_problem(f"{name}{suffix}", user_modules) is None), None)
+        return (f"{name!r} would generate {stem}.py, which shadows {what}; choose another "
+                "name" + (f" (e.g. {other!r})" if other else ""))
+    return None
 
 
 def identifier_problem(name: str) -> str | None:

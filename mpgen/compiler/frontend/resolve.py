@@ -43,7 +43,12 @@ from mpgen.compiler.ir import (
     params_used,
     sizes_used,
 )
-from mpgen.compiler.frontend.namespace import GLOBALS, Namespace, identifier_problem
+from mpgen.compiler.frontend.namespace import (
+    GLOBALS,
+    Namespace,
+    identifier_problem,
+    model_name_problem,
+)
 from mpgen.errors import Collector, Position, did_you_mean
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec
@@ -105,7 +110,8 @@ class _Resolver:
     # -- the whole graph -------------------------------------------------
     def graph(self) -> Graph:
         spec = self.spec
-        problem = identifier_problem(spec.name)
+        problem = identifier_problem(spec.name) or model_name_problem(spec.name,
+                                                                      _user_roots(spec))
         if problem is None and self.globals.taken(spec.name):
             problem = f"{spec.name!r} clashes with a name the generated code imports"
         if problem:

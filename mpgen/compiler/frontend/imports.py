@@ -42,6 +42,7 @@ import signal
 import stat
 import sys
 import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -250,7 +251,9 @@ def _source(module: _Module, op: str) -> bytes:
 
 def _tree(module: _Module, source: bytes, op: str) -> ast.Module:
     try:
-        return ast.parse(source, filename=module.shown)
+        with warnings.catch_warnings():  # invalid escapes and the like: the import says them
+            warnings.simplefilter("ignore")
+            return ast.parse(source, filename=module.shown)
     except SyntaxError as exc:
         raise Refused(f"{op!r}: {module.shown}:{exc.lineno or 0}: {exc.msg}") from None
     except (ValueError, RecursionError, MemoryError) as exc:
@@ -335,7 +338,10 @@ class _SourceLoader(importlib.machinery.SourceFileLoader):
         self.source = source
 
     def get_code(self, fullname):
-        return self.source_to_code(self.source, self.path)
+        with warnings.catch_warnings():  # compiling, as a cached import would not warn
+            warnings.simplefilter("ignore", SyntaxWarning)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return self.source_to_code(self.source, self.path)
 
     def set_data(self, *args, **kwargs) -> None:
         pass

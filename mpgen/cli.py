@@ -32,6 +32,12 @@ def _device_map(text: Optional[str]) -> dict[str, str]:
         raise MpgenError(None, str(exc)) from None
 
 
+def _root_option(command: argparse.ArgumentParser) -> None:
+    command.add_argument("--root", metavar="DIR",
+                         help="the project a spec's dotted ops may import from (default: the "
+                              "spec's repository; see docs/spec.md, 'User modules')")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpgen",
@@ -53,11 +59,13 @@ def _parser() -> argparse.ArgumentParser:
         if name == "build":
             cmd.add_argument("--force", action="store_true",
                              help="overwrite files in DIR that mpgen did not generate")
+        _root_option(cmd)
     show = sub.add_parser("show", help="print every layer's device, output shape and parameters",
                           description="print every layer's device, output shape and parameters")
     show.add_argument("spec", metavar="SPEC")
     show.add_argument("--format", choices=("table", "json"), default="table")
     show.add_argument("--device-map", metavar="MAP", help="as for build")
+    _root_option(show)
     place = sub.add_parser("place", help="print the layout in the explicit placement form",
                            description="Print the spec's layout (automatic or explicit) in the "
                                        "explicit placement form; --write puts it in the spec.")
@@ -65,11 +73,13 @@ def _parser() -> argparse.ArgumentParser:
     place.add_argument("--write", action="store_true",
                        help="rewrite the spec's placement block in place (other lines unchanged)")
     place.add_argument("--device-map", metavar="MAP", help="rename devices after choosing")
+    _root_option(place)
     diff = sub.add_parser("diff", help="compare the layouts of two specs",
                           description="Compare two layouts. Each side is a spec path or "
-                                      "REV:path (read with git show).")
+                                      "REV:path (read from git).")
     diff.add_argument("old", metavar="OLD")
     diff.add_argument("new", metavar="NEW")
+    _root_option(diff)
     diff.set_defaults(device_map=None)
     return parser
 
@@ -89,7 +99,8 @@ def _say(text: str, stream=None) -> None:
 def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
 
-    results, changes = build.build(args.specs, args.out, device_map, force=args.force)
+    results, changes = build.build(args.specs, args.out, device_map, force=args.force,
+                                   root=args.root)
     for path in changes.written:
         _say(f"wrote {path}")
     for path in changes.removed:
@@ -106,7 +117,7 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
 def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
 
-    diffs = build.check(args.specs, args.out, device_map)
+    diffs = build.check(args.specs, args.out, device_map, root=args.root)
     if not diffs:
         _say(f"{args.out}: up to date")
         return Exit.OK
@@ -114,6 +125,8 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     command = ["mpgen", "build", *args.specs, "-o", args.out]
     if args.device_map:
         command += ["--device-map", args.device_map]
+    if args.root:
+        command += ["--root", args.root]
     _say(f"\nmpgen check: generated code in {args.out} is not current; "
          f"run: {shlex.join(command)}", sys.stderr)
     return Exit.DIFF
@@ -130,13 +143,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "show":
         from mpgen.commands import show as summary
 
-        graph = pipeline.compile_spec(args.spec, device_map)
+        graph = pipeline.compile_spec(args.spec, device_map, args.root)
         _say(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
         return Exit.OK
     if args.command == "place":
         from mpgen.commands import place as spec_edit
 
-        placed = spec_edit.place(args.spec, device_map)
+        placed = spec_edit.place(args.spec, device_map, args.root)
         if args.write:
             changed = spec_edit.write_placement(args.spec, placed)
             _say(f"{'rewrote' if changed else 'unchanged'}: {args.spec} ({placed.how})")
@@ -147,8 +160,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "diff":
         from mpgen.commands import diff as layout_diff
 
-        old = layout_diff.load_side(args.old)
-        new = layout_diff.load_side(args.new)
+        old = layout_diff.load_side(args.old, root=args.root)
+        new = layout_diff.load_side(args.new, root=args.root)
         _say(layout_diff.format_diff(layout_diff.diff(old, new)).rstrip("\n"))
         return Exit.OK
     raise AssertionError(args.command)

@@ -14,14 +14,15 @@ from mpgen.compiler.pipeline import Generated, generate_all
 
 
 def build(paths: Iterable[str | Path], out_dir: str | Path,
-          device_map: Optional[Mapping[str, str]] = None,
-          force: bool = False) -> tuple[list[Generated], Changes]:
+          device_map: Optional[Mapping[str, str]] = None, force: bool = False,
+          root: str | Path | None = None) -> tuple[list[Generated], Changes]:
     """Generate all specs, then (only if all succeeded) write the files and
-    remove the orphans of these specs, as one unit.
+    remove the orphans of these specs, as one unit. ``root``: the project
+    the specs' dotted ops may import from (``pipeline.compile_spec``).
 
     Returns what was generated and what changed on disk.
     """
-    results = generate_all(paths, device_map)
+    results = generate_all(paths, device_map, root)
     return results, write_files(Path(out_dir), _files(results), _specs(results), force)
 
 
@@ -44,11 +45,12 @@ def summary_line(result: Generated) -> str:
 
 
 def check(paths: Iterable[str | Path], out_dir: str | Path,
-          device_map: Optional[Mapping[str, str]] = None) -> list[str]:
+          device_map: Optional[Mapping[str, str]] = None,
+          root: str | Path | None = None) -> list[str]:
     """What ``build`` would change: a unified diff for every generated file
     that is stale, missing or edited, and each file it would refuse to
     overwrite or would remove."""
-    results = generate_all(paths, device_map)
+    results = generate_all(paths, device_map, root)
     return diff_files(Path(out_dir), _files(results), _specs(results))
 
 

@@ -73,10 +73,13 @@ class LayoutDiff:
     transfers_added: tuple[TransferKey, ...]
 
 
-def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
-    """Compile a spec path, or ``REV:path`` from git; errors name ``arg``."""
+def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None,
+              root: str | Path | None = None) -> Side:
+    """Compile a spec path, or ``REV:path`` from git; errors name ``arg``.
+    ``root``: the project its dotted ops may import from; for ``REV:path``
+    (compiled from a temporary copy) the working directory by default."""
     if os.path.lexists(arg) or ":" not in arg:
-        graph = compile_spec(arg, device_map)
+        graph = compile_spec(arg, device_map, root)
         return Side(arg, graph)
     text = _git_show(arg)
     name = os.path.basename(arg.partition(":")[2])
@@ -87,7 +90,7 @@ def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None) -> Side:
         with open(path, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         try:
-            graph = compile_spec(path, device_map)
+            graph = compile_spec(path, device_map, os.getcwd() if root is None else root)
         except MpgenError as exc:
             raise _renamed(exc, path, arg) from None
         return Side(arg, graph)

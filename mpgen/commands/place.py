@@ -47,6 +47,7 @@ class Placed:
     auto: bool
     bottleneck: str = ""  # automatic: "bottleneck 42,527,232 parameters on cuda:1"
     renamed: str = ""  # "devices renamed by --device-map cuda:1=cuda:0"
+    root: str | Path | None = None  # the project it was compiled in (``compile_spec``)
 
     def block(self, indent: str = "  ", newline: str = "\n") -> str:
         """The ``placement:`` block in the explicit form (without a final newline)."""
@@ -60,9 +61,10 @@ def explicit_entries(graph: Graph) -> list[tuple[str, str]]:
             for node in graph.nodes for start, stop, device in device_runs(node.devices)]
 
 
-def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> Placed:
+def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
+          root: str | Path | None = None) -> Placed:
     """Compile the spec and return its layout in the explicit form."""
-    graph = compile_spec(path, device_map)
+    graph = compile_spec(path, device_map, root)
     auto = graph.layout.method == "auto"
     bottleneck = renamed = ""
     if auto:
@@ -81,7 +83,7 @@ def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None) -> P
         renamed = "devices renamed by --device-map " + ",".join(
             f"{k}={v}" for k, v in sorted(device_map.items()))
         how += f"; {renamed}"
-    return Placed(graph, tuple(explicit_entries(graph)), how, auto, bottleneck, renamed)
+    return Placed(graph, tuple(explicit_entries(graph)), how, auto, bottleneck, renamed, root)
 
 
 def write_placement(path: str | Path, placed: Placed) -> bool:
@@ -116,7 +118,7 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
             f.write(new_text)
             f.flush()
             os.fsync(f.fileno())
-        graph = compile_spec(tmp)
+        graph = compile_spec(tmp, root=placed.root)
         got = [(n.name, n.devices) for n in graph.nodes]
         want = [(n.name, n.devices) for n in placed.graph.nodes]
         if got != want:  # pragma: no cover - a bug in mpgen, never a user mistake

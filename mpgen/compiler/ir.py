@@ -582,6 +582,9 @@ class TrainConfig:
     seed: int
     log_every: int
     dims: tuple[tuple[str, int], ...]  # symbolic dim -> size used for synthetic data
+    closure: bool = False  # optimizer.step needs a closure that recomputes the loss (LBFGS)
+    one_device: bool = False  # the optimizer needs every parameter on one device (LBFGS)
+    optimizer_pos: Optional[Position] = None  # where the optimizer is named
 
 
 # -- costs ---------------------------------------------------------------------

@@ -30,6 +30,7 @@ Needs pytest.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -175,14 +176,24 @@ class ModelSuite:
             self.check_backward_reaches_the_inputs(model, inputs)
             return
         optimizer = self.make_optimizer(model)
-        outputs = _as_tuple(model(*inputs))
-        loss = sum(out.float().mean().to(outputs[0].device) for out in outputs)
-        loss.backward()
+
+        def loss_and_gradients() -> torch.Tensor:
+            optimizer.zero_grad()
+            outputs = _as_tuple(model(*inputs))
+            loss = sum(out.float().mean().to(outputs[0].device) for out in outputs)
+            loss.backward()
+            return loss
+
+        loss_and_gradients()
         for name, param in model.named_parameters():
             if param.requires_grad:
                 assert param.grad is not None, f"{name} got no gradient"
                 assert param.grad.device == param.device, f"{name}: gradient on another device"
-        optimizer.step()
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            optimizer.step(loss_and_gradients)  # LBFGS evaluates the loss several times
+        else:
+            optimizer.step()
         for name, param in model.named_parameters():
             assert str(param.device) == self.expected_device(name), f"{name} moved in the step"
         for param, state in optimizer.state.items():

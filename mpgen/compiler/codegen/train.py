@@ -41,6 +41,8 @@ class TrainContext:
     outputs: str
     loss_lines: list[str]
     trainable: bool  # False: no parameters, so no optimizer and no backward
+    closure: bool  # the optimizer's step takes a closure that recomputes the loss
+    optimizer_name: str
 
 
 def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], dict[str, str]]:
@@ -92,6 +94,8 @@ def _scaffold_names(graph: Graph) -> tuple[dict[str, str], Namespace]:
     ns = Namespace(GLOBALS | {graph.name})
     names = {name: ns.claim(name) for name in _SCAFFOLD_GLOBALS}
     names |= {name: ns.claim(name) for name in _SCAFFOLD_LOCALS}
+    if graph.train.closure:
+        names["closure"] = ns.claim("closure")
     return names, ns
 
 
@@ -140,7 +144,8 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
         steps=train.steps, batch_size=train.batch_size, lr=repr(train.lr), seed=train.seed,
         log_every=train.log_every, loss_init=loss_init, optimizer=optimizer,
         outputs=_tuple(out_vars) if len(out_vars) > 1 else out_vars[0],
-        loss_lines=loss_lines, trainable=graph.total_params > 0,
+        loss_lines=loss_lines, trainable=graph.total_params > 0, closure=train.closure,
+        optimizer_name=train.optimizer,
     ), scaffold
 
 

@@ -1,9 +1,14 @@
 """Resolve ``train:`` into a :class:`~mpgen.compiler.ir.TrainConfig`.
 
 Losses and optimizers are looked up in ``torch.nn`` and ``torch.optim`` and
-their keyword arguments checked against the real signatures. The synthetic
-targets of the generated training script follow from the loss and (filled
-in by ``analysis.targets``) the inferred output shape:
+their keyword arguments checked against the real signatures. A spec whose
+training script would crash is refused here, at the offending key: the loss
+is built and computed on a sample batch, and the optimizer is built and takes
+one step on sample parameters (on the CPU, a few elements), so that whatever
+torch says about a bad value (``reduction: bogus``, ``lr: -1``) is a build
+error rather than a crash at the script's first step. The synthetic targets
+of the generated training script follow from the loss and (filled in by
+``analysis.targets``) the inferred output shape:
 
 - class-index losses (``CrossEntropyLoss``, ``NLLLoss``, ``MultiMarginLoss``):
   integer targets in ``[0, C)``; for an output ``[N, C]`` the classes are the
@@ -18,15 +23,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import re
 import warnings
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from mpgen.compiler.frontend import ops
-from mpgen.compiler.ir import Graph, Loss, TrainConfig
-from mpgen.errors import Collector, did_you_mean
+from mpgen.compiler.ir import Graph, Loss, OpKind, TrainConfig
+from mpgen.errors import Collector, Position, did_you_mean, shown
 from mpgen.spec_schema.load import SourceMap
 from mpgen.spec_schema.models import CallSpec, TrainSpec
 
@@ -35,6 +42,20 @@ _PROB_LOSSES = {"BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "MultiLabelSoftMarg
 _PAIR_LOSSES = {"CosineEmbeddingLoss", "MarginRankingLoss", "TripletMarginLoss",
                 "TripletMarginWithDistanceLoss", "CTCLoss", "GaussianNLLLoss",
                 "PoissonNLLLoss", "AdaptiveLogSoftmaxWithLoss", "MultiLabelMarginLoss"}
+#: Losses with parameters of their own, which the optimizer (built over the
+#: model's parameters) would never train.
+_LOSSES_WITH_WEIGHTS = {"LinearCrossEntropyLoss"}
+#: Layers whose output is not confined to [0, 1], as ``BCELoss`` needs.
+_UNBOUNDED_LAYERS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embedding,
+                     nn.EmbeddingBag, nn.RNNBase)
+#: Optimizers that treat all parameters as one vector (``torch.cat`` of every
+#: gradient), so they need every parameter on one device; checked after
+#: placement (``placement.place``).
+_ONE_DEVICE_OPTIMIZERS = {"LBFGS"}
+#: The seeds ``torch.manual_seed`` takes.
+_SEEDS = (-(2**63), 2**64 - 1)
+#: How torch's messages name some keywords, to point at the one at fault.
+_SPELLED = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
 #: Size of symbolic dims other than ``batch`` when ``train.dims`` is silent.
 DEFAULT_DIM = 16
 
@@ -86,67 +107,135 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
         loss = _loss(graph, out, call, path, source, errors)
         if loss is not None:
             losses.append(loss)
-    opt = spec.optimizer
-    opt_path = ("train", "optimizer")
-    lr = 0.01
-    opt_kwargs: list[tuple[str, object]] = []
-    if opt.op not in optimizer_names():
-        errors.add(source.value((*opt_path, "op")) if "op" in _raw_keys(source, opt_path)
-                   else source.value(opt_path),
-                   f"train.optimizer: unknown optimizer {opt.op!r}"
-                   f"{did_you_mean(opt.op, optimizer_names())}")
-    else:
-        cls = getattr(torch.optim, opt.op)
-        sig = ops.module_signature(cls)
-        allowed = [n for n in sig.names if n != "params"]
-        for key, value in opt.kwargs.items():
-            if key not in allowed and not sig.var_kwargs:
-                errors.add(source.key((*opt_path, key)), f"train.optimizer: unknown keyword "
-                           f"argument {key!r} for {opt.op}{did_you_mean(key, allowed)}")
-            elif key == "lr":
-                if isinstance(value, bool) or not isinstance(value, (int, float)):
-                    errors.add(source.value((*opt_path, key)), "train.optimizer.lr: expected a number")
-                else:
-                    lr = float(value)
-            else:
-                opt_kwargs.append((key, value))
-        if "lr" not in opt.kwargs:
-            default = inspect.signature(cls.__init__).parameters.get("lr")
-            if default is not None and isinstance(default.default, (int, float)):
-                lr = float(default.default)
-        if not errors.errors:
-            _try_build(lambda: cls([nn.Parameter(torch.zeros(1))], lr=lr, **dict(opt_kwargs)),
-                       source.value(opt_path), f"train.optimizer: {opt.op}", errors)
+    lr, opt_kwargs = _optimizer(spec.optimizer, source, errors)
+    if not _SEEDS[0] <= spec.seed <= _SEEDS[1]:
+        errors.add(source.value(("train", "seed")), f"train.seed: {shown(spec.seed)} is outside "
+                   f"the range torch.manual_seed takes, [{_SEEDS[0]}, {_SEEDS[1]}]")
     errors.raise_if_any()
+    optimizer = getattr(torch.optim, spec.optimizer.op)
     train = TrainConfig(
-        losses=tuple(losses), optimizer=opt.op, optimizer_kwargs=tuple(opt_kwargs), lr=lr,
+        losses=tuple(losses), optimizer=spec.optimizer.op, optimizer_kwargs=opt_kwargs, lr=lr,
         batch_size=spec.batch_size, steps=spec.steps, seed=spec.seed, log_every=spec.log_every,
-        dims=tuple(dims.items()),
+        dims=tuple(dims.items()), closure=needs_closure(optimizer),
+        one_device=spec.optimizer.op in _ONE_DEVICE_OPTIMIZERS,
+        optimizer_pos=_op_position(source, ("train", "optimizer")),
     )
     return dataclasses.replace(graph, train=train, dims=train.dims)
 
 
-def _try_build(make, pos, what: str, errors: Collector) -> bool:
-    """Construct a loss or optimizer now, so a bad keyword value is a build
-    error at its line rather than a crash of the training script."""
+def needs_closure(optimizer: type) -> bool:
+    """Whether ``optimizer.step`` must be given a closure that recomputes the
+    loss (``LBFGS``, which evaluates it several times per step)."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _optimizer(opt: CallSpec, source: SourceMap,
+               errors: Collector) -> tuple[float, tuple[tuple[str, Any], ...]]:
+    """The learning rate and the other keyword arguments of ``train.optimizer``,
+    after building it and taking one step with them."""
+    path = ("train", "optimizer")
+    lr = 0.01
+    kwargs: list[tuple[str, Any]] = []
+    if opt.op not in optimizer_names():
+        errors.add(_op_position(source, path), f"train.optimizer: unknown optimizer {opt.op!r}"
+                   f"{did_you_mean(opt.op, optimizer_names())}")
+        return lr, ()
+    cls = getattr(torch.optim, opt.op)
+    sig = ops.module_signature(cls)
+    allowed = [n for n in sig.names if n != "params"]
+    before = len(errors.errors)
+    for key, value in opt.kwargs.items():
+        if key not in allowed and not sig.var_kwargs:
+            errors.add(source.key((*path, key)), f"train.optimizer: unknown keyword "
+                       f"argument {key!r} for {opt.op}{did_you_mean(key, allowed)}")
+        elif key == "lr":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                errors.add(source.value((*path, key)), "train.optimizer.lr: expected a number")
+            elif _finite(value) is None:
+                errors.add(source.value((*path, key)),
+                           f"train.optimizer.lr: expected a finite number, got {shown(value)}")
+            else:
+                lr = _finite(value)
+        else:
+            kwargs.append((key, value))
+    if "lr" not in opt.kwargs:
+        default = inspect.signature(cls.__init__).parameters.get("lr")
+        if default is not None and isinstance(default.default, (int, float)):
+            lr = float(default.default)
+    if len(errors.errors) == before:
+        params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(3))]
+        what = f"train.optimizer: {opt.op}"
+        check = _Check(what, opt.kwargs, path, _op_position(source, path), source, errors)
+        optimizer = check.run(lambda: cls(params, lr=lr, **dict(kwargs)), "cannot be built")
+        # capturable=True keeps the step on the GPU: it cannot be tried on the CPU.
+        if optimizer is not None and not dict(kwargs).get("capturable"):
+            for param in params:
+                param.grad = torch.ones_like(param)
+            check.run(lambda: optimizer.step(lambda: torch.zeros(())), "cannot take a step")
+    return lr, tuple(kwargs)
+
+
+def _finite(value: int | float) -> Optional[float]:
+    """``value`` as a finite float, or None (nan, inf, or an int too big)."""
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            make()
-    except Exception as exc:  # whatever torch raises for a bad value
-        text = str(exc).strip().splitlines()
-        errors.add(pos, f"{what} cannot be built: {text[0] if text else type(exc).__name__}")
-        return False
-    return True
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
 
 
-def _raw_keys(source: SourceMap, path) -> set:
-    return {k[-1] for k in source.keys if k[:-1] == tuple(path)}
+@dataclasses.dataclass
+class _Check:
+    """Runs torch on a loss's or optimizer's keyword arguments, so that a
+    bad value is a build error at its key rather than a crash of the
+    training script."""
+
+    what: str  # "train.loss: CrossEntropyLoss"
+    kwargs: dict[str, Any]
+    path: tuple
+    pos: Position  # where the loss or optimizer is named
+    source: SourceMap
+    errors: Collector
+
+    def run(self, make: Callable[[], Any], failure: str) -> Any:
+        """``make()``, or None after an error ``WHAT FAILURE: torch's message``
+        at the keyword that message names (else at the op)."""
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                return make()
+        except Exception as exc:  # whatever torch raises for a bad value
+            lines = str(exc).strip().splitlines()
+            text = lines[0] if lines else type(exc).__name__
+            key = self.blamed(text)
+            given = "" if key is None else f" with {key}={shown(self.kwargs[key])}"
+            self.errors.add(self.at(key), f"{self.what} {failure}{given}: {text}")
+            return None
+
+    def blamed(self, text: str) -> Optional[str]:
+        """The keyword torch's message names, or the only one given (without
+        keywords, the loss or optimizer works)."""
+        named = [key for key in self.kwargs
+                 if any(re.search(rf"\b{re.escape(word)}\b", text)
+                        for word in (key, _SPELLED.get(key, key)))]
+        return named[0] if named else next(iter(self.kwargs)) if len(self.kwargs) == 1 else None
+
+    def at(self, *keys: Optional[str]) -> Position:
+        """The value of the first of ``keys`` that is given, else the op."""
+        given = [key for key in keys if key in self.kwargs]
+        return self.source.value((*self.path, given[0])) if given else self.pos
+
+
+def _op_position(source: SourceMap, path) -> Position:
+    """Where the loss or optimizer is named: ``op:``'s value, or the short form."""
+    keys = {k[-1] for k in source.keys if k[:-1] == tuple(path)}
+    return source.value((*path, "op")) if "op" in keys else source.value(path)
 
 
 def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
           errors: Collector) -> Optional[Loss]:
-    pos = source.value((*path, "op")) if "op" in _raw_keys(source, path) else source.value(path)
+    pos = _op_position(source, path)
     if call.op not in loss_names():
         errors.add(pos, f"train.loss: unknown loss {call.op!r}{did_you_mean(call.op, loss_names())}")
         return None
@@ -154,15 +243,48 @@ def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
         errors.add(pos, f"train.loss: {call.op} needs inputs the generated training script "
                    "cannot synthesise; use a single-target loss such as MSELoss")
         return None
+    if call.op in _LOSSES_WITH_WEIGHTS:
+        errors.add(pos, f"train.loss: {call.op} has weights of its own, which the training "
+                   "script's optimizer (over the model's parameters) would never train; end "
+                   "the model with a Linear layer and use CrossEntropyLoss")
+        return None
     sig = ops.module_signature(getattr(nn, call.op))
     for key in call.kwargs:
         if key not in sig.names:
             errors.add(source.key((*path, key)), f"train.loss: unknown keyword argument "
                        f"{key!r} for {call.op}{did_you_mean(key, sig.names)}")
             return None
-    if not _try_build(lambda: getattr(nn, call.op)(**call.kwargs), source.value(path),
-                      f"train.loss: {call.op}", errors):
+    producer = graph.producer(out)
+    if (call.op == "BCELoss" and producer is not None and producer.op.kind is OpKind.MODULE
+            and issubclass(producer.op.target, _UNBOUNDED_LAYERS)):
+        errors.add(pos, f"train.loss: BCELoss needs probabilities in [0, 1], but output "
+                   f"{out!r} is the unbounded output of a {producer.op.spelled} layer; use "
+                   "BCEWithLogitsLoss (it applies the sigmoid itself) or end the model with "
+                   "Sigmoid")
         return None
     kind = ("classes" if call.op in _CLASS_LOSSES
             else "probabilities" if call.op in _PROB_LOSSES else "like_output")
+    check = _Check(f"train.loss: {call.op}", call.kwargs, path, pos, source, errors)
+    loss = check.run(lambda: getattr(nn, call.op)(**call.kwargs), "cannot be built")
+    value = None if loss is None else check.run(lambda: loss(*_sample_batch(kind)),
+                                                "cannot be computed")
+    if value is None:
+        return None
+    if value.dim() != 0:
+        given = [f"{key}={shown(call.kwargs[key])}" for key in ("reduction", "reduce")
+                 if key in call.kwargs]
+        errors.add(check.at("reduction", "reduce"), f"train.loss: {call.op}"
+                   f"({', '.join(given)}) gives a loss per element, not the one number the "
+                   "training script minimises; use reduction 'mean' or 'sum'")
+        return None
     return Loss(out, call.op, tuple(call.kwargs.items()), kind, pos)
+
+
+def _sample_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small output and target of the loss's kind (module docstring)."""
+    generator = torch.Generator().manual_seed(0)
+    if kind == "classes":
+        return torch.randn(2, 3, generator=generator), torch.tensor([0, 2])
+    if kind == "probabilities":
+        return torch.rand(2, 3, generator=generator), torch.rand(2, 3, generator=generator)
+    return torch.randn(2, 3, generator=generator), torch.randn(2, 3, generator=generator)

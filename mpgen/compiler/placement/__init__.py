@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 from mpgen.compiler.ir import AutoPlacement, Graph
 from mpgen.compiler.placement.auto import place_auto
 from mpgen.compiler.placement.explicit import place_explicit
+from mpgen.compiler.placement.training import check_training
 
 
 def place(graph: Graph, device_map: Optional[Mapping[str, str]] = None) -> Graph:
@@ -19,5 +20,8 @@ def place(graph: Graph, device_map: Optional[Mapping[str, str]] = None) -> Graph
     :class:`~mpgen.compiler.ir.ForwardPlan`; raises MpgenError."""
     device_map = dict(device_map or {})
     if isinstance(graph.placement, AutoPlacement):
-        return place_auto(graph, graph.placement, device_map)
-    return place_explicit(graph, graph.placement, device_map)
+        placed = place_auto(graph, graph.placement, device_map)
+    else:
+        placed = place_explicit(graph, graph.placement, device_map)
+    check_training(placed)
+    return placed

@@ -576,7 +576,7 @@ def test_exit_codes(tmp_path, args, code):
 def test_an_output_folder_that_is_a_file_is_a_clean_error(tmp_path):
     seed_spec(tmp_path)
     result = mpgen("build", "seed.yaml", "-o", "seed.yaml", cwd=tmp_path)
-    assert result.stderr == "seed.yaml: the output folder is not a folder\n"
+    assert result.stderr == "seed.yaml: the output folder (-o) is a file, not a folder\n"
 
 
 @NEEDS_POSIX

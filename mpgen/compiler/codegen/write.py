@@ -174,8 +174,12 @@ def survey(out_dir: Path, files: Mapping[str, str],
            specs: Optional[Mapping[str, str | Path]] = None) -> Survey:
     """Compare the output folder with a build of ``files`` from ``specs``
     (each spec as its headers name it -> its path)."""
-    if out_dir.exists() and not out_dir.is_dir():
-        raise MpgenError(Position(str(out_dir)), "the output folder is not a folder")
+    with contextlib.suppress(OSError):
+        mode = os.stat(out_dir).st_mode
+        if not stat.S_ISDIR(mode):
+            what = "a file" if stat.S_ISREG(mode) else kind(mode)
+            raise MpgenError(Position(str(out_dir)), f"the output folder (-o) is {what}, "
+                             "not a folder")
     result = Survey(out_dir)
     result.targets = [_target(out_dir / name, text.encode("utf-8"))
                       for name, text in files.items()]

@@ -21,86 +21,21 @@ import ast
 import copy
 import os
 import random
-import re
 import sys
 import textwrap
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
-from helpers import mpgen
+from fuzzing import (assert_built_or_reported, assert_reported, assert_safe_code,
+                     build_path, build_text)
+from fuzzing import paths as _paths
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
-
-#: Names that generated code never needs; their appearance as code (not as a
-#: string constant) means something from a spec became code.
-FORBIDDEN_NAMES = {"__import__", "eval", "exec", "compile", "open", "os", "system",
-                   "subprocess", "Popen", "builtins", "getattr", "globals", "breakpoint",
-                   "input", "save", "load", "from_file"}
-FORBIDDEN_ATTRIBUTES = {"system", "popen", "Popen", "__import__", "__builtins__", "__globals__",
-                        "__subclasses__", "rmtree", "from_file", "loads"}
-
-
-@dataclass
-class Result:
-    code: int
-    out: str
-    err: str
-    out_dir: Path
-
-    def files(self) -> dict[str, str]:
-        if not self.out_dir.exists():
-            return {}
-        return {p.name: p.read_text(encoding="utf-8") for p in sorted(self.out_dir.glob("*.py"))}
-
-
-def build_text(tmp_path: Path, text: str | bytes, *args: str, name: str = "spec.yaml") -> Result:
-    """Write ``text`` as a spec and run ``mpgen build`` on it in-process."""
-    folder = tmp_path / uuid.uuid4().hex[:8]
-    folder.mkdir()
-    spec = folder / name
-    spec.write_bytes(text if isinstance(text, bytes) else text.encode("utf-8"))
-    return build_path(spec, folder / "out", *args)
-
-
-def build_path(spec: Path, out: Path, *args: str, cwd: Path | None = None) -> Result:
-    """``mpgen build SPEC -o OUT ARGS`` in-process; an escaping exception fails the test."""
-    ran = mpgen("build", str(spec), "-o", str(out), *args, cwd=cwd)
-    if ran.returncode == 1 and "Traceback (most recent call last)" in ran.stderr:
-        pytest.fail(f"mpgen raised instead of reporting:\n{ran.stderr}\n"
-                    f"spec:\n{((cwd or Path.cwd()) / spec).read_bytes()[:2000]!r}")
-    return Result(ran.returncode, ran.stdout, ran.stderr, out)
-
-
-def assert_reported(result: Result, spec_name: str = "spec.yaml") -> None:
-    """Exit 2, only ``FILE:LINE:COL: message`` lines, nothing written."""
-    assert "Traceback" not in result.err + result.out
-    assert result.code == 2, (result.code, result.err, result.out)
-    assert result.out == ""
-    lines = result.err.splitlines()
-    assert lines, "no error message"
-    position = re.compile(r"^.*" + re.escape(spec_name) + r":\d+:\d+: \S|^\.\.\. and \d+ more")
-    bad = [line for line in lines if not position.match(line)]
-    assert not bad, f"not FILE:LINE:COL: message: {bad}"
-    assert not result.out_dir.exists(), "an output directory was created"
-
-
-def assert_safe_code(files: dict[str, str]) -> None:
-    """Every generated file compiles, and no spec text became a name or call."""
-    assert files
-    for name, text in files.items():
-        tree = ast.parse(text, name)
-        compile(text, name, "exec", dont_inherit=True)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Name):
-                assert node.id not in FORBIDDEN_NAMES, (name, ast.unparse(node))
-            elif isinstance(node, ast.Attribute):
-                assert node.attr not in FORBIDDEN_ATTRIBUTES, (name, ast.unparse(node))
 
 
 def import_model(path: Path):
@@ -481,16 +416,6 @@ SCALARS = [None, 0, 1, -1, 2, 10, 1.5, 1e-3, True, False, "", "x", "batch", "cud
 TEXT_NOISE = list(":-[]{}#&*!|>'\"%@`,?\t\n ") + ["---", "<<: ", "!!str ", "&a ", "*a", "  "]
 
 
-def _paths(node, path=()):
-    yield path
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _paths(v, path + (k,))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _paths(v, path + (i,))
-
-
 def _mutate_data(rng: random.Random, data):
     data = copy.deepcopy(data)
     for _ in range(rng.randint(1, 3)):
@@ -561,18 +486,8 @@ def test_fuzz_never_tracebacks_and_success_compiles(tmp_path):
     outcomes = {0: 0, 2: 0}
     for i, base, text, extra in fuzz_cases(FUZZ_CASES, FUZZ_SEED):
         result = build_text(tmp_path, text, *extra)
-        where = f"fuzz case {i} (seed {FUZZ_SEED}, base {base}, args {extra}):\n{text}"
-        assert result.code in (0, 2), where + result.err
-        if result.code == 2:
-            try:
-                assert_reported(result)
-            except AssertionError as exc:
-                raise AssertionError(f"{where}\n{result.err}") from exc
-        else:
-            try:
-                assert_safe_code(result.files())
-            except (AssertionError, SyntaxError) as exc:
-                raise AssertionError(where) from exc
+        assert_built_or_reported(
+            result, f"fuzz case {i} (seed {FUZZ_SEED}, base {base}, args {extra}):\n{text}")
         outcomes[result.code] += 1
     elapsed = time.perf_counter() - start
     assert outcomes[0] > FUZZ_CASES // 20, outcomes  # the fuzz still reaches code generation

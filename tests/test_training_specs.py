@@ -77,7 +77,7 @@ def refused(tmp_path, text: str, *args: str) -> str:
      "itself) or end the model with Sigmoid"),
     ("optimizer: {op: SGD, lr: -1}",
      "spec.yaml:7:34: train.optimizer: SGD cannot be built with lr=-1: Invalid learning rate: "
-     "-1.0"),
+     "-1"),
     ("optimizer: {op: Adam, lr: 0.1, betas: [0.9, 2]}",
      "spec.yaml:7:47: train.optimizer: Adam cannot be built with betas=[0.9, 2]: Invalid beta "
      "parameter at index 1: 2"),
@@ -218,9 +218,24 @@ def test_an_output_without_parameters_beside_a_trained_one_trains(tmp_path):
     assert "step 1/1  loss" in train_one_step(tmp_path / "out" / "train_m.py")
 
 
-def test_capturable_is_left_to_the_gpu(tmp_path):
-    """``capturable=True`` keeps the step on the GPU, so the build does not try it."""
+def test_capturable_builds_for_gpus(tmp_path):
+    """``capturable=True`` keeps the step on the GPU: the build steps without it."""
     code, err = build(tmp_path, MODEL + "train: {optimizer: {op: Adam, capturable: true}}\n")
     assert code == 0, err
     script = (tmp_path / "out" / "train_m.py").read_text()
-    assert "optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, capturable=True)" in script
+    assert ("optimizer = torch.optim.Adam(model.parameters(), lr=args.lr, capturable=True)"
+            in script)
+
+
+def test_capturable_on_the_cpu_is_refused(tmp_path):
+    text = MODEL + "train: {optimizer: {op: Adam, capturable: true}}\n"
+    assert refused(tmp_path, text, "--device-map", "cpu") == (
+        "spec.yaml:7:25: train.optimizer: Adam with capturable keeps its step on a GPU, but "
+        "parameters are on cpu; drop capturable, or place every layer with parameters on a GPU")
+
+
+def test_capturable_does_not_hide_other_values_from_the_step(tmp_path):
+    text = MODEL + "train: {optimizer: {op: RAdam, capturable: true, differentiable: true}}\n"
+    assert refused(tmp_path, text) == (
+        "spec.yaml:7:66: train.optimizer: RAdam cannot take a step with differentiable=True: a "
+        "leaf Variable that requires grad is being used in an in-place operation.")

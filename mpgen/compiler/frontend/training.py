@@ -159,21 +159,36 @@ def _optimizer(opt: CallSpec, source: SourceMap,
                 lr = _finite(value)
         else:
             kwargs.append((key, value))
+    default = inspect.signature(cls.__init__).parameters.get("lr")
+    default_lr = (float(default.default) if default is not None
+                  and isinstance(default.default, (int, float)) else 0.01)
     if "lr" not in opt.kwargs:
-        default = inspect.signature(cls.__init__).parameters.get("lr")
-        if default is not None and isinstance(default.default, (int, float)):
-            lr = float(default.default)
+        lr = default_lr
     if len(errors.errors) == before:
-        params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(3))]
-        what = f"train.optimizer: {opt.op}"
-        check = _Check(what, opt.kwargs, path, _op_position(source, path), source, errors)
-        optimizer = check.run(lambda: cls(params, lr=lr, **dict(kwargs)), "cannot be built")
-        # capturable=True keeps the step on the GPU: it cannot be tried on the CPU.
-        if optimizer is not None and not dict(kwargs).get("capturable"):
-            for param in params:
-                param.grad = torch.ones_like(param)
-            check.run(lambda: optimizer.step(lambda: torch.zeros(())), "cannot take a step")
+        written = dict(opt.kwargs)  # every key is known by now
+        check = _Check(f"train.optimizer: {opt.op}", written, path, _op_position(source, path),
+                       source, errors)
+        if check.run(lambda given: _sample_optimizer(cls, {"lr": default_lr, **given}),
+                     "cannot be built") is not None:
+            check.run(lambda given: _sample_step(cls, {"lr": default_lr, **given}),
+                      "cannot take a step")
     return lr, tuple(kwargs)
+
+
+def _sample_optimizer(cls: type, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
+    """``cls`` over sample parameters (1-D and 2-D, as a model's), with gradients."""
+    params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(3))]
+    for param in params:
+        param.grad = torch.ones_like(param)
+    return cls(params, **kwargs)
+
+
+def _sample_step(cls: type, kwargs: dict[str, Any]) -> None:
+    """One step of ``cls`` on sample parameters. capturable=True keeps the
+    step on a GPU, so the CPU steps without it (``placement.training``
+    checks that the parameters are on a GPU)."""
+    kwargs = {key: value for key, value in kwargs.items() if key != "capturable"}
+    _sample_optimizer(cls, kwargs).step(lambda: torch.zeros(()))
 
 
 def _finite(value: int | float) -> Optional[float]:
@@ -198,28 +213,39 @@ class _Check:
     source: SourceMap
     errors: Collector
 
-    def run(self, make: Callable[[], Any], failure: str) -> Any:
-        """``make()``, or None after an error ``WHAT FAILURE: torch's message``
-        at the keyword that message names (else at the op)."""
+    def run(self, make: Callable[[dict[str, Any]], Any], failure: str) -> Any:
+        """``make(kwargs)``, or None after an error ``WHAT FAILURE: torch's
+        message`` at the keyword to blame (else at the op)."""
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return make()
+            return self.quietly(make, self.kwargs)
         except Exception as exc:  # whatever torch raises for a bad value
             lines = str(exc).strip().splitlines()
             text = lines[0] if lines else type(exc).__name__
-            key = self.blamed(text)
+            key = self.blamed(make, text)
             given = "" if key is None else f" with {key}={shown(self.kwargs[key])}"
             self.errors.add(self.at(key), f"{self.what} {failure}{given}: {text}")
             return None
 
-    def blamed(self, text: str) -> Optional[str]:
-        """The keyword torch's message names, or the only one given (without
-        keywords, the loss or optimizer works)."""
-        named = [key for key in self.kwargs
-                 if any(re.search(rf"\b{re.escape(word)}\b", text)
-                        for word in (key, _SPELLED.get(key, key)))]
-        return named[0] if named else next(iter(self.kwargs)) if len(self.kwargs) == 1 else None
+    @staticmethod
+    def quietly(make: Callable[[dict[str, Any]], Any], kwargs: dict[str, Any]) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return make(kwargs)
+
+    def blamed(self, make: Callable[[dict[str, Any]], Any], text: str) -> Optional[str]:
+        """The keyword torch's message names, else the first one without which
+        ``make`` works."""
+        for key in self.kwargs:
+            if any(re.search(rf"\b{re.escape(word)}\b", text)
+                   for word in (key, _SPELLED.get(key, key))):
+                return key
+        for key in self.kwargs:
+            try:
+                self.quietly(make, {k: v for k, v in self.kwargs.items() if k != key})
+            except Exception:  # noqa: BLE001 - still failing: not this one alone
+                continue
+            return key
+        return None
 
     def at(self, *keys: Optional[str]) -> Position:
         """The value of the first of ``keys`` that is given, else the op."""
@@ -265,9 +291,10 @@ def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
     kind = ("classes" if call.op in _CLASS_LOSSES
             else "probabilities" if call.op in _PROB_LOSSES else "like_output")
     check = _Check(f"train.loss: {call.op}", call.kwargs, path, pos, source, errors)
-    loss = check.run(lambda: getattr(nn, call.op)(**call.kwargs), "cannot be built")
-    value = None if loss is None else check.run(lambda: loss(*_sample_batch(kind)),
-                                                "cannot be computed")
+    cls = getattr(nn, call.op)
+    value = None
+    if check.run(lambda given: cls(**given), "cannot be built") is not None:
+        value = check.run(lambda given: cls(**given)(*_sample_batch(kind)), "cannot be computed")
     if value is None:
         return None
     if value.dim() != 0:

@@ -4,8 +4,9 @@ The front end (``frontend.training``) checks the loss and the optimizer on
 their own; what is left needs the facts of later stages: whether backward
 from the loss reaches a parameter at all, and every layer with parameters
 (the parameters and dtypes that ``analysis`` measured), and whether an
-optimizer that needs every parameter on one device (``LBFGS``) gets one (the
-devices placement chose).
+optimizer that needs every parameter on one device (``LBFGS``) gets one, and
+one whose step stays on a GPU (``capturable``) no CPU (the devices placement
+chose).
 """
 
 from __future__ import annotations
@@ -54,4 +55,8 @@ def check_training(graph: Graph) -> None:
                    "parameters as one vector, so it needs them on one device, but they are on "
                    f"{', '.join(devices)}; use another optimizer, or place every layer with "
                    "parameters on one device")
+    if dict(train.optimizer_kwargs).get("capturable") and "cpu" in devices:
+        errors.add(train.optimizer_pos, f"train.optimizer: {train.optimizer} with capturable "
+                   "keeps its step on a GPU, but parameters are on cpu; drop capturable, or "
+                   "place every layer with parameters on a GPU")
     errors.raise_if_any()

@@ -5,16 +5,14 @@ which no spec text became code (:func:`assert_safe_code`), or exits 2 with
 nothing on stdout, every stderr line ``FILE:LINE:COL: message`` (or
 ``FILE: message`` for a problem of the whole file) and no output folder
 written (:func:`assert_reported`); never a traceback (:func:`build_path`
-fails the test with the spec), never a hang (:func:`time_limit`).
+fails the test with the spec), never a hang (``helpers.time_limit``).
 ``tests/test_hostile_input.py`` and ``tests/test_fuzz.py`` share it.
 """
 
 from __future__ import annotations
 
 import ast
-import contextlib
 import re
-import signal
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,28 +102,6 @@ def assert_built_or_reported(result: Result, where: str = "") -> None:
             assert_safe_code(result.files())
     except (AssertionError, SyntaxError) as exc:
         raise AssertionError(f"{where}\nstderr:\n{result.err}") from exc
-
-
-class Hang(BaseException):
-    """A build ran past its time limit (a BaseException, as KeyboardInterrupt:
-    no ``except Exception`` in mpgen turns it into a spec error)."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise :class:`Hang` in the block after ``seconds`` (SIGALRM: the main
-    thread, where pytest runs tests). A build that hangs becomes an escaping
-    exception, which :func:`build_path` reports with the spec."""
-    def interrupt(signum, frame):
-        raise Hang(f"the build ran past {seconds:g}s")
-
-    previous = signal.signal(signal.SIGALRM, interrupt)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def paths(node, path=()):

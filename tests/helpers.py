@@ -6,6 +6,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -106,3 +107,27 @@ def mpgen_process(*args: str, cwd: Path | None = None, env: dict | None = None,
         [*(command or [sys.executable, "-m", "mpgen"]), *args], cwd=cwd, capture_output=True,
         text=True, timeout=300, env=env,
     )
+
+
+class Hang(BaseException):
+    """Code ran past its :func:`time_limit` (a BaseException, as
+    KeyboardInterrupt: no ``except Exception`` in mpgen turns it into a spec
+    error)."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise :class:`Hang` in the block after ``seconds``, to fail instead of
+    hanging (SIGALRM: the main thread, where pytest runs tests; it also
+    interrupts a blocking read)."""
+    def interrupt(signum, frame):
+        raise Hang(f"still running after {seconds:g}s")
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+

@@ -30,7 +30,6 @@ import math
 import os
 import re
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import (Result, assert_built_or_reported, assert_reported, assert_safe_code,
-                     build_path, build_text, paths, time_limit)
+                     build_path, build_text, paths)
+from helpers import time_limit
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

@@ -40,40 +40,59 @@ class MpgenError(Exception):
 
 #: At most this many errors are printed; the rest are counted.
 MAX_SHOWN = 100
+#: A stage stops looking for more errors once it has found this many (a
+#: spec with thousands of mistakes answers as fast as one with a hundred).
+MAX_ERRORS = 100
+#: The last line of a report cut short at :data:`MAX_ERRORS`.
+STOPPED = "... too many errors; stopping"
 
 
 class ErrorList(MpgenError):
     """Several errors reported together, sorted by position.
 
     Exact duplicates (same position and message) are reported once; beyond
-    :data:`MAX_SHOWN` errors, the report ends with how many were left out.
+    :data:`MAX_SHOWN` errors, the report ends with how many were left out,
+    and a list cut short at :data:`MAX_ERRORS` (``stopped``) says so last.
     """
 
-    def __init__(self, errors: Sequence[MpgenError]):
+    def __init__(self, errors: Sequence[MpgenError], stopped: bool = False):
         unique = {(e.pos, e.message): e for e in errors}
         self.errors = sorted(
             unique.values(), key=lambda e: (e.pos or Position(""), e.message)
         )
+        self.stopped = stopped
         super().__init__(None, str(self))
 
     def __str__(self) -> str:
         lines = [str(e) for e in self.errors[:MAX_SHOWN]]
         if len(self.errors) > MAX_SHOWN:
             lines.append(f"... and {len(self.errors) - MAX_SHOWN} more errors")
+        if self.stopped:
+            lines.append(STOPPED)
         return "\n".join(lines)
 
 
 class Collector:
-    """Gathers errors within a stage; ``raise_if_any`` ends the stage."""
+    """Gathers errors within a stage; ``raise_if_any`` ends the stage.
+
+    At :data:`MAX_ERRORS` errors (or on taking in a list that was itself cut
+    short) it stops the stage at once, raising what it has.
+    """
 
     def __init__(self) -> None:
         self.errors: list[MpgenError] = []
 
     def add(self, pos: Position | None, message: str) -> None:
         self.errors.append(MpgenError(pos, message))
+        self._stop_if_full()
 
     def extend(self, error: MpgenError) -> None:
         self.errors.extend(error.errors if isinstance(error, ErrorList) else [error])
+        self._stop_if_full(isinstance(error, ErrorList) and error.stopped)
+
+    def _stop_if_full(self, stopped: bool = False) -> None:
+        if stopped or len(self.errors) >= MAX_ERRORS:
+            raise ErrorList(self.errors, stopped=True)
 
     def raise_if_any(self) -> None:
         if self.errors:

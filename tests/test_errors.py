@@ -52,7 +52,8 @@ XFAIL: dict[str, str] = {}
 
 #: One line of a report: a position in a fixture (or a CLI flag), a message.
 _LINE = re.compile(
-    r"^(tests/errors/[\w/]+\.yaml(:\d+:\d+)?: |--device-map: |\.\.\. and \d+ more errors$)"
+    r"^(tests/errors/[\w/]+\.yaml(:\d+:\d+)?: |--device-map: |\.\.\. and \d+ more errors$"
+    r"|\.\.\. too many errors; stopping$)"
 )
 
 

@@ -13,8 +13,10 @@ from typing import Iterable, Mapping, Optional
 
 from mpgen.compiler import frontend, placement
 from mpgen.compiler.analysis import costs, shapes, targets
+from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.codegen import common, model, report, tests, train
 from mpgen.compiler.codegen.format import format_source
+from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.ir import Graph
 from mpgen.errors import Collector, MpgenError
 from mpgen.spec_schema.load import load_file
@@ -31,22 +33,26 @@ class Generated:
 
 
 def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
-                 root: str | Path | None = None) -> Graph:
+                 root: str | Path | None = None,
+                 time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Graph:
     """Every stage up to the IR with devices and transfers; raises MpgenError.
     ``root``: the project the spec's dotted ops may import from (default: the
-    spec's repository; see ``docs/spec.md``, "User modules")."""
+    spec's repository; see ``docs/spec.md``, "User modules"). ``time_limit``:
+    seconds the analysis may take (None: no limit; ``docs/spec.md``, "Limits")."""
     loaded = load_file(path)
     graph = frontend.lower(validate(loaded), loaded, root)
-    graph = shapes.infer(graph)
+    budget = Budget(time_limit)
+    graph = shapes.infer(graph, budget)
     graph = targets.infer_targets(graph)
-    graph = costs.measure_graph(graph)
+    graph = costs.measure_graph(graph, budget)
     return placement.place(graph, device_map)
 
 
 def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
-             root: str | Path | None = None) -> Generated:
+             root: str | Path | None = None,
+             time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Generated:
     """Compile one spec and render its files, formatted."""
-    graph = compile_spec(path, device_map, root)
+    graph = compile_spec(path, device_map, root, time_limit)
     names = common.file_names(graph)
     sources = {
         names["model"]: model.render_model(graph),
@@ -61,14 +67,16 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
 
 def generate_all(paths: Iterable[str | Path],
                  device_map: Optional[Mapping[str, str]] = None,
-                 root: str | Path | None = None) -> list[Generated]:
-    """Generate every spec; all errors of all specs are raised together."""
+                 root: str | Path | None = None,
+                 time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> list[Generated]:
+    """Generate every spec (each with its own ``time_limit``); all errors of
+    all specs are raised together."""
     errors = Collector()
     results: list[Generated] = []
     owners: dict[str, Generated] = {}
     for path in paths:
         try:
-            result = generate(path, device_map, root)
+            result = generate(path, device_map, root, time_limit)
         except MpgenError as exc:
             errors.extend(exc)
             continue

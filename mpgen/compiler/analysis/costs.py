@@ -42,7 +42,23 @@ placement report and ``mpgen diff`` show them.
 #
 # A repeated layer's instances are identical, so instance 0 and instance 1
 # are measured (instance 1 reads instance 0's output, as later ones do) and
-# instances 2... repeat instance 1's numbers.
+# instances 2... repeat instance 1's numbers. The same holds for the copies
+# of a repeated layer inside a block (``_Recorder.chain``): copies 0 and 1
+# run, and each later copy adds copy 1's activations and flops; the last
+# copy run hands its output on, as fresh as the real last copy's.
+#
+# Recurrent layers (``nn.RNN``/``LSTM``/``GRU``) loop over the time steps in
+# Python on meta, seconds per hundred steps, so a long training ``seq`` would
+# take minutes. Over T > 3 steps (``_Recorder.short``) they run over 2 and 3
+# steps on fresh inputs, each run counting everything it saves, and
+#     activations(T) = a2 + (T - 2) * (a3 - a2), likewise flops:
+# every step does the same matmuls and saves the same tensors (gates, states,
+# dropout masks between layers), and what does not grow with T (the initial
+# state, read once) is in both runs and cancels in the difference, so this
+# is exact, not an estimate (``tests/test_bounded_work.py`` checks it against
+# the full run). The input counts as the real run would count it: not again
+# when an earlier unit saved it, and as saved for later units when the layer
+# saves it. The output gets the real length (``meta.short_sequences``).
 """
 
 from __future__ import annotations
@@ -55,6 +71,7 @@ import torch
 from torch import nn
 
 from mpgen.compiler.analysis import meta
+from mpgen.compiler.analysis.budget import Budget, OutOfBudget
 from mpgen.compiler.frontend.training import DEFAULT_DIM
 from mpgen.compiler.ir import Costs, Graph, Node, TensorType, UnitCost
 
@@ -101,15 +118,17 @@ def train_dims(graph: Graph, batch_size: int, dims: Mapping[str, int]) -> dict[s
     return sizes
 
 
-def measure_graph(graph: Graph) -> Graph:
+def measure_graph(graph: Graph, budget: Optional[Budget] = None) -> Graph:
     """The graph with its unit costs at the training settings (``graph.costs``)
-    and each node's forward flops per instance."""
+    and each node's forward flops per instance, within ``budget`` (default: no
+    deadline)."""
     train = graph.train
     optimizer = train.optimizer if train else "SGD"
     kwargs = dict(train.optimizer_kwargs) if train else {}
-    with warnings.catch_warnings():
+    budget = budget or Budget()
+    with warnings.catch_warnings(), budget.watching():
         warnings.simplefilter("ignore")  # torch's warnings on meta tensors are noise
-        costs = measure(graph, dict(graph.dims), optimizer, kwargs)
+        costs = measure(graph, dict(graph.dims), optimizer, kwargs, budget)
     flops = {u.node: u.flops for u in costs.units if u.instance == 0}
     nodes = tuple(dataclasses.replace(n, flops=flops.get(i, 0))
                   for i, n in enumerate(graph.nodes))
@@ -117,11 +136,12 @@ def measure_graph(graph: Graph) -> Graph:
 
 
 def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
-            optimizer_kwargs: Optional[Mapping[str, Any]] = None) -> Costs:
+            optimizer_kwargs: Optional[Mapping[str, Any]] = None,
+            budget: Optional[Budget] = None) -> Costs:
     """Run the graph on meta at the sizes ``dims`` and cost every unit."""
     factor = optimizer_state(optimizer, dict(optimizer_kwargs or {}))
     blocks = {b.name: b for b in graph.blocks}
-    recorder = _Recorder()
+    recorder = _Recorder(budget)
     env: dict[str, Optional[torch.Tensor]] = {}
     value_bytes: dict[str, int] = {}
     for t in graph.inputs:
@@ -135,7 +155,9 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         module = None
         if node.op.has_module:
             try:
-                module = meta.build(node, {}, blocks)
+                module = meta.build(node, {}, blocks, recorder)
+            except OutOfBudget:
+                raise
             except Exception:  # shapes.infer built it; only exotic modules get here
                 module = None
         tied = _tie(node, module, modules, value_bytes)
@@ -147,7 +169,8 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         x = [env.get(name) for name in node.inputs]
         values: dict[str, Any] = {}
         for _ in range(min(node.instances, 2)):
-            out, act, flops = recorder.run(lambda: meta.run(node, module, x, {}, env=env))
+            out, act, flops = recorder.record(lambda: meta.run(node, module, x, {}, recorder,
+                                                               env=env))
             try:
                 values = meta.unpack(node, out) if out is not None else {}
             except meta.OutputError:
@@ -207,13 +230,18 @@ def _cut_bytes(graph: Graph, units: Sequence[UnitCost]) -> list[int]:
 
 # -- running units on meta ---------------------------------------------------
 
-class _Recorder:
-    """Counts saved-for-backward bytes and FLOPs per unit run."""
+class _Recorder(meta.Hooks):
+    """Counts saved-for-backward bytes and FLOPs per unit run; what it does
+    not run (long sequences, copies of a repeated layer inside a block) it
+    counts from what it did run (NOTE [Cost formulas])."""
 
-    def __init__(self) -> None:
+    def __init__(self, budget: Optional[Budget] = None) -> None:
+        super().__init__(budget)
         self.saved: dict[int, Any] = {}  # storage id -> storage (kept alive)
         self.excluded: set[int] = set()
         self.current = 0
+        self.counter: Any = None  # the FlopCounterMode of the unit being run
+        self.extra_flops = 0  # flops of what was counted without running it
 
     def exclude(self, module: nn.Module) -> None:
         for tensor in [*module.parameters(), *module.buffers()]:
@@ -234,18 +262,69 @@ class _Recorder:
         self.saved[key] = storage
         return storage.nbytes()
 
-    def run(self, fn) -> tuple[Any, int, int]:
+    def counted(self, tensor: torch.Tensor) -> bool:
+        key = tensor.untyped_storage()._cdata
+        return key in self.saved or key in self.excluded
+
+    def flops(self) -> int:
+        return int(self.counter.get_total_flops()) + self.extra_flops
+
+    def record(self, fn) -> tuple[Any, int, int]:
         """``fn()``'s result (None if it fails), saved bytes and FLOPs."""
         from torch.utils.flop_counter import FlopCounterMode
 
         self.current = 0
-        counter = FlopCounterMode(display=False)
+        self.extra_flops = 0
+        self.counter = FlopCounterMode(display=False)
         try:
-            with counter, torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+            with self.counter, torch.autograd.graph.saved_tensors_hooks(self._pack,
+                                                                        lambda t: t):
                 out = fn()
+        except OutOfBudget:
+            raise
         except Exception:
             return None, 0, 0
-        return out, self.current, int(counter.get_total_flops())
+        return out, self.current, self.flops()
+
+    # -- meta.Hooks --------------------------------------------------------
+    def run(self, node, label, params, module, fn, inputs, call) -> Any:
+        with meta.short_sequences(module, self.short):
+            return call()
+
+    def short(self, forward, input: torch.Tensor, dim: int, args, kwargs) -> Any:
+        """A recurrent layer over ``input``'s whole sequence, counted from runs
+        over 2 and 3 steps (NOTE [Cost formulas]); returns the 3-step output."""
+        already = self.counted(input)
+        before, base, base_flops = dict(self.saved), self.current, self.flops()
+        measured = []
+        for steps in (2, 3):
+            self.saved = dict(before)  # each run counts all it saves (the state too)
+            x = meta.stand_in(input, dim, steps)
+            if already:  # what the real run saves of its input is counted
+                self.saved[x.untyped_storage()._cdata] = x.untyped_storage()
+            self.current, flops = 0, self.flops()
+            out = forward(x, *args, **kwargs)
+            measured.append((self.current, self.flops() - flops))
+        (act2, flops2), (act3, flops3) = measured
+        extra = input.shape[dim] - 2
+        self.current = base + act2 + extra * (act3 - act2)
+        self.extra_flops += flops2 + extra * (flops3 - flops2) - (self.flops() - base_flops)
+        if not already and self.counted(x):  # saved, and counted above
+            self.saved[input.untyped_storage()._cdata] = input.untyped_storage()
+        return out
+
+    def chain(self, node, label, layers, x, step) -> Any:
+        """Copies 2... of a repeated layer inside a block cost what copy 1
+        does (NOTE [Cost formulas]); copies 0 and 1 are run."""
+        if len(layers) <= 2:
+            return super().chain(node, label, layers, x, step)
+        out = step(layers[0], x)
+        act, flops = self.current, self.flops()
+        out = step(layers[1], out)
+        copies = len(layers) - 2
+        self.extra_flops += copies * (self.flops() - flops)
+        self.current += copies * (self.current - act)
+        return out
 
 
 def _meta_tensor(t: TensorType, dims: Mapping[str, int]) -> torch.Tensor:

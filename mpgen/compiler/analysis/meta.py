@@ -10,12 +10,14 @@ passes in as a :class:`Hooks` object.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
+from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.frontend import expressions
 from mpgen.compiler.ir import (
     Args,
@@ -29,6 +31,7 @@ from mpgen.compiler.ir import (
     Param,
     Size,
     Training,
+    expression_text,
 )
 
 TORCH_DTYPES = {
@@ -79,7 +82,11 @@ def call_args(args: Args, params: Mapping[str, Any],
 
 
 class Hooks:
-    """How a stage observes the interpreter; the default just runs things."""
+    """How a stage observes the interpreter; the default just runs things,
+    every layer under ``budget`` (:mod:`~mpgen.compiler.analysis.budget`)."""
+
+    def __init__(self, budget: Optional[Budget] = None) -> None:
+        self.budget = budget or Budget()
 
     def build(self, node: Node, label: str, params: Mapping[str, Any],
               make: Callable[[], nn.Module]) -> nn.Module:
@@ -89,6 +96,14 @@ class Hooks:
             module: Optional[nn.Module], fn: Callable, inputs: Sequence[torch.Tensor],
             call: Callable[[], Any]) -> Any:
         return call()
+
+    def chain(self, node: Node, label: str, layers: Sequence[nn.Module], x: Any,
+              step: Callable[[nn.Module, Any], Any]) -> Any:
+        """The output of a repeated layer inside a block: ``step(layer, x)``
+        through each of its copies ``layers`` in turn."""
+        for layer in layers:
+            x = step(layer, x)
+        return x
 
     def block_done(self, block: BlockClass, params: Mapping[str, Any],
                    outputs: Mapping[str, torch.Tensor], module: nn.Module) -> None:
@@ -104,10 +119,11 @@ def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass
     args, kwargs = call_args(node.init, params)
     label = f"{where}{node.name}"
     if node.op.kind is OpKind.BLOCK:
-        return MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
+        with hooks.budget.layer(node, label):
+            return MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
 
     def make() -> nn.Module:
-        with torch.device("meta"):
+        with torch.device("meta"), hooks.budget.build(node, label, call_text(node, params)):
             return node.op.target(*args, **kwargs)
 
     return hooks.build(node, label, params, make)
@@ -134,9 +150,31 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
             return pick(node, fn(*given, *args, **kwargs))
         return pick(node, module(*tensors, *args, **kwargs))
 
-    if node.op.kind is OpKind.FUNCTION:
-        return hooks.run(node, label, params, None, node.op.target, inputs, call)
-    return hooks.run(node, label, params, module, module, inputs, call)
+    with hooks.budget.layer(node, label):
+        if node.op.kind is OpKind.FUNCTION:
+            return hooks.run(node, label, params, None, node.op.target, inputs, call)
+        return hooks.run(node, label, params, module, module, inputs, call)
+
+
+def call_text(node: Node, params: Mapping[str, Any]) -> str:
+    """The layer's call as the spec writes it, block params set where known:
+    ``Linear(64, 3 * $dim)``, ``LSTM(8, 8, 2, batch_first=True)``."""
+    def show(v):
+        if isinstance(v, Param):
+            return repr(params[v.name]) if v.name in params else f"${v.name}"
+        if isinstance(v, Expr):
+            return v.code
+        if isinstance(v, Size):
+            return f"size({v.value}, {v.dim})"
+        if isinstance(v, (BinOp, Neg)):
+            return expression_text(v, show)
+        if isinstance(v, list):
+            return "[" + ", ".join(show(x) for x in v) + "]"
+        return repr(v)
+    given = node.init or node.call
+    parts = ([show(a) for a in given.positional]
+             + [f"{k}={show(v)}" for k, v in given.keyword])
+    return f"{node.op.spelled}({', '.join(parts)})"
 
 
 def unpack(node: Node, result: Any) -> dict[str, Any]:
@@ -225,10 +263,10 @@ class MetaBlock(nn.Module):
             xs = [env[name] for name in node.inputs]
             module = getattr(self, node.name) if node.op.has_module else None
             if node.repeat:
-                out = xs[0]
-                for layer in module:
-                    out = run(node, layer, [out, *xs[1:]], self.values, self.hooks, self.where,
-                              env)
+                out = self.hooks.chain(
+                    node, f"{self.where}{node.name}", module, xs[0],
+                    lambda layer, x: run(node, layer, [x, *xs[1:]], self.values, self.hooks,
+                                         self.where, env))
             else:
                 out = run(node, module, xs, self.values, self.hooks, self.where, env)
             env.update(unpack(node, out))
@@ -245,3 +283,55 @@ def _named_class(name: str) -> type:
 
 def meta_tensor(shape: Sequence[int], dtype: str) -> torch.Tensor:
     return torch.empty(list(shape), dtype=TORCH_DTYPES[dtype], device="meta")
+
+
+#: A recurrent layer called over more time steps than this is run at stand-in
+#: lengths instead (NOTE [Symbolic dims] in ``shapes``, NOTE [Cost formulas]
+#: in ``costs``).
+SHORT_SEQUENCE = 3
+
+#: ``short(forward, input, dim, args, kwargs)``: run ``forward`` (a recurrent
+#: module's own) at stand-in lengths of ``input``'s time dim ``dim``; returns
+#: what forward returns there.
+ShortRun = Callable[[Callable, torch.Tensor, int, tuple, dict], Any]
+
+
+@contextlib.contextmanager
+def short_sequences(module: Optional[nn.Module], short: ShortRun) -> Iterator[None]:
+    """While active, every ``nn.RNN``/``LSTM``/``GRU`` in ``module`` (itself
+    or a submodule) called on a sequence longer than :data:`SHORT_SEQUENCE`
+    runs ``short`` instead, and its output gets the sequence's real length:
+    on meta, their kernels loop over the sequence in Python, a minute for
+    each run at the prime sizes of symbolic dims, or at a long training
+    ``seq``. The state it returns does not depend on the length."""
+    rnns = [m for m in (module.modules() if module is not None else ())
+            if isinstance(m, nn.RNNBase) and "forward" not in vars(m)]
+
+    def patched(rnn: nn.RNNBase) -> Callable:
+        original = rnn.forward
+
+        def forward(input, *args, **kwargs):
+            if not isinstance(input, torch.Tensor) or input.dim() not in (2, 3):
+                return original(input, *args, **kwargs)
+            dim = 1 if rnn.batch_first and input.dim() == 3 else 0
+            if input.shape[dim] <= SHORT_SEQUENCE:
+                return original(input, *args, **kwargs)
+            out, state = short(original, input, dim, args, kwargs)
+            return stand_in(out, dim, input.shape[dim]), state
+
+        return forward
+
+    for rnn in rnns:
+        rnn.forward = patched(rnn)
+    try:
+        yield
+    finally:
+        for rnn in rnns:
+            del rnn.forward
+
+
+def stand_in(input: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """A fresh tensor like ``input`` with ``length`` steps along ``dim``."""
+    shape = list(input.shape)
+    shape[dim] = length
+    return input.new_empty(shape).requires_grad_(input.requires_grad)

@@ -18,35 +18,40 @@ the layer's line, and parameter counts come from the real modules.
 # describes and is ``?`` (``SymDim(known=False)``), never an internal size.
 # Sizes in torch's own error messages are translated back as in the first
 # run (those of the second only when it alone fails).
+#
+# Recurrent layers (``nn.RNN``/``LSTM``/``GRU``, also inside a user module)
+# are the one place where a prime size is work, not just a number: their meta
+# kernels loop over the time steps in Python, so an LSTM over ``seq`` would
+# take 10,007 steps per run. ``meta.short_sequences`` runs them over one
+# step instead and gives the output the sequence's real length (the dim
+# that is the input's time dim, so it still reads ``seq`` in both runs, or
+# ``?`` when the input's was). Nothing else they return depends on the
+# length: the state is [layers * directions, batch, hidden] and the output's
+# other dims are batch and features. An LSTM over ``seq`` costs what one
+# over 1 does.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import re
 import warnings
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from mpgen.compiler.analysis import meta
+from mpgen.compiler.analysis.budget import Budget, OutOfBudget
 from mpgen.compiler.ir import (
-    BinOp,
     BlockClass,
     Dim,
-    Expr,
     Graph,
     InputTensor,
     Node,
     OpKind,
-    Neg,
-    Param,
-    Size,
     SymDim,
     TensorType,
-    expression_text,
 )
 from mpgen.errors import Collector, ErrorList, MpgenError, did_you_mean
 
@@ -123,17 +128,26 @@ class _Symbols:
                            device="meta")
 
 
-def infer(graph: Graph) -> Graph:
-    """Fill ``out`` and ``params`` of every node (and blocks' shape comments)."""
+def infer(graph: Graph, budget: Optional[Budget] = None) -> Graph:
+    """Fill ``out`` and ``params`` of every node (and blocks' shape comments),
+    within ``budget`` (default: no deadline)."""
+    budget = budget or Budget()
+    with budget.watching():
+        return _infer(graph, budget)
+
+
+def _infer(graph: Graph, budget: Budget) -> Graph:
     symbols = _Symbols.of(graph.inputs)
     blocks = {b.name: b for b in graph.blocks}
     try:
-        nodes, uses = _run(graph, symbols, blocks)
+        nodes, uses = _run(graph, symbols, blocks, budget)
+    except OutOfBudget:
+        raise
     except MpgenError as error:
-        raise _agree_errors(error, graph, symbols.other(), blocks) from None
+        raise _agree_errors(error, graph, symbols.other(), blocks, budget) from None
     # NOTE [Symbolic dims]: what a size derived from a symbol looks like at
     # other primes tells it from a constant.
-    again, uses_again = _run(graph, symbols.other(), blocks)
+    again, uses_again = _run(graph, symbols.other(), blocks, budget)
     nodes = [_agree_node(n, m) for n, m in zip(nodes, again)]
     for name, per_use in uses.items():
         uses[name] = [(values, {k: _agree(t, other[1].get(k)) for k, t in types.items()}, count)
@@ -143,9 +157,9 @@ def infer(graph: Graph) -> Graph:
     return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
 
 
-def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass]):
+def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass], budget: Budget):
     """The nodes with their types at ``symbols``' sizes, and every block use."""
-    runner = _Runner(symbols, blocks)
+    runner = _Runner(symbols, blocks, budget)
     env = {}
     for t in graph.inputs:
         try:
@@ -162,12 +176,14 @@ def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass]):
 
 
 def _agree_errors(error: MpgenError, graph: Graph, other: _Symbols,
-                  blocks: Mapping[str, BlockClass]) -> MpgenError:
+                  blocks: Mapping[str, BlockClass], budget: Budget) -> MpgenError:
     """``error`` with every size that differs at ``other``'s primes as ``?``
     (NOTE [Symbolic dims]): ``flat gives [batch, ?]``, never the size of a
     flattened strided convolution at the internal sizes."""
     try:
-        _run(graph, other, blocks)
+        _run(graph, other, blocks, budget)
+    except OutOfBudget:
+        raise
     except MpgenError as again:
         first, second = _error_list(error), _error_list(again)
         if [e.pos for e in first] == [e.pos for e in second]:
@@ -217,7 +233,9 @@ def _agree(first: Any, second: Any) -> Any:
 class _Runner(meta.Hooks):
     """Runs the graph on meta tensors, turning failures into spec errors."""
 
-    def __init__(self, symbols: _Symbols, blocks: Mapping[str, BlockClass]) -> None:
+    def __init__(self, symbols: _Symbols, blocks: Mapping[str, BlockClass],
+                 budget: Budget) -> None:
+        super().__init__(budget)
         self.symbols = symbols
         self.blocks = blocks
         self.errors = Collector()
@@ -231,6 +249,8 @@ class _Runner(meta.Hooks):
             try:
                 out, count = self.run_node(node, env)
                 values = self.unpack(node, node.name, out)
+            except OutOfBudget:
+                raise
             except MpgenError as exc:
                 self.errors.extend(exc)
                 return result
@@ -292,26 +312,39 @@ class _Runner(meta.Hooks):
                         if name not in tied)
         out = meta.run(node, module, inputs, {}, self, env=env)
         if node.repeat and node.repeat > 1:
-            chained = inputs[0]
-            if out.shape != chained.shape or out.dtype != chained.dtype:
-                raise MpgenError(node.pos, f"layer {node.name!r}: repeat needs the output to "
-                                 f"match the input, but {self.symbols.type(chained)} becomes "
-                                 f"{self.symbols.type(out)}")
+            self.check_chain(node, node.name, inputs[0], out)
         return out, count
+
+    def check_chain(self, node: Node, label: str, x: torch.Tensor, out: Any) -> None:
+        """A repeated layer's copy must give what it was given (the next reads it)."""
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+            raise MpgenError(node.pos, f"layer {label!r}: repeat needs the output to match "
+                             f"the input, but {self.symbols.type(x)} becomes "
+                             f"{self.symbols.type(out)}")
 
     # -- meta.Hooks --------------------------------------------------------
     def build(self, node, label, params, make) -> nn.Module:
         try:
             return make()
+        except MpgenError:
+            raise
         except Exception as exc:
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} cannot "
+            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} cannot "
                              f"be built: {_clean(exc)}") from None
+
+    def chain(self, node, label, layers, x, step) -> Any:
+        """The copies of a repeated layer are alike and each is given what the
+        first was (``check_chain``): running the first tells them all."""
+        out = step(layers[0], x)
+        if len(layers) > 1:
+            self.check_chain(node, label, x, out)
+        return out
 
     def run(self, node, label, params, module, fn, inputs, call) -> torch.Tensor:
         if module is not None and not isinstance(module, meta.MetaBlock):
             self.precheck(node, label, module, inputs, params)
         try:
-            with _rnn_one_step(module):
+            with meta.short_sequences(module, _one_step):
                 out = call()
         except MpgenError:
             raise
@@ -321,7 +354,7 @@ class _Runner(meta.Hooks):
             given = ", ".join(f"{name} {self.symbols.type(t)}"
                               for name, t in zip(node.inputs, inputs))
             on = f" on {given}" if given else ""
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} fails{on}: "
+            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} fails{on}: "
                              f"{self.symbols.text(_clean(exc))}") from None
         if not isinstance(out, torch.Tensor) and not node.pattern:
             hint = (f"; make one element the layer's output with 'output: 0' (0 to "
@@ -359,73 +392,30 @@ class _Runner(meta.Hooks):
             if tuple(x.shape[-len(ns):]) != ns:
                 expected = "[..., " + ", ".join(str(d) for d in ns) + "]"
         elif isinstance(module, nn.Embedding) and x.dtype not in _INT_DTYPES:
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} expects "
+            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} expects "
                              f"integer indices but {node.inputs[0]} gives {got} {got.dtype}")
         if expected:
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} expects "
+            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} expects "
                              f"input {expected} but {node.inputs[0]} gives {got}")
         # Meta kernels do not check dtypes; CUDA and CPU kernels do.
         weight = next((p for p in module.parameters() if p.is_floating_point()), None)
         if weight is None or isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
             return
         if not x.is_floating_point():
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} expects "
+            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} expects "
                              f"floating-point input but {node.inputs[0]} gives {got} "
                              f"{got.dtype}")
         if x.dtype != weight.dtype:
-            raise MpgenError(node.pos, f"layer {label!r}: {_call_text(node, params)} has "
+            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} has "
                              f"{meta.DTYPE_NAMES.get(weight.dtype)} weights but "
                              f"{node.inputs[0]} gives {got.dtype}")
 
 
-@contextlib.contextmanager
-def _rnn_one_step(module: Optional[nn.Module]) -> Iterator[None]:
-    """Run an ``nn.RNN``/``LSTM``/``GRU`` over one time step, and give its
-    output the sequence's length: on meta, their kernels loop over the
-    sequence in Python, a minute for each run at the prime sizes of symbolic
-    dims (NOTE [Symbolic dims]). Only shapes are wanted here, and neither the
-    output's other dims nor the state's depend on the length."""
-    if not isinstance(module, nn.RNNBase):
-        yield
-        return
-    original = module.forward
-
-    def forward(input, *args, **kwargs):
-        if not isinstance(input, torch.Tensor) or input.dim() not in (2, 3) \
-                or input.shape[0] == 0:
-            return original(input, *args, **kwargs)
-        dim = 1 if module.batch_first and input.dim() == 3 else 0
-        if input.shape[dim] <= 1:
-            return original(input, *args, **kwargs)
-        out, state = original(input.narrow(dim, 0, 1), *args, **kwargs)
-        shape = list(out.shape)
-        shape[dim] = input.shape[dim]
-        return out.new_empty(shape), state
-
-    module.forward = forward
-    try:
-        yield
-    finally:
-        del module.forward
-
-
-def _call_text(node: Node, params: Mapping[str, Any]) -> str:
-    def show(v):  # as the spec writes it, block params set where known
-        if isinstance(v, Param):
-            return repr(params[v.name]) if v.name in params else f"${v.name}"
-        if isinstance(v, Expr):
-            return v.code
-        if isinstance(v, Size):
-            return f"size({v.value}, {v.dim})"
-        if isinstance(v, (BinOp, Neg)):
-            return expression_text(v, show)
-        if isinstance(v, list):
-            return "[" + ", ".join(show(x) for x in v) + "]"
-        return repr(v)
-    given = node.init or node.call
-    parts = ([show(a) for a in given.positional]
-             + [f"{k}={show(v)}" for k, v in given.keyword])
-    return f"{node.op.spelled}({', '.join(parts)})"
+def _one_step(forward: Callable, input: torch.Tensor, dim: int, args, kwargs) -> Any:
+    """A recurrent layer over one time step (``meta.short_sequences``):
+    shapes are all that is wanted, and only the output's time dim depends on
+    the sequence's length (NOTE [Symbolic dims])."""
+    return forward(input.narrow(dim, 0, 1), *args, **kwargs)
 
 
 def _clean(exc: Exception) -> str:

@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+from mpgen.compiler.frontend.limits import check_sizes, check_structure
 from mpgen.compiler.frontend.placement import placement_request
 from mpgen.compiler.frontend.resolve import resolve
 from mpgen.compiler.frontend.training import resolve_train
@@ -23,10 +24,12 @@ def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> 
     """Layers, training settings and the placement request, with every
     mistake of the three reported together; raises MpgenError. ``root``: the
     project a dotted op may import from (``frontend.imports``)."""
+    check_structure(spec, loaded.source)  # before anything is resolved or built
     graph = resolve(spec, loaded, root)
     errors = Collector()
     try:
         graph = resolve_train(graph, spec.train, loaded.source)
+        check_sizes(graph, spec.train, loaded.source)
     except MpgenError as exc:
         errors.extend(exc)
     try:

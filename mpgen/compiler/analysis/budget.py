@@ -1,0 +1,115 @@
+"""The work one build's analysis may do: a wall-clock budget, and a cap on
+what building one layer may create.
+
+Shapes and costs run every layer on the meta device, where one innocent
+looking layer can take minutes (``nn.Transformer(num_encoder_layers=100000)``
+builds 100,000 layers; a user module may loop). :class:`Budget` knows which
+layer is being analysed (``meta.build`` and ``meta.run`` say so) and, while
+:meth:`Budget.watching`, checks the deadline at every module call, every
+parameter, buffer or submodule created and every operator run on meta: the
+error names that layer at its line. The checks are plain function calls in
+this thread: no timer, thread or signal, and torch's global hooks are
+removed when the analysis ends, so nothing outlives the build.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator, Optional
+
+from torch.nn.modules import module as torch_module
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from mpgen.compiler.frontend.limits import MAX_LAYER_OBJECTS
+from mpgen.compiler.ir import Node
+from mpgen.errors import MpgenError
+
+
+class OutOfBudget(MpgenError):
+    """The analysis ran out of time, or a layer asked for too much; not a
+    failure of the layer itself, so no stage turns it into another error."""
+
+
+class Budget:
+    """A deadline for one build's analysis (``seconds`` None: none) and the
+    layer under analysis, for the message when it is missed."""
+
+    def __init__(self, seconds: Optional[float] = None) -> None:
+        self.seconds = seconds
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+        self.layers: list[tuple[Node, str]] = []  # the layers being analysed, innermost last
+        self.building: Optional[list] = None  # [node, label, what, objects created] while one builds
+
+    @contextlib.contextmanager
+    def layer(self, node: Node, label: str) -> Iterator[None]:
+        """While ``node`` (``label``: its path through blocks) is analysed."""
+        self.layers.append((node, label))
+        try:
+            self.check()
+            yield
+        finally:
+            self.layers.pop()
+
+    @contextlib.contextmanager
+    def build(self, node: Node, label: str, what: str) -> Iterator[None]:
+        """While ``node``'s module (``what``: the call, as the spec writes it)
+        is constructed: it may create at most :data:`MAX_LAYER_OBJECTS`."""
+        outer, self.building = self.building, [node, label, what, 0]
+        try:
+            with self.layer(node, label):
+                yield
+        finally:
+            self.building = outer
+
+    def check(self) -> None:
+        """Raise :class:`OutOfBudget` if the deadline has passed while a layer
+        is analysed (between layers there is little to do, and the next
+        layer's check reports it)."""
+        if self.deadline is None or not self.layers or time.monotonic() <= self.deadline:
+            return
+        node, label = self.layers[-1]
+        raise OutOfBudget(node.pos, f"analysis of layer {label!r} ran past the "
+                          f"{self.seconds:g} s build budget; the layers up to it are too "
+                          "large or too slow to check in that time")
+
+    def created(self, *_) -> None:
+        """A parameter, buffer or submodule was created (a torch hook)."""
+        if self.building is not None:
+            self.building[3] += 1
+            if self.building[3] > MAX_LAYER_OBJECTS:
+                node, label, what, _ = self.building
+                raise OutOfBudget(node.pos, f"layer {label!r}: {what} creates more than "
+                                  f"{MAX_LAYER_OBJECTS:,} parameter tensors, buffers and "
+                                  f"submodules; at most {MAX_LAYER_OBJECTS:,} are supported in "
+                                  "one layer")
+        self.check()
+
+    @contextlib.contextmanager
+    def watching(self) -> Iterator[None]:
+        """Check the budget inside every module call, every module built and
+        every operator run, until the block ends."""
+        called = torch_module.register_module_forward_pre_hook(lambda *_: self.check())
+        handles = [called] + [register(self.created) for register in (
+            torch_module.register_module_parameter_registration_hook,
+            torch_module.register_module_buffer_registration_hook,
+            torch_module.register_module_module_registration_hook)]
+        try:
+            with _EveryOperator(self):
+                yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+class _EveryOperator(TorchDispatchMode):
+    """Checks the budget before each operator (a meta kernel that loops in
+    Python, over a sequence or layers, runs many)."""
+
+    def __init__(self, budget: Budget) -> None:
+        super().__init__()
+        self.budget = budget
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.budget.check()
+        return func(*args, **(kwargs or {}))

@@ -1,0 +1,128 @@
+"""How much work one spec may ask for: every limit of a build, in one place.
+
+A spec is a few lines of YAML, but what it asks for can grow without bound:
+a repeat count, blocks that use blocks twice at every level, a huge training
+size. Each limit here is a plain error at the offending line, checked before
+the work it bounds is done: :func:`check_structure` before anything is
+resolved or built, :func:`check_sizes` once the training sizes are known.
+The analysis stage enforces the last two (:data:`MAX_LAYER_OBJECTS` while a
+layer is built on meta, :data:`DEFAULT_TIME_LIMIT` over the whole analysis).
+``docs/spec.md`` ("Limits") lists them for users; keep the two in step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from mpgen.compiler.ir import Graph
+from mpgen.errors import Collector
+from mpgen.spec_schema.load import SourceMap
+from mpgen.spec_schema.models import MAX_DIM, LayerSpec, Spec, TrainSpec
+
+#: Copies of one layer (``repeat:``); a 96-layer GPT-3 uses 96.
+MAX_REPEAT = 1_000
+#: Layer instances of a whole model: every repeat and every layer of every
+#: block instance, multiplied out through nesting (GPT-3 written with
+#: nanoGPT's fine-grained blocks has about 2,100; ResNet-152 about 550).
+MAX_INSTANCES = 5_000
+#: Blocks inside blocks inside blocks ... (real models nest 2 or 3 deep).
+MAX_BLOCK_DEPTH = 32
+#: Dims of a model input.
+MAX_RANK = 16
+#: A training size (``train.batch_size``, a value of ``train.dims``), as the
+#: largest size of an input dim.
+MAX_TRAIN_SIZE = MAX_DIM
+#: Elements of one model input at the training sizes (2**40, 4 TiB of float32).
+MAX_ELEMENTS = 1 << 40
+#: Parameter tensors, buffers and submodules that building one layer on the
+#: meta device may create (an ``LSTM`` with 1,000 layers has 4,000 parameter
+#: tensors, and takes seconds to build; GPT-2 XL as one module has about
+#: 1,200 of all three).
+MAX_LAYER_OBJECTS = 4_000
+#: Seconds the analysis of one spec (shapes and costs on the meta device)
+#: may take; callers may pass another ``time_limit`` (None: no limit).
+DEFAULT_TIME_LIMIT = 10.0
+
+
+def check_structure(spec: Spec, source: SourceMap) -> None:
+    """Repeats, block nesting, input ranks and the layer instances of the
+    whole model, from the spec alone; raises MpgenError before anything is
+    built (so exponential blocks are refused at once)."""
+    errors = Collector()
+    for name, tensor in spec.inputs.items():
+        if len(tensor.shape) > MAX_RANK:
+            errors.add(source.key(("inputs", name)), f"input {name!r}: {len(tensor.shape):,} "
+                       f"dims; an input may have at most {MAX_RANK}")
+    layers = [(("blocks", b, "layers"), spec.blocks[b].layers) for b in spec.blocks]
+    layers.append((("layers",), spec.layers))
+    for path, mapping in layers:
+        for name, layer in mapping.items():
+            if layer.repeat is not None and layer.repeat > MAX_REPEAT:
+                errors.add(source.value((*path, name, "repeat")), f"{_label(path, name)}: "
+                           f"repeat: {layer.repeat:,} is more than the {MAX_REPEAT:,} copies "
+                           "a layer may have")
+    errors.raise_if_any()
+    # A block may only use blocks defined before it (resolve reports any
+    # other use), so one pass in order sees every block's insides first.
+    instances: dict[str, int] = {}  # block -> layer instances in one instance of it
+    depth: dict[str, int] = {}  # block -> levels of blocks, itself included
+    for block_name, block in spec.blocks.items():
+        path = ("blocks", block_name, "layers")
+        instances[block_name] = _count(block.layers, instances)
+        depth[block_name] = 1 + max((depth[layer.op] for layer in block.layers.values()
+                                     if layer.op in depth), default=0)
+        if depth[block_name] > MAX_BLOCK_DEPTH:
+            name, inner = next((n, layer.op) for n, layer in block.layers.items()
+                               if depth.get(layer.op) == MAX_BLOCK_DEPTH)
+            errors.add(source.value((*path, name, "op")), f"{_label(path, name)}: block "
+                       f"{inner!r} already nests {MAX_BLOCK_DEPTH} blocks deep, so "
+                       f"{block_name!r} would nest {MAX_BLOCK_DEPTH + 1}; blocks may nest at "
+                       f"most {MAX_BLOCK_DEPTH} deep")
+            errors.raise_if_any()
+    total = 0
+    for name, layer in spec.layers.items():
+        total += _count({name: layer}, instances)
+        if total > MAX_INSTANCES:
+            errors.add(source.key(("layers", name)), f"layer {name!r}: the model has "
+                       f"{_number(total)} layer instances up to here (every repeat and every "
+                       f"layer of every block instance); at most {MAX_INSTANCES:,} are "
+                       "supported")
+            errors.raise_if_any()
+
+
+def check_sizes(graph: Graph, train: Optional[TrainSpec], source: SourceMap) -> None:
+    """The training sizes, and each input's elements at them; raises MpgenError."""
+    errors = Collector()
+    train = train or TrainSpec()
+    sizes = [(("train", "batch_size"), train.batch_size)]
+    sizes += [(("train", "dims", name), size) for name, size in train.dims.items()]
+    for path, size in sizes:
+        if size > MAX_TRAIN_SIZE:
+            errors.add(source.value(path), f"{'.'.join(path)}: {_number(size)} is larger than "
+                       f"the largest size, {MAX_TRAIN_SIZE:,}")
+    errors.raise_if_any()
+    dims = dict(graph.dims)
+    for tensor in graph.inputs:
+        elements = tensor.type.numel(dims)
+        if elements > MAX_ELEMENTS:
+            shape = ", ".join(map(str, tensor.type.concrete(dims)))
+            errors.add(tensor.pos, f"input {tensor.name!r}: {tensor.type} is [{shape}] at the "
+                       f"training sizes, {_number(elements)} elements; an input may have at "
+                       f"most {MAX_ELEMENTS:,}")
+    errors.raise_if_any()
+
+
+def _count(layers: dict[str, LayerSpec], instances: dict[str, int]) -> int:
+    """Layer instances of ``layers``: each copy of a layer, plus the insides
+    of each copy that is a block."""
+    return sum((layer.repeat or 1) * (1 + instances.get(layer.op, 0))
+               for layer in layers.values())
+
+
+def _label(path: tuple, name: str) -> str:
+    return f"layer {name!r} of block {path[1]!r}" if path[0] == "blocks" else f"layer {name!r}"
+
+
+def _number(n: int) -> str:
+    """``12,345``; astronomically large numbers (2**500) are not spelled out."""
+    return f"{n:,}" if n < 10**30 else "more than 10**30"

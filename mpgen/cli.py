@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import enum
+import math
 import os
 import shlex
 import sys
@@ -32,10 +33,25 @@ def _device_map(text: Optional[str]) -> dict[str, str]:
         raise MpgenError(None, str(exc)) from None
 
 
-def _root_option(command: argparse.ArgumentParser) -> None:
+def _seconds(text: str) -> float:
+    """``--time-limit``: a number of seconds, 0 for no limit."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0: no limit)")
+    return value
+
+
+def _compile_options(command: argparse.ArgumentParser) -> None:
+    """The options of every command that compiles specs."""
     command.add_argument("--root", metavar="DIR",
                          help="the project a spec's dotted ops may import from (default: the "
                               "spec's repository; see docs/spec.md, 'User modules')")
+    command.add_argument("--time-limit", metavar="SECONDS", type=_seconds,
+                         help="seconds the analysis of each spec may take (default: the "
+                              "budget in docs/spec.md, 'Limits'; 0: no limit)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -59,13 +75,13 @@ def _parser() -> argparse.ArgumentParser:
         if name == "build":
             cmd.add_argument("--force", action="store_true",
                              help="overwrite files in DIR that mpgen did not generate")
-        _root_option(cmd)
+        _compile_options(cmd)
     show = sub.add_parser("show", help="print every layer's device, output shape and parameters",
                           description="print every layer's device, output shape and parameters")
     show.add_argument("spec", metavar="SPEC")
     show.add_argument("--format", choices=("table", "json"), default="table")
     show.add_argument("--device-map", metavar="MAP", help="as for build")
-    _root_option(show)
+    _compile_options(show)
     place = sub.add_parser("place", help="print the layout in the explicit placement form",
                            description="Print the spec's layout (automatic or explicit) in the "
                                        "explicit placement form; --write puts it in the spec.")
@@ -73,13 +89,13 @@ def _parser() -> argparse.ArgumentParser:
     place.add_argument("--write", action="store_true",
                        help="rewrite the spec's placement block in place (other lines unchanged)")
     place.add_argument("--device-map", metavar="MAP", help="rename devices after choosing")
-    _root_option(place)
+    _compile_options(place)
     diff = sub.add_parser("diff", help="compare the layouts of two specs",
                           description="Compare two layouts. Each side is a spec path or "
                                       "REV:path (read from git).")
     diff.add_argument("old", metavar="OLD")
     diff.add_argument("new", metavar="NEW")
-    _root_option(diff)
+    _compile_options(diff)
     diff.set_defaults(device_map=None)
     return parser
 
@@ -100,7 +116,7 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
 
     results, changes = build.build(args.specs, args.out, device_map, force=args.force,
-                                   root=args.root)
+                                   root=args.root, time_limit=args.time_limit)
     for path in changes.written:
         _say(f"wrote {path}")
     for path in changes.removed:
@@ -116,8 +132,10 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
 
 def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
+    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 
-    diffs = build.check(args.specs, args.out, device_map, root=args.root)
+    diffs = build.check(args.specs, args.out, device_map, root=args.root,
+                        time_limit=args.time_limit)
     if not diffs:
         _say(f"{args.out}: up to date")
         return Exit.OK
@@ -127,6 +145,8 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
         command += ["--device-map", args.device_map]
     if args.root:
         command += ["--root", args.root]
+    if args.time_limit != DEFAULT_TIME_LIMIT:
+        command += ["--time-limit", f"{args.time_limit or 0:g}"]
     _say(f"\nmpgen check: generated code in {args.out} is not current; "
          f"run: {shlex.join(command)}", sys.stderr)
     return Exit.DIFF
@@ -134,8 +154,11 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
 
 def _run(args: argparse.Namespace) -> int:
     from mpgen.compiler import pipeline
+    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 
     device_map = _device_map(args.device_map)
+    # Unset: the default budget; 0: no limit.
+    args.time_limit = DEFAULT_TIME_LIMIT if args.time_limit is None else args.time_limit or None
     if args.command == "build":
         return _build(args, device_map)
     if args.command == "check":
@@ -143,13 +166,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "show":
         from mpgen.commands import show as summary
 
-        graph = pipeline.compile_spec(args.spec, device_map, args.root)
+        graph = pipeline.compile_spec(args.spec, device_map, args.root, args.time_limit)
         _say(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
         return Exit.OK
     if args.command == "place":
         from mpgen.commands import place as spec_edit
 
-        placed = spec_edit.place(args.spec, device_map, args.root)
+        placed = spec_edit.place(args.spec, device_map, args.root, args.time_limit)
         if args.write:
             changed = spec_edit.write_placement(args.spec, placed)
             _say(f"{'rewrote' if changed else 'unchanged'}: {args.spec} ({placed.how})")
@@ -160,8 +183,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "diff":
         from mpgen.commands import diff as layout_diff
 
-        old = layout_diff.load_side(args.old, root=args.root)
-        new = layout_diff.load_side(args.new, root=args.root)
+        old = layout_diff.load_side(args.old, None, args.root, args.time_limit)
+        new = layout_diff.load_side(args.new, None, args.root, args.time_limit)
         _say(layout_diff.format_diff(layout_diff.diff(old, new)).rstrip("\n"))
         return Exit.OK
     raise AssertionError(args.command)

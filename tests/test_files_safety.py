@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, ROOT, mpgen, write_spec
+from helpers import EXAMPLES, ROOT, mpgen, time_limit, write_spec
 from mpgen.compiler.codegen import write
 from mpgen.spec_schema.load import MAX_BYTES
 
@@ -30,21 +30,6 @@ SEED = EXAMPLES / "seed.yaml"
 SEED_FILES = ["simple_model.py", "train_simple_model.py", "test_simple_model.py",
               "simple_model.placement.md"]
 NEEDS_POSIX = pytest.mark.skipif(os.name != "posix", reason="FIFOs and /dev/zero are POSIX")
-
-
-@contextlib.contextmanager
-def deadline(seconds: float):
-    """Fail instead of hanging: SIGALRM interrupts a blocking read."""
-    def expire(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def contents(folder: Path) -> dict[str, bytes]:
@@ -65,7 +50,7 @@ def seed_spec(folder: Path, name: str = "seed.yaml", model: str = "SimpleModel")
 @NEEDS_POSIX
 def test_a_spec_linked_to_dev_zero_is_refused_without_reading_it(tmp_path):
     (tmp_path / "zero.yaml").symlink_to("/dev/zero")
-    with deadline(20):
+    with time_limit(20):
         result = mpgen("build", "zero.yaml", "-o", "out", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == ("zero.yaml: cannot read spec: it is a character device, not a "
@@ -76,7 +61,7 @@ def test_a_spec_linked_to_dev_zero_is_refused_without_reading_it(tmp_path):
 @NEEDS_POSIX
 def test_a_fifo_spec_is_refused_without_waiting_for_a_writer(tmp_path):
     os.mkfifo(tmp_path / "pipe.yaml")
-    with deadline(20):
+    with time_limit(20):
         result = mpgen("check", "pipe.yaml", "-o", "out", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr == ("pipe.yaml: cannot read spec: it is a named pipe (FIFO), not a "
@@ -115,7 +100,7 @@ def test_a_generated_file_linked_to_dev_zero_is_neither_read_nor_replaced(tmp_pa
     model = tmp_path / "out" / "simple_model.py"
     model.unlink()
     model.symlink_to("/dev/zero")
-    with deadline(20):
+    with time_limit(20):
         check = mpgen("check", "seed.yaml", "-o", "out", cwd=tmp_path)
         build = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
     assert check.returncode == 1
@@ -134,7 +119,7 @@ def test_a_fifo_in_place_of_a_generated_file_does_not_hang_check(tmp_path):
     assert mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
     (tmp_path / "out" / "test_simple_model.py").unlink()
     os.mkfifo(tmp_path / "out" / "test_simple_model.py")
-    with deadline(20):
+    with time_limit(20):
         check = mpgen("check", "seed.yaml", "-o", "out", cwd=tmp_path)
     assert check.returncode == 1
     assert check.stdout.startswith("out/test_simple_model.py: a named pipe (FIFO), not a file "
@@ -199,7 +184,7 @@ def test_diff_reports_git_errors_cleanly(repo):
 
 
 def test_diff_reads_at_most_the_limit_from_git(repo):
-    with deadline(20):
+    with time_limit(20):
         result = mpgen("diff", "HEAD:big.yaml", "spec.yaml", cwd=repo)
     assert result.returncode == 2
     assert result.stderr == f"HEAD:big.yaml:1:1: spec is larger than {MAX_BYTES} bytes\n"
@@ -634,3 +619,31 @@ def test_diff_compiles_a_git_side_in_the_working_directory_s_project(repo):
     result = mpgen("diff", "HEAD:gated.yaml", "gated.yaml", cwd=repo)
     assert (result.returncode, result.stderr) == (0, "")
     assert result.stdout.startswith("--- HEAD:gated.yaml\n+++ gated.yaml\n\nmoved: nothing\n")
+
+
+# -- --time-limit: the analysis budget of each spec --------------------------------
+
+def test_time_limit_reaches_the_analysis(tmp_path):
+    spec = str(EXAMPLES / "bert_base.yaml")
+    for args in (["build", spec, "-o", "out"], ["check", spec, "-o", "out"], ["show", spec],
+                 ["place", spec], ["diff", spec, spec]):
+        result = mpgen(*args, "--time-limit", "0.01", cwd=tmp_path)
+        assert result.returncode == 2, args
+        assert result.stderr.startswith(f"{spec}:"), args
+        assert " ran past the 0.01 s build budget; " in result.stderr, args
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+def test_a_time_limit_that_is_not_a_number_of_seconds_is_a_usage_error(tmp_path, value):
+    result = mpgen("show", "spec.yaml", "--time-limit", value, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.endswith(f"mpgen show: error: argument --time-limit: {value!r} is not "
+                                  "a number of seconds (0: no limit)\n")
+
+
+def test_time_limit_zero_is_no_limit(tmp_path):
+    seed_spec(tmp_path)
+    result = mpgen("check", "seed.yaml", "-o", "out", "--time-limit", "0", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.endswith("run: mpgen build seed.yaml -o out --time-limit 0\n")

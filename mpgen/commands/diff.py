@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Mapping, Optional
 
 from mpgen.compiler.analysis.costs import human_bytes
+from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.ir import Costs, Graph, UnitRef, unit_labels
 from mpgen.compiler.pipeline import compile_spec
 from mpgen.errors import ErrorList, MpgenError, Position
@@ -74,12 +75,14 @@ class LayoutDiff:
 
 
 def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None,
-              root: str | Path | None = None) -> Side:
+              root: str | Path | None = None,
+              time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Side:
     """Compile a spec path, or ``REV:path`` from git; errors name ``arg``.
     ``root``: the project its dotted ops may import from; for ``REV:path``
-    (compiled from a temporary copy) the working directory by default."""
+    (compiled from a temporary copy) the working directory by default.
+    ``time_limit``: as for ``compile_spec``."""
     if os.path.lexists(arg) or ":" not in arg:
-        graph = compile_spec(arg, device_map, root)
+        graph = compile_spec(arg, device_map, root, time_limit)
         return Side(arg, graph)
     text = _git_show(arg)
     name = os.path.basename(arg.partition(":")[2])
@@ -90,7 +93,8 @@ def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None,
         with open(path, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         try:
-            graph = compile_spec(path, device_map, os.getcwd() if root is None else root)
+            graph = compile_spec(path, device_map, os.getcwd() if root is None else root,
+                                 time_limit)
         except MpgenError as exc:
             raise _renamed(exc, path, arg) from None
         return Side(arg, graph)

@@ -29,6 +29,7 @@ from typing import Mapping, Optional
 
 import yaml
 
+from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.placement.auto import BALANCE_UNITS
 from mpgen.compiler.ir import Graph, device_runs, unit_labels
 from mpgen.compiler.pipeline import compile_spec
@@ -48,6 +49,7 @@ class Placed:
     bottleneck: str = ""  # automatic: "bottleneck 42,527,232 parameters on cuda:1"
     renamed: str = ""  # "devices renamed by --device-map cuda:1=cuda:0"
     root: str | Path | None = None  # the project it was compiled in (``compile_spec``)
+    time_limit: Optional[float] = DEFAULT_TIME_LIMIT  # and the analysis budget
 
     def block(self, indent: str = "  ", newline: str = "\n") -> str:
         """The ``placement:`` block in the explicit form (without a final newline)."""
@@ -62,9 +64,10 @@ def explicit_entries(graph: Graph) -> list[tuple[str, str]]:
 
 
 def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
-          root: str | Path | None = None) -> Placed:
+          root: str | Path | None = None,
+          time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Placed:
     """Compile the spec and return its layout in the explicit form."""
-    graph = compile_spec(path, device_map, root)
+    graph = compile_spec(path, device_map, root, time_limit)
     auto = graph.layout.method == "auto"
     bottleneck = renamed = ""
     if auto:
@@ -83,7 +86,8 @@ def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
         renamed = "devices renamed by --device-map " + ",".join(
             f"{k}={v}" for k, v in sorted(device_map.items()))
         how += f"; {renamed}"
-    return Placed(graph, tuple(explicit_entries(graph)), how, auto, bottleneck, renamed, root)
+    return Placed(graph, tuple(explicit_entries(graph)), how, auto, bottleneck, renamed, root,
+                  time_limit)
 
 
 def write_placement(path: str | Path, placed: Placed) -> bool:
@@ -118,7 +122,7 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
             f.write(new_text)
             f.flush()
             os.fsync(f.fileno())
-        graph = compile_spec(tmp, root=placed.root)
+        graph = compile_spec(tmp, root=placed.root, time_limit=placed.time_limit)
         got = [(n.name, n.devices) for n in graph.nodes]
         want = [(n.name, n.devices) for n in placed.graph.nodes]
         if got != want:  # pragma: no cover - a bug in mpgen, never a user mistake

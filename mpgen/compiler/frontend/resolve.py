@@ -112,6 +112,8 @@ class _Resolver:
         spec = self.spec
         problem = identifier_problem(spec.name) or model_name_problem(spec.name,
                                                                       _user_roots(spec))
+        if problem is None and spec.name == "self":  # each method's first parameter
+            problem = "'self' clashes with a name the generated code uses"
         if problem is None and self.globals.taken(spec.name):
             problem = f"{spec.name!r} clashes with a name the generated code imports"
         if problem:
@@ -119,7 +121,9 @@ class _Resolver:
         else:
             self.globals.claim(spec.name)
         for block_name in spec.blocks:
-            problem = identifier_problem(block_name)
+            problem = identifier_problem(block_name) or (
+                "'self' clashes with a name the generated code uses" if block_name == "self"
+                else None)
             if problem or self.globals.taken(block_name):
                 self.errors.add(
                     self.key("blocks", block_name),

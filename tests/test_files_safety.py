@@ -17,7 +17,6 @@ import signal
 import stat
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -201,6 +200,21 @@ layers:
   a: {{op: Linear, args: [8, 8]}}
 outputs: [a]
 """
+#: The same model with a user op from ``mylayers.py`` (:data:`GATE`).
+GATED = MODEL.replace("{{op: Linear, args: [8, 8]}}", "{{op: mylayers.Gate, args: [8]}}")
+
+GATE = """\
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.fc(x)
+"""
 
 
 @pytest.mark.parametrize("name, module, what", [
@@ -225,20 +239,8 @@ def test_model_names_that_would_shadow_a_module_are_refused(tmp_path, name, modu
 
 def test_a_model_named_like_its_user_module_is_refused(tmp_path):
     (tmp_path / "pyproject.toml").write_text("")
-    (tmp_path / "mylayers.py").write_text(textwrap.dedent("""\
-        from torch import nn
-
-
-        class Gate(nn.Module):
-            def __init__(self, n):
-                super().__init__()
-                self.fc = nn.Linear(n, n)
-
-            def forward(self, x):
-                return self.fc(x)
-        """))
-    write_spec(tmp_path, MODEL.format(name="Mylayers").replace(
-        "{op: Linear, args: [8, 8]}", "{op: mylayers.Gate, args: [8]}"))
+    (tmp_path / "mylayers.py").write_text(GATE)
+    write_spec(tmp_path, GATED.format(name="Mylayers"))
     result = mpgen("build", "spec.yaml", "-o", "out", cwd=tmp_path)
     assert result.returncode == 2
     assert ("spec.yaml:2:7: name: 'Mylayers' would generate mylayers.py, which shadows the "
@@ -577,25 +579,11 @@ def test_a_reader_that_goes_away_does_not_change_the_exit_code(tmp_path):
 
 # -- --root: the project a spec's dotted ops may import from -----------------------
 
-GATE = """\
-from torch import nn
-
-
-class Gate(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.fc = nn.Linear(n, n)
-
-    def forward(self, x):
-        return self.fc(x)
-"""
-
 
 def test_root_names_the_project_for_every_command(tmp_path):
     (tmp_path / "proj").mkdir()
     (tmp_path / "proj" / "mylayers.py").write_text(GATE)
-    spec_in(tmp_path / "proj" / "specs", MODEL.format(name="Gated").replace(
-        "{op: Linear, args: [8, 8]}", "{op: mylayers.Gate, args: [8]}"), "spec.yaml")
+    spec_in(tmp_path / "proj" / "specs", GATED.format(name="Gated"), "spec.yaml")
     (tmp_path / "elsewhere").mkdir()
     spec = "../proj/specs/spec.yaml"
     alone = mpgen("show", spec, cwd=tmp_path / "elsewhere")
@@ -612,8 +600,7 @@ def test_root_names_the_project_for_every_command(tmp_path):
 
 def test_diff_compiles_a_git_side_in_the_working_directory_s_project(repo):
     (repo / "mylayers.py").write_text(GATE)
-    (repo / "gated.yaml").write_text(MODEL.format(name="Gated").replace(
-        "{op: Linear, args: [8, 8]}", "{op: mylayers.Gate, args: [8]}"))
+    (repo / "gated.yaml").write_text(GATED.format(name="Gated"))
     git(repo, "add", ".")
     git(repo, "commit", "-q", "-m", "gated")
     result = mpgen("diff", "HEAD:gated.yaml", "gated.yaml", cwd=repo)

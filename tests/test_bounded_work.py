@@ -5,7 +5,7 @@ traceback: an LSTM over a symbolic ``seq`` (shape inference stepped through
 10,007 time steps on the meta device), ``repeat: 100000``, an LSTM with
 100,000 layers, 10,000 transformer layers, blocks that double at every level,
 a 1,001-dim input, 45,000 errors, ``batch_size: 10**15``, blocks nested 500
-deep. Now each builds, or stops with one message at its line
+deep, a split into 3,000,000 tensors. Now each builds, or stops with one message at its line
 (``mpgen/compiler/frontend/limits.py``; ``docs/spec.md``, "Limits").
 
 They all run in one fresh interpreter (:func:`answers`), with a timeout as
@@ -149,6 +149,17 @@ CASES = {
           dims: {seq: 1000000}
         """,
     "nesting": _nested(500),
+    "split": """
+        mpgen: 1
+        name: Split
+        inputs:
+          x: [batch, seq]
+        layers:
+          steps: {op: torch.split, args: [1], dim: 1, output: 0}
+          fc: {op: Linear, args: [1, 4]}
+        train:
+          dims: {seq: 3000000}
+        """,
 }
 
 #: name -> the whole of stderr (``{spec}``: the spec's path).
@@ -173,6 +184,8 @@ EXPECTED = {
     "elements": "{spec}:4:3: input 'tokens': [batch, seq] is [2000000000, 1000000] at the "
                 "training sizes, 2,000,000,000,000,000 elements; an input may have at most "
                 "1,099,511,627,776",
+    "split": "{spec}:6:3: layer 'steps': split would return 3,000,000 tensors; at most 100,000 "
+             "are supported from one operator",
     "nesting": "{spec}:104:15: layer 'a' of block 'B33': block 'B32' already nests 32 blocks "
                "deep, so 'B33' would nest 33; blocks may nest at most 32 deep",
 }
@@ -374,7 +387,7 @@ def test_the_limits_are_documented_with_their_numbers():
     section = (ROOT / "docs" / "spec.md").read_text().split("## Limits")[1].split("\n## ")[0]
     numbers = [limits.MAX_REPEAT, limits.MAX_INSTANCES, limits.MAX_BLOCK_DEPTH,
                limits.MAX_RANK, limits.MAX_TRAIN_SIZE, limits.MAX_ELEMENTS,
-               limits.MAX_LAYER_OBJECTS, MAX_ERRORS]
+               limits.MAX_LAYER_OBJECTS, limits.MAX_OP_OUTPUTS, MAX_ERRORS]
     for number in numbers:
         assert f"{number:,}" in section, number
     assert f"{limits.DEFAULT_TIME_LIMIT:g} s" in section

@@ -18,10 +18,11 @@ import contextlib
 import time
 from typing import Iterator, Optional
 
+import torch
 from torch.nn.modules import module as torch_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpgen.compiler.frontend.limits import MAX_LAYER_OBJECTS
+from mpgen.compiler.frontend.limits import MAX_LAYER_OBJECTS, MAX_OP_OUTPUTS
 from mpgen.compiler.ir import Node
 from mpgen.errors import MpgenError
 
@@ -39,7 +40,7 @@ class Budget:
         self.seconds = seconds
         self.deadline = None if seconds is None else time.monotonic() + seconds
         self.layers: list[tuple[Node, str]] = []  # the layers being analysed, innermost last
-        self.building: Optional[list] = None  # [node, label, what, objects created] while one builds
+        self.building: Optional[list] = None  # [what, objects created] while a layer builds
 
     @contextlib.contextmanager
     def layer(self, node: Node, label: str) -> Iterator[None]:
@@ -55,7 +56,7 @@ class Budget:
     def build(self, node: Node, label: str, what: str) -> Iterator[None]:
         """While ``node``'s module (``what``: the call, as the spec writes it)
         is constructed: it may create at most :data:`MAX_LAYER_OBJECTS`."""
-        outer, self.building = self.building, [node, label, what, 0]
+        outer, self.building = self.building, [what, 0]
         try:
             with self.layer(node, label):
                 yield
@@ -73,16 +74,19 @@ class Budget:
                           f"{self.seconds:g} s build budget; the layers up to it are too "
                           "large or too slow to check in that time")
 
+    def refuse(self, problem: str) -> None:
+        """Raise :class:`OutOfBudget`: the layer being analysed asks for too much."""
+        node, label = self.layers[-1]
+        raise OutOfBudget(node.pos, f"layer {label!r}: {problem}")
+
     def created(self, *_) -> None:
         """A parameter, buffer or submodule was created (a torch hook)."""
         if self.building is not None:
-            self.building[3] += 1
-            if self.building[3] > MAX_LAYER_OBJECTS:
-                node, label, what, _ = self.building
-                raise OutOfBudget(node.pos, f"layer {label!r}: {what} creates more than "
-                                  f"{MAX_LAYER_OBJECTS:,} parameter tensors, buffers and "
-                                  f"submodules; at most {MAX_LAYER_OBJECTS:,} are supported in "
-                                  "one layer")
+            self.building[1] += 1
+            if self.building[1] > MAX_LAYER_OBJECTS:
+                self.refuse(f"{self.building[0]} creates more than {MAX_LAYER_OBJECTS:,} "
+                            "parameter tensors, buffers and submodules; at most "
+                            f"{MAX_LAYER_OBJECTS:,} are supported in one layer")
         self.check()
 
     @contextlib.contextmanager
@@ -104,12 +108,42 @@ class Budget:
 
 class _EveryOperator(TorchDispatchMode):
     """Checks the budget before each operator (a meta kernel that loops in
-    Python, over a sequence or layers, runs many)."""
+    Python, over a sequence or layers, runs many), and refuses an operator
+    that would return more than :data:`MAX_OP_OUTPUTS` tensors in one call
+    (``torch.split(x, 1)`` over a training ``seq`` of millions)."""
 
     def __init__(self, budget: Budget) -> None:
         super().__init__()
         self.budget = budget
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.budget.check()
-        return func(*args, **(kwargs or {}))
+        count = _outputs(func, args, kwargs)
+        if count > MAX_OP_OUTPUTS and self.budget.layers:
+            self.budget.refuse(f"{func.overloadpacket.__name__} would return {count:,} "
+                               f"tensors; at most {MAX_OP_OUTPUTS:,} are supported from one "
+                               "operator")
+        return func(*args, **kwargs)
+
+
+_aten = torch.ops.aten
+#: Operators that return one tensor per slice along ``dim`` (the others that
+#: split, ``tensor_split`` and ``chunk``, are made of these or of ``slice``).
+_SPLITS = {_aten.split.Tensor: 1, _aten.unsafe_split.Tensor: 1, _aten.unbind.int: None}
+
+
+def _outputs(func, args: tuple, kwargs: dict) -> int:
+    """How many tensors ``func`` will return, for the operators in
+    :data:`_SPLITS` (0 for any other, or for arguments it will refuse)."""
+    if func not in _SPLITS:
+        return 0
+    size_at = _SPLITS[func]  # where the split size is, None: one slice each
+    dim_at = 1 if size_at is None else 2
+    dim = args[dim_at] if len(args) > dim_at else kwargs.get("dim", 0)
+    try:
+        length = int(args[0].shape[dim])
+        size = 1 if size_at is None else int(args[size_at])
+    except (IndexError, TypeError, ValueError):
+        return 0
+    return -(-length // size) if size > 0 else 0

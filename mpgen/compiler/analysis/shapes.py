@@ -354,8 +354,8 @@ class _Runner(meta.Hooks):
             given = ", ".join(f"{name} {self.symbols.type(t)}"
                               for name, t in zip(node.inputs, inputs))
             on = f" on {given}" if given else ""
-            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} fails{on}: "
-                             f"{self.symbols.text(_clean(exc))}") from None
+            raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} "
+                             f"fails{on}: {self.symbols.text(_clean(exc))}") from None
         if not isinstance(out, torch.Tensor) and not node.pattern:
             hint = (f"; make one element the layer's output with 'output: 0' (0 to "
                     f"{len(out) - 1})" if isinstance(out, (tuple, list)) else "")

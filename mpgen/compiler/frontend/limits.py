@@ -39,9 +39,15 @@ MAX_ELEMENTS = 1 << 40
 #: tensors, and takes seconds to build; GPT-2 XL as one module has about
 #: 1,200 of all three).
 MAX_LAYER_OBJECTS = 4_000
+#: Tensors one operator may return (``torch.split(x, 1)``, ``torch.unbind``):
+#: a million views take seconds to make, in one call the budget cannot stop.
+MAX_OP_OUTPUTS = 100_000
 #: Seconds the analysis of one spec (shapes and costs on the meta device)
-#: may take; callers may pass another ``time_limit`` (None: no limit).
-DEFAULT_TIME_LIMIT = 10.0
+#: may take; callers may pass another ``time_limit`` (None: no limit). The
+#: largest real models take 2 s on a slow, busy 2-core machine, where
+#: starting Python with torch and the front end take 5 to 9 s more: a spec
+#: that runs into the budget still answers within 20 s.
+DEFAULT_TIME_LIMIT = 8.0
 
 
 def check_structure(spec: Spec, source: SourceMap) -> None:

@@ -16,7 +16,7 @@ import textwrap
 
 import pytest
 
-from helpers import mpgen, write_spec
+from helpers import mpgen, time_limit, write_spec
 from run_generated import run_suite_on_virtual_devices, train_one_step
 
 MODEL = """\
@@ -239,3 +239,13 @@ def test_capturable_does_not_hide_other_values_from_the_step(tmp_path):
     assert refused(tmp_path, text) == (
         "spec.yaml:7:66: train.optimizer: RAdam cannot take a step with differentiable=True: a "
         "leaf Variable that requires grad is being used in an in-place operation.")
+
+
+def test_the_build_takes_a_bounded_sample_step(tmp_path):
+    """LBFGS evaluates the closure in a loop up to ``max_iter`` times a step:
+    the build's sample step stops after a few evaluations (it hung)."""
+    text = MODEL + ("train: {optimizer: {op: LBFGS, max_iter: 1000000000, tolerance_change: -1, "
+                    "tolerance_grad: -1}}\n")
+    with time_limit(20):
+        code, err = build(tmp_path, text)
+    assert code == 0, err

@@ -52,6 +52,8 @@ _UNBOUNDED_LAYERS = (nn.Linear, nn.Bilinear, nn.modules.conv._ConvNd, nn.Embeddi
 #: gradient), so they need every parameter on one device; checked after
 #: placement (``placement.place``).
 _ONE_DEVICE_OPTIMIZERS = {"LBFGS"}
+#: How many times the build's sample step may evaluate the closure.
+_CLOSURE_CALLS = 5
 #: The seeds ``torch.manual_seed`` takes.
 _SEEDS = (-(2**63), 2**64 - 1)
 #: How torch's messages name some keywords, to point at the one at fault.
@@ -183,12 +185,28 @@ def _sample_optimizer(cls: type, kwargs: dict[str, Any]) -> torch.optim.Optimize
     return cls(params, **kwargs)
 
 
+class _Evaluated(Exception):
+    """The sample step evaluated its closure enough times to have run."""
+
+
 def _sample_step(cls: type, kwargs: dict[str, Any]) -> None:
     """One step of ``cls`` on sample parameters. capturable=True keeps the
     step on a GPU, so the CPU steps without it (``placement.training``
-    checks that the parameters are on a GPU)."""
+    checks that the parameters are on a GPU). An optimizer that evaluates
+    the closure in a loop (LBFGS, ``max_iter: 1000000000``) is stopped after
+    a few evaluations: the build checks the settings, not the iterations."""
     kwargs = {key: value for key, value in kwargs.items() if key != "capturable"}
-    _sample_optimizer(cls, kwargs).step(lambda: torch.zeros(()))
+    calls = iter(range(_CLOSURE_CALLS))
+
+    def closure() -> torch.Tensor:
+        if next(calls, None) is None:
+            raise _Evaluated
+        return torch.zeros(())
+
+    try:
+        _sample_optimizer(cls, kwargs).step(closure)
+    except _Evaluated:
+        pass
 
 
 def _finite(value: int | float) -> Optional[float]:

@@ -1,11 +1,11 @@
 """Fuzzing with hypothesis: no spec gives a traceback, a hang or a partial output.
 
-Three sources of specs, each built in-process (``mpgen build SPEC -o OUT``)
-and judged by the oracle of ``tests/fuzzing.py``: exit 0 with generated files
-that compile, or exit 2 with every stderr line ``FILE:LINE:COL: message``
+Every spec is built in-process (``mpgen build SPEC -o OUT``) and judged by
+the oracle of ``tests/fuzzing.py``: exit 0 with generated files that
+compile, or exit 2 with every stderr line ``FILE:LINE:COL: message``
 (``FILE: message`` for the whole file) and no output folder; never a
-traceback, never a build past ``HANG_S`` seconds (a hard limit) or the
-profile's ``deadline``, and each test's examples in ``TOTAL_S`` seconds:
+traceback, never a build past ``HANG_S`` seconds (a hard limit per example),
+and each test's examples in ``TOTAL_S`` seconds. The specs:
 
 - random YAML trees: mappings, lists and scalars (huge and negative numbers,
   nan, unicode, empty strings, null), alone or under the spec's own keys;
@@ -13,7 +13,10 @@ profile's ``deadline``, and each test's examples in ``TOTAL_S`` seconds:
 - structural mutations of the example specs in ``examples/``: deleted,
   duplicated and renamed keys, wrong types, huge and negative numbers, bad
   ranges and devices in placement, cycles in ``in:``, unicode names, swapped
-  layers.
+  layers;
+- random ``train:`` settings (every loss and optimizer, random keyword
+  values), where a build that succeeds must also give a training script
+  that takes its step.
 
 The ``ci`` profile (the default) runs a few derandomized examples per test,
 the same ones every run; ``HYPOTHESIS_PROFILE=long`` runs thousands with a
@@ -50,13 +53,12 @@ UPDATE = os.environ.get("MPGEN_UPDATE_EXPECTED") == "1"
 #: answers within 20 s).
 HANG_S = 20
 
-settings.register_profile(
-    "ci", max_examples=20, derandomize=True, database=None, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
-settings.register_profile(
-    "long", max_examples=2000, derandomize=False, database=None,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large], print_blob=True)
+# No hypothesis deadline: it only measures an example once it has ended, and
+# flags a slow first build (torch warming up) as flaky; HANG_S interrupts.
+_COMMON = dict(database=None, deadline=None, print_blob=True,
+               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("ci", max_examples=30, derandomize=True, **_COMMON)
+settings.register_profile("long", max_examples=2000, **_COMMON)
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 settings.load_profile(PROFILE)
 #: Seconds for all the examples of one test (the ci profile takes far less).

@@ -1,5 +1,5 @@
-"""The work one build's analysis may do: a wall-clock budget, and a cap on
-what building one layer may create.
+"""The work one build's analysis may do: a wall-clock budget, and caps on
+what building one layer may create and on what one operator may return.
 
 Shapes and costs run every layer on the meta device, where one innocent
 looking layer can take minutes (``nn.Transformer(num_encoder_layers=100000)``

@@ -203,6 +203,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _say(f"mpgen: {reason(exc)}{where}", sys.stderr)
     except KeyboardInterrupt:
         _say("mpgen: interrupted", sys.stderr)
+    except SystemExit as exc:  # code a spec made mpgen run; never a 0 that checked nothing
+        _say(f"mpgen: code run at build time called sys.exit({exc.code!r}); stopped", sys.stderr)
     return Exit.ERROR
 
 

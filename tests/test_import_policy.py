@@ -393,6 +393,41 @@ def test_check_cannot_be_made_to_exit_0_by_a_module_that_exits(project):
                           "SystemExit: 0\n")
 
 
+EXITS_WHEN_RUN = """\
+import sys
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        if dim == 8:
+            sys.exit(0)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        raise KeyboardInterrupt  # its own, not a Ctrl-C
+"""
+
+
+@pytest.mark.parametrize("dim, blamed", [
+    (8, "mylayers.gates.Gate(8) cannot be built: SystemExit: 0"),
+    (4, "mylayers.gates.Gate(4) fails on x [batch, 4]: KeyboardInterrupt"),
+])
+def test_a_class_that_exits_while_analysed_is_the_layers_error(project, dim, blamed):
+    """Code a project may hold runs at build time (the class is built and run
+    on meta); what it raises is the layer's error, and ``check`` never exits 0."""
+    project.module("mylayers/__init__.py", "", marked=False)
+    project.module("mylayers/gates.py", EXITS_WHEN_RUN, marked=False)
+    spec = project.spec("mylayers.gates.Gate")
+    spec.write_text(spec.read_text().replace("[batch, 8]", f"[batch, {dim}]")
+                    .replace("args: [8]", f"args: [{dim}]"))
+    ran = mpgen("check", str(spec), "-o", str(project.root / "out"), cwd=project.root)
+    assert (ran.returncode, ran.stdout) == (2, "")
+    assert ran.stderr == f"{spec}:6:3: layer 'a': {blamed}\n"
+
+
 def test_a_real_interrupt_while_importing_is_not_swallowed(project):
     project.module("slow.py", "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\n"
                    "time.sleep(5)\n" + GATE, marked=False)

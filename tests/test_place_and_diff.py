@@ -254,6 +254,20 @@ def test_diff_errors_have_positions_and_no_traceback(repo):
     assert "Traceback" not in result.stderr
 
 
+def test_diff_of_a_revision_with_too_many_errors_says_it_stopped(repo):
+    from mpgen.errors import MAX_ERRORS, STOPPED
+
+    layers = "".join(f"  l{i}: {{op: Lineer, args: [8, 8]}}\n" for i in range(MAX_ERRORS + 5))
+    (repo / "spec.yaml").write_text("mpgen: 1\nname: M\ninputs:\n  x: [batch, 8]\n"
+                                    "layers:\n" + layers)
+    git(repo, "commit", "-q", "-am", "many errors")
+    result = mpgen("diff", "HEAD:spec.yaml", "spec.yaml", cwd=repo)
+    assert result.returncode == 2
+    lines = result.stderr.splitlines()
+    assert lines[0] == "HEAD:spec.yaml:6:12: layer 'l0': unknown op 'Lineer' (did you mean 'Linear'?)"
+    assert lines[-1] == STOPPED
+
+
 def test_diff_never_passes_an_option_to_git(tmp_path, capsys):
     from mpgen.cli import main
 

@@ -151,7 +151,7 @@ def _renamed(exc: MpgenError, path: str, arg: str) -> MpgenError:
         return MpgenError(pos, e.message.replace(path, arg))
 
     if isinstance(exc, ErrorList):
-        return ErrorList([one(e) for e in exc.errors])
+        return ErrorList([one(e) for e in exc.errors], stopped=exc.stopped)
     return one(exc)
 
 

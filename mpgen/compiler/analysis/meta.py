@@ -19,6 +19,7 @@ from torch import nn
 
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.frontend import expressions
+from mpgen.compiler.frontend.imports import user_code
 from mpgen.compiler.ir import (
     Args,
     BinOp,
@@ -123,7 +124,8 @@ def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass
             return MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
 
     def make() -> nn.Module:
-        with torch.device("meta"), hooks.budget.build(node, label, call_text(node, params)):
+        with torch.device("meta"), hooks.budget.build(node, label, call_text(node, params)), \
+                user_code():
             return node.op.target(*args, **kwargs)
 
     return hooks.build(node, label, params, make)
@@ -139,6 +141,7 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
     label = f"{where}{node.name}"
     tensors, by_keyword = node.feeding.build(list(inputs))
 
+    @user_code()
     def call() -> Any:
         args, kwargs = call_args(node.call, params, env)
         kwargs = {**by_keyword, **kwargs}

@@ -422,6 +422,29 @@ def _tracking_interrupts() -> Iterator[list[int]]:
         signal.signal(signal.SIGINT, previous)
 
 
+class UserCodeExit(RuntimeError):
+    """User code (an op's class, run at build time) raised what would end the
+    build instead of failing it: ``SystemExit``, ``GeneratorExit``, or a
+    ``KeyboardInterrupt`` of its own; the message is ``Type: message``."""
+
+
+@contextlib.contextmanager
+def user_code() -> Iterator[None]:
+    """Run code of the user's (a class's ``__init__`` or ``forward``) so that
+    nothing it raises can end the build: a ``BaseException`` that is not an
+    ``Exception`` becomes :class:`UserCodeExit`, which the stage reports at
+    the layer like any failure. A real Ctrl-C still interrupts."""
+    with _tracking_interrupts() as interrupted:
+        try:
+            yield
+        except Exception:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - SystemExit must never end a check
+            if isinstance(exc, KeyboardInterrupt) and interrupted:
+                raise
+            raise UserCodeExit(_describe(exc)) from None
+
+
 def _describe(exc: BaseException) -> str:
     """``Type: message`` of an exception from user code, on one short line."""
     try:

@@ -495,6 +495,7 @@ class BlockClass:
     pos: Position
     params_count: Optional[int] = None  # when all uses agree
     shapes: tuple[tuple[str, Optional[TensorType]], ...] = ()  # node -> shape comment
+    unused: tuple[str, ...] = ()  # layers with parameters no output of the block reads
 
 
 @dataclass(frozen=True)

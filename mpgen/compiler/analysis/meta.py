@@ -20,6 +20,7 @@ from torch import nn
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.frontend import expressions
 from mpgen.compiler.frontend.imports import user_code
+from mpgen.errors import MpgenError
 from mpgen.compiler.ir import (
     Args,
     BinOp,
@@ -117,13 +118,19 @@ PLAIN = Hooks()
 def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass],
           hooks: Hooks = PLAIN, where: str = "") -> nn.Module:
     """One instance of a module, user or block node, on meta."""
-    args, kwargs = call_args(node.init, params)
     label = f"{where}{node.name}"
     if node.op.kind is OpKind.BLOCK:
         with hooks.budget.layer(node, label):
+            try:
+                args, _ = call_args(node.init, params)
+            except ArgumentError as exc:
+                raise MpgenError(node.pos, f"layer {label!r}: {exc}") from None
             return MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
 
     def make() -> nn.Module:
+        # The arguments too: an expression over a block's params can fail
+        # (``nan // 2``), and that is the layer's failure to be built.
+        args, kwargs = call_args(node.init, params)
         with torch.device("meta"), hooks.budget.build(node, label, call_text(node, params)), \
                 user_code():
             return node.op.target(*args, **kwargs)

@@ -150,8 +150,10 @@ def _infer(graph: Graph, budget: Budget) -> Graph:
     again, uses_again = _run(graph, symbols.other(), blocks, budget)
     nodes = [_agree_node(n, m) for n, m in zip(nodes, again)]
     for name, per_use in uses.items():
-        uses[name] = [(values, {k: _agree(t, other[1].get(k)) for k, t in types.items()}, count)
-                      for (values, types, count), other in zip(per_use, uses_again.get(name, []))]
+        uses[name] = [(values, {k: _agree(t, other[1].get(k)) for k, t in types.items()},
+                       count, layers)
+                      for (values, types, count, layers), other
+                      in zip(per_use, uses_again.get(name, []))]
     inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
     block_classes = tuple(_block_facts(b, uses.get(b.name, [])) for b in graph.blocks)
     return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
@@ -240,7 +242,8 @@ class _Runner(meta.Hooks):
         self.blocks = blocks
         self.errors = Collector()
         self.modules: dict[str, nn.Module] = {}  # built layers, for ties
-        # block name -> [(param values, {node: type}, params count)] per use
+        # block name -> [(param values, {node: type}, params count,
+        # {layer: params count})] per use
         self.block_uses: dict[str, list[tuple[dict, dict, int]]] = {}
 
     def run_nodes(self, nodes: Sequence[Node], env: dict[str, Any]) -> list[Node]:
@@ -367,7 +370,9 @@ class _Runner(meta.Hooks):
         types = {name: self.symbols.type(outputs[name]) for n in block.nodes
                  for name in n.value_names}
         count = sum(p.numel() for p in module.parameters())
-        self.block_uses.setdefault(block.name, []).append((dict(params), types, count))
+        layers = {n.name: sum(p.numel() for p in getattr(module, n.name).parameters())
+                  for n in block.nodes if n.op.has_module}
+        self.block_uses.setdefault(block.name, []).append((dict(params), types, count, layers))
 
     def precheck(self, node: Node, label, module: nn.Module, inputs, params) -> None:
         """Explain the common mismatches in the spec's own terms."""
@@ -440,11 +445,11 @@ def _block_facts(block: BlockClass, uses) -> BlockClass:
     """Shape comments valid for every use of a block, and its count if fixed."""
     if not uses:
         return block
-    counts = {count for _, _, count in uses}
+    counts = {count for _, _, count, _ in uses}
     shapes = []
     # A shape comment per value: a layer's output, or each named element.
     for name in [v for node in block.nodes for v in node.value_names]:
-        types = [t.get(name) for _, t, _ in uses]
+        types = [t.get(name) for _, t, _, _ in uses]
         if any(t is None for t in types):
             shapes.append((name, None))
             continue
@@ -464,8 +469,21 @@ def _block_facts(block: BlockClass, uses) -> BlockClass:
             # told from the sizes, and a name that merely has the value would
             # be wrong as often as right.
             by_param = [p for p in block.params
-                        if all(values.get(p) == c for (values, _, _), c in zip(uses, column))]
+                        if all(values.get(p) == c for (values, *_), c in zip(uses, column))]
             dims.append(by_param[0] if len(by_param) == 1 else "?")
         shapes.append((name, TensorType(tuple(dims), first.dtype)))
+    learning = {name for *_, layers in uses for name, n in layers.items() if n}
     return dataclasses.replace(block, shapes=tuple(shapes),
-                               params_count=counts.pop() if len(counts) == 1 else None)
+                               params_count=counts.pop() if len(counts) == 1 else None,
+                               unused=_unused(block, learning))
+
+
+def _unused(block: BlockClass, learning: set[str]) -> tuple[str, ...]:
+    """Layers of ``block`` in ``learning`` (with parameters) that no output of
+    the block depends on: training would never update them."""
+    used = set(block.outputs)
+    for node in reversed(block.nodes):
+        if used & set(node.value_names):
+            used.update(node.inputs)
+    return tuple(n.name for n in block.nodes
+                 if n.name in learning and not used & set(n.value_names))

@@ -49,6 +49,12 @@ def check_training(graph: Graph) -> None:
             errors.add(node.pos, f"layer {node.name!r}: no output depends on it, so training "
                        "would never update its parameters; read it in a later layer, list it "
                        "in outputs, or remove it")
+    for block in graph.blocks:
+        for name in block.unused:
+            node = next(n for n in block.nodes if n.name == name)
+            errors.add(node.pos, f"layer {name!r} of block {block.name!r}: no output of the "
+                       "block depends on it, so training would never update its parameters; "
+                       "read it in a later layer, list it in the block's outputs, or remove it")
     devices = sorted({d for node in graph.nodes if node.params for d in node.devices})
     if train.one_device and len(devices) > 1:
         errors.add(train.optimizer_pos, f"train.optimizer: {train.optimizer} treats all "

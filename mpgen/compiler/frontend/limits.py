@@ -39,6 +39,12 @@ MAX_ELEMENTS = 1 << 40
 #: tensors, and takes seconds to build; GPT-2 XL as one module has about
 #: 1,200 of all three).
 MAX_LAYER_OBJECTS = 4_000
+#: Layers one module stacks by its own argument (``num_layers`` of an
+#: ``LSTM``, ``num_encoder_layers`` of a ``Transformer``): like ``repeat``.
+#: A keyword is checked here, before the module is built (``nn.Transformer``
+#: deep-copies its layers, which no creation hook sees); a positional one is
+#: bounded by :data:`MAX_LAYER_OBJECTS` and the time budget.
+MAX_STACKED = MAX_REPEAT
 #: Tensors one operator may return (``torch.split(x, 1)``, ``torch.unbind``):
 #: a million views take seconds to make, in one call the budget cannot stop.
 MAX_OP_OUTPUTS = 100_000
@@ -63,6 +69,14 @@ def check_structure(spec: Spec, source: SourceMap) -> None:
     layers.append((("layers",), spec.layers))
     for path, mapping in layers:
         for name, layer in mapping.items():
+            for key, value in (layer.__pydantic_extra__ or {}).items():
+                stacked = key == "num_layers" or (key.startswith("num_")
+                                                  and key.endswith("_layers"))
+                if (stacked and isinstance(value, int) and not isinstance(value, bool)
+                        and value > MAX_STACKED):
+                    errors.add(source.value((*path, name, key)), f"{_label(path, name)}: "
+                               f"{key}: {value:,} is more than the {MAX_STACKED:,} layers "
+                               "one module may stack")
             if layer.repeat is not None and layer.repeat > MAX_REPEAT:
                 errors.add(source.value((*path, name, "repeat")), f"{_label(path, name)}: "
                            f"repeat: {layer.repeat:,} is more than the {MAX_REPEAT:,} copies "

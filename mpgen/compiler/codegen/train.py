@@ -83,15 +83,19 @@ def made_in_batch(loss) -> bool:
 
 
 #: The names the training scaffold defines: module level, then in ``main``.
-_SCAFFOLD_GLOBALS = ("main", "make_batch")
+_SCAFFOLD_GLOBALS = ("main", "make_batch", "batch_at", "rng_states", "set_rng_states",
+                     "save_checkpoint")
 _SCAFFOLD_LOCALS = ("args", "parser", "model", "optimizer", "step", "inputs", "targets",
-                    "loss", "start", "elapsed")
+                    "loss", "start", "elapsed", "path", "done", "state", "checkpoint", "error",
+                    "interrupted", "on_interrupt", "previous")
+#: Modules the training script imports besides those in GLOBALS.
+_SCAFFOLD_IMPORTS = frozenset({"pathlib", "random", "signal", "tempfile"})
 
 
 def _scaffold_names(graph: Graph) -> tuple[dict[str, str], Namespace]:
     """Claim the scaffold's names (``n`` in ``train.py.jinja``) before any
     name derived from the spec; returns them and ``main``'s namespace."""
-    ns = Namespace(GLOBALS | {graph.name})
+    ns = Namespace(GLOBALS | _SCAFFOLD_IMPORTS | {graph.name})
     names = {name: ns.claim(name) for name in _SCAFFOLD_GLOBALS}
     names |= {name: ns.claim(name) for name in _SCAFFOLD_LOCALS}
     if graph.train.closure:
@@ -102,7 +106,7 @@ def _scaffold_names(graph: Graph) -> tuple[dict[str, str], Namespace]:
 def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
     names = file_names(graph)
     train = graph.train
-    batch_ns = Namespace(GLOBALS | {graph.name, *_SCAFFOLD_GLOBALS})
+    batch_ns = Namespace(GLOBALS | _SCAFFOLD_IMPORTS | {graph.name, *_SCAFFOLD_GLOBALS})
     params, batch_lines, inputs, targets, _ = batch_code(graph, batch_ns)
     scaffold, ns = _scaffold_names(graph)
     plan_devices = {v: n.devices[-1] for n in graph.nodes for v in n.value_names}

@@ -1,0 +1,192 @@
+"""The training script's checkpoints: ``--checkpoint DIR`` writes
+``DIR/last.pt`` atomically, ``--resume`` continues from it bit for bit,
+Ctrl-C saves, a NaN loss or a failed save keeps the last good checkpoint,
+and the state dict loads into a build with another placement.
+
+The scripts run as subprocesses, as users run them (signals, exit codes,
+resource limits are the real ones)."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import build_to, import_generated, write_spec
+from mpgen.testing import virtual_devices
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def train(script: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(script), *args], cwd=script.parent,
+                          capture_output=True, text=True, timeout=300, **kwargs)
+
+
+def load(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def simple(tmp_path_factory) -> Path:
+    """The seed example built for the CPU: its training script."""
+    out = tmp_path_factory.mktemp("simple")
+    build_to(EXAMPLES / "seed.yaml", out, {"*": "cpu"})
+    return out / "train_simple_model.py"
+
+
+def test_resnet18_three_steps_and_a_resume_to_six_equal_six_steps_bit_for_bit(tmp_path):
+    build_to(EXAMPLES / "resnet18.yaml", tmp_path, {"*": "cpu"})
+    assert "cuda" not in (tmp_path / "res_net18.py").read_text()
+    script = tmp_path / "train_res_net18.py"
+    same = ["--batch-size", "2", "--seed", "7"]
+    runs = [train(script, "--steps", "6", *same, "--checkpoint", "A"),
+            train(script, "--steps", "3", *same, "--checkpoint", "B"),
+            train(script, "--steps", "6", *same, "--checkpoint", "B", "--resume")]
+    for run in runs:
+        assert run.returncode == 0, run.stderr
+    assert runs[1].stdout.splitlines()[-1] == "saved B/last.pt at step 3"
+    assert runs[2].stdout.splitlines()[1] == "resumed from B/last.pt at step 3"
+    assert [l.split()[1] for l in runs[2].stdout.splitlines() if l.startswith("step ")] == [
+        "4/6", "5/6", "6/6"]
+    # The same losses at steps 4 to 6, printed alike.
+    a_lines = [l.split()[:4] for l in runs[0].stdout.splitlines() if l.startswith("step ")]
+    b_lines = [l.split()[:4] for l in runs[2].stdout.splitlines() if l.startswith("step ")]
+    assert a_lines[3:] == b_lines
+    a, b = load(tmp_path / "A" / "last.pt"), load(tmp_path / "B" / "last.pt")
+    assert a["step"] == b["step"] == 6
+    assert list(a["model"]) == list(b["model"])
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    assert sorted(p.name for p in (tmp_path / "B").iterdir()) == ["last.pt"]
+
+
+def test_the_checkpoint_holds_model_optimizer_step_and_every_rng(simple, tmp_path):
+    run = train(simple, "--steps", "2", "--checkpoint", str(tmp_path / "c"))
+    assert run.returncode == 0, run.stderr
+    state = load(tmp_path / "c" / "last.pt")
+    assert sorted(state) == ["model", "optimizer", "rng", "step"]
+    assert state["step"] == 2
+    assert sorted(state["rng"]) == ["python", "torch"]  # no CUDA here
+    assert sorted(state["optimizer"]) == ["param_groups", "state"]
+
+
+def test_a_nan_loss_stops_naming_the_step_and_keeps_the_last_good_checkpoint(simple, tmp_path):
+    # lr 1e30 blows the weights up in step 1's update; --save-every 1 saved step 1.
+    folder = tmp_path / "c"
+    run = train(simple, "--steps", "5", "--save-every", "1", "--lr", "1e30",
+                "--checkpoint", str(folder))
+    assert run.returncode == 1
+    assert run.stderr == f"step 2: the loss is nan; stopping ({folder}/last.pt keeps step 1)\n"
+    assert "step 2/" not in run.stdout
+    state = load(folder / "last.pt")
+    assert state["step"] == 1
+    assert all(torch.isfinite(t).all() for t in state["model"].values())
+
+
+def test_a_nan_loss_without_a_checkpoint_stops_too(simple):
+    run = train(simple, "--steps", "5", "--lr", "1e30")
+    assert run.returncode == 1
+    assert run.stderr == "step 2: the loss is nan; stopping\n"
+
+
+def test_resume_without_a_checkpoint_file_names_it(simple, tmp_path):
+    run = train(simple, "--steps", "2", "--checkpoint", str(tmp_path / "none"), "--resume")
+    assert run.returncode == 1
+    assert run.stderr == f"--resume: no checkpoint {tmp_path}/none/last.pt\n"
+    assert not (tmp_path / "none").exists()
+
+
+def test_resume_needs_a_checkpoint_folder(simple):
+    run = train(simple, "--resume")
+    assert run.returncode == 2
+    assert run.stderr.splitlines()[-1] == (
+        "train_simple_model.py: error: --resume needs --checkpoint DIR")
+
+
+def _small_file_limit() -> None:
+    """In the child: files may not grow past 1 KiB (a write past it fails
+    with EFBIG instead of killing the process)."""
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+
+
+def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(simple, tmp_path):
+    folder = tmp_path / "c"
+    first = train(simple, "--steps", "2", "--checkpoint", str(folder))
+    assert first.returncode == 0, first.stderr
+    before = (folder / "last.pt").read_bytes()
+    assert len(before) > 1024
+    # torch.save fails part way through the file: a real failing write.
+    run = train(simple, "--steps", "4", "--checkpoint", str(folder), "--resume",
+                preexec_fn=_small_file_limit)
+    assert run.returncode == 1
+    assert run.stderr == (f"step 4: cannot write {folder}/last.pt ([Errno 27] File too large); "
+                          "the previous checkpoint is kept\n")
+    assert (folder / "last.pt").read_bytes() == before
+    assert load(folder / "last.pt")["step"] == 2
+    assert sorted(p.name for p in folder.iterdir()) == ["last.pt"]  # no temporary file left
+
+
+def test_ctrl_c_finishes_the_step_saves_and_exits(simple, tmp_path):
+    folder = tmp_path / "c"
+    process = subprocess.Popen(
+        [sys.executable, str(simple), "--steps", "1000000", "--checkpoint", str(folder)],
+        cwd=simple.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline() == "SimpleModel: 430 parameters\n"
+        assert process.stdout.readline().startswith("step 1/1000000  loss ")
+        process.send_signal(signal.SIGINT)
+        out, err = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    step = int(out.splitlines()[-1].split()[1].split("/")[0])
+    assert err == f"interrupted after step {step}; saved {folder}/last.pt\n"
+    assert load(folder / "last.pt")["step"] == step
+
+
+def test_a_checkpoint_loads_into_a_build_with_another_placement(tmp_path):
+    # State-dict keys are the module's attribute paths, whatever the layout:
+    # one trained on the CPU loads, strict, into the two-GPU build.
+    build_to(EXAMPLES / "seed.yaml", tmp_path / "cpu", {"*": "cpu"})
+    build_to(EXAMPLES / "seed.yaml", tmp_path / "two")
+    run = train(tmp_path / "cpu" / "train_simple_model.py", "--steps", "2",
+                "--checkpoint", "c")
+    assert run.returncode == 0, run.stderr
+    state = load(tmp_path / "cpu" / "c" / "last.pt")
+    placed = import_generated(tmp_path / "two" / "simple_model.py")
+    with virtual_devices(cuda=2):
+        model = placed.SimpleModel()
+        assert model.load_state_dict(state["model"], strict=True).missing_keys == []
+        devices = {str(p.device) for p in model.parameters()}
+        assert devices == {"cuda:0", "cuda:1"}
+        assert all(torch.equal(p.cpu(), state["model"][k])
+                   for k, p in model.state_dict().items())
+
+
+def test_layers_named_like_the_checkpoint_code_keep_their_names(tmp_path):
+    # The scaffold claims its names first; the spec's are renamed, never shadowing them.
+    spec = write_spec(tmp_path, """
+        mpgen: 1
+        name: M
+        inputs:
+          path: [batch, 8]
+        layers:
+          state: {op: Linear, args: [8, 4]}
+          done: {op: ReLU}
+          checkpoint: {op: Linear, args: [4, 4]}
+        """)
+    build_to(spec, tmp_path / "out", {"*": "cpu"})
+    script = tmp_path / "out" / "train_m.py"
+    text = script.read_text()
+    assert "    path = torch.randn((batch_size, 8))  # [batch, 8]" in text  # make_batch's own
+    assert "            checkpoint_1 = model(*inputs)" in text
+    run = train(script, "--steps", "2", "--checkpoint", "c")
+    assert run.returncode == 0, run.stderr
+    assert load(tmp_path / "out" / "c" / "last.pt")["step"] == 2

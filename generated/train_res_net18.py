@@ -119,8 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"--resume: no checkpoint {path}")
         state = torch.load(path, map_location="cpu", weights_only=True)
         model.load_state_dict(state["model"])
-        if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(state["optimizer"])
         set_rng_states(state["rng"])
         done = state["step"]
         print(f"resumed from {path} at step {done}")
@@ -130,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
             return
         state = {
             "model": model.state_dict(),
-            "optimizer": None if optimizer is None else optimizer.state_dict(),
+            "optimizer": optimizer.state_dict(),
             "step": done,
             "rng": rng_states(),
         }

@@ -190,3 +190,26 @@ def test_layers_named_like_the_checkpoint_code_keep_their_names(tmp_path):
     run = train(script, "--steps", "2", "--checkpoint", "c")
     assert run.returncode == 0, run.stderr
     assert load(tmp_path / "out" / "c" / "last.pt")["step"] == 2
+
+
+def test_a_model_without_parameters_checkpoints_and_resumes_without_an_optimizer(tmp_path):
+    spec = write_spec(tmp_path, """
+        mpgen: 1
+        name: NoParams
+        inputs:
+          x: [batch, 8]
+        layers:
+          act: {op: ReLU}
+        train:
+          loss: MSELoss
+        """)
+    build_to(spec, tmp_path / "out", {"*": "cpu"})
+    script = tmp_path / "out" / "train_no_params.py"
+    first = train(script, "--steps", "1", "--checkpoint", "c")
+    assert first.returncode == 0, first.stderr
+    again = train(script, "--steps", "2", "--checkpoint", "c", "--resume")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.splitlines()[:2] == ["NoParams: 0 parameters, nothing to train",
+                                             "resumed from c/last.pt at step 1"]
+    state = load(tmp_path / "out" / "c" / "last.pt")
+    assert (state["step"], state["model"], state["optimizer"]) == (2, {}, None)

@@ -446,7 +446,10 @@ def user_code() -> Iterator[None]:
 
 
 def _describe(exc: BaseException) -> str:
-    """``Type: message`` of an exception from user code, on one short line."""
+    """``Type: message`` of an exception from user code, on one short line
+    (a :class:`UserCodeExit` as the exception it stands for)."""
+    if isinstance(exc, UserCodeExit):
+        return str(exc)
     try:
         text = str(exc)
     except BaseException:  # noqa: BLE001 - a __str__ of user code
@@ -482,20 +485,18 @@ def user_class(op: str, project: Project) -> tuple[type, str]:
         chain, sources = _checked(op, parts, project)
     except (OSError, RuntimeError) as exc:  # unreadable, a loop of links
         raise Refused(f"{op!r}: cannot read its module: {_describe(exc)}") from None
-    with _tracking_interrupts() as interrupted:
-        try:
+    try:
+        with user_code():  # SystemExit too: never ends the build
             for module, source in zip(chain, sources):
                 if not _already_loaded(module, op):
                     _execute(module, source)
             cls = getattr(sys.modules[module_name], class_name, None)
             is_module = inspect.isclass(cls) and issubclass(cls, nn.Module)
-        except Refused:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - SystemExit too: never ends the build
-            if isinstance(exc, KeyboardInterrupt) and interrupted:
-                raise
-            raise Refused(f"cannot import {module_name!r} for op {op!r}: "
-                          f"{_describe(exc)}") from None
+    except Refused:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the module raised is the op's error
+        raise Refused(f"cannot import {module_name!r} for op {op!r}: "
+                      f"{_describe(exc)}") from None
     if not is_module:
         raise Refused(f"{op!r} is not an nn.Module class")
     return cls, module_name

@@ -105,3 +105,9 @@ def reason(exc: OSError) -> str:
     if isinstance(exc, (NotRegularFile, FileTooLarge)):
         return str(exc)
     return exc.strerror or str(exc)
+
+
+def is_project_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a project (``.git`` or ``pyproject.toml``): the
+    folder a generated header's spec path is shown relative to."""
+    return (folder / ".git").exists() or (folder / "pyproject.toml").exists()

@@ -34,7 +34,8 @@ from typing import Iterator, Mapping, Optional
 
 from mpgen.compiler.codegen.common import generated_from
 from mpgen.errors import Collector, MpgenError, Position
-from mpgen.files import FileTooLarge, kind, read_head, read_regular, reason
+from mpgen.files import (FileTooLarge, is_project_folder, kind, read_head, read_regular,
+                         reason)
 
 #: An existing file is read up to this many bytes more than the generated one.
 MAX_EXTRA_BYTES = 1 << 20
@@ -118,7 +119,7 @@ def _project_roots(specs: Mapping[str, str | Path]) -> list[Path]:
         if len(parts) >= len(full.parts) or full.parts[-len(parts):] != parts:
             continue  # escaped in the header: cannot be matched to the disk
         root = full.parents[len(parts) - 1]
-        if (root / ".git").exists() or (root / "pyproject.toml").exists():
+        if is_project_folder(root):
             roots.append(root)
     return roots
 

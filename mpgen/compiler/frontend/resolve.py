@@ -50,6 +50,7 @@ from mpgen.compiler.frontend.namespace import (
     model_name_problem,
 )
 from mpgen.errors import Collector, Position, did_you_mean
+from mpgen.files import is_project_folder
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec
 
@@ -67,7 +68,7 @@ def display_path(spec_path: str) -> str:
     path = Path(os.path.abspath(spec_path))
     shown = path.name
     for parent in path.parents:
-        if (parent / ".git").exists() or (parent / "pyproject.toml").exists():
+        if is_project_folder(parent):
             shown = path.relative_to(parent).as_posix()
             break
     # It lands in comments and docstrings: escape anything unusual.

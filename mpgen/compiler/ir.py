@@ -27,7 +27,7 @@ import enum
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from mpgen.errors import Position
 
@@ -563,11 +563,61 @@ class Loss:
     pos: Position  # where the loss is written
     target_type: Optional[TensorType] = None
     classes: Optional[int] = None
-    flatten: bool = False  # (N, ..., C) outputs: flatten to (N*..., C)
+    #: Class-index losses: the output's dim holding the classes, an index
+    #: into its shape (0 <= class_dim < rank); None for other losses.
+    class_dim: Optional[int] = None
+    rank: int = 0  # the output's rank
 
     @property
     def callee(self) -> str:
         return f"nn.{self.op}"
+
+    @property
+    def flatten(self) -> bool:
+        """Classes on the last dim of an output of rank > 2 (``[batch, seq,
+        vocab]``): the loss reads it flattened to ``(N*..., C)``."""
+        return self.class_dim is not None and self.rank > 2 and self.class_dim == self.rank - 1
+
+
+@dataclass(frozen=True)
+class Scheduler:
+    """``train.scheduler``: how the learning rate changes, once per optimizer step.
+
+    ``op`` is a built-in schedule (``cosine``, ``linear``, ``constant``: from
+    the base learning rate to ``min_lr`` over the run, after ``warmup`` steps
+    rising linearly from 0), or the name of a ``torch.optim.lr_scheduler``
+    class built with ``kwargs`` (after ``warmup`` steps of linear warmup, when
+    given)."""
+
+    op: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    warmup: int = 0
+    min_lr: float = 0.0  # built-in schedules only
+
+    BUILT_IN: ClassVar[tuple[str, ...]] = ("cosine", "linear", "constant")
+
+    @property
+    def built_in(self) -> bool:
+        return self.op in self.BUILT_IN
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """``train.data``/``train.eval_data``: a file of tensors (``path``:
+    ``.pt``, ``.pth``, ``.npz`` or ``.safetensors``, keyed by input names plus
+    ``target``), or a factory ``module:function`` called with ``kwargs`` that
+    returns a ``Dataset`` or a ``DataLoader``. Exactly one of ``path`` and
+    ``factory`` is set; both are checked text (a path, a dotted module and an
+    identifier), pasted as string literals."""
+
+    path: Optional[str] = None
+    factory: Optional[str] = None  # "package.module:function"
+    kwargs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def text(self) -> str:
+        """How ``--data`` spells it."""
+        return self.path if self.path is not None else self.factory
 
 
 @dataclass(frozen=True)
@@ -586,6 +636,20 @@ class TrainConfig:
     closure: bool = False  # optimizer.step needs a closure that recomputes the loss (LBFGS)
     one_device: bool = False  # the optimizer needs every parameter on one device (LBFGS)
     optimizer_pos: Optional[Position] = None  # where the optimizer is named
+    epochs: Optional[int] = None  # passes over the data; None: --steps alone decides
+    steps_given: bool = True  # False: only epochs was given, so --steps has no default
+    scheduler: Optional[Scheduler] = None
+    grad_clip: Optional[float] = None  # max gradient norm (clip_grad_norm_)
+    accumulate: int = 1  # micro-batches per optimizer step
+    amp: str = "off"  # "off" | "bf16" | "fp16"
+    #: Parameters without weight decay: any of "biases", "norms", "embeddings".
+    no_decay: tuple[str, ...] = ()
+    data: Optional[DataSource] = None  # None: synthetic data shaped from the spec
+    eval_data: Optional[DataSource] = None
+    eval_every: int = 0  # steps between evaluations; 0: at the end only, if there is eval data
+    eval_split: float = 0.0  # fraction of the data held out for evaluation when no eval_data
+    samples: int = 1024  # size of the synthetic dataset (one epoch)
+    workers: int = 0  # DataLoader worker processes
 
 
 # -- costs ---------------------------------------------------------------------

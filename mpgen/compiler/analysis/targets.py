@@ -30,7 +30,8 @@ def infer_targets(graph: Graph) -> Graph:
                        f"but {loss.output!r} gives {out}")
             continue
         losses.append(dataclasses.replace(loss, target_type=TensorType(tuple(shape[:-1]), "int64"),
-                                          classes=shape[-1], flatten=len(shape) > 2))
+                                          classes=shape[-1], class_dim=len(shape) - 1,
+                                          rank=len(shape)))
     errors.raise_if_any()
     train = dataclasses.replace(graph.train, losses=tuple(losses))
     return dataclasses.replace(graph, train=train)

@@ -94,21 +94,30 @@ def _importable_everywhere(root: Path) -> bool:
     return False
 
 
+def missing_roots(result: Generated, out_dir: str | Path) -> list[tuple[Node, Path]]:
+    """The folders the generated code of ``result`` needs on ``PYTHONPATH``
+    when run from ``out_dir``: each user module's import root (as found at
+    build time) that is not importable from there, with the first layer
+    that uses it."""
+    out = Path(out_dir).resolve()
+    found: dict[Path, Node] = {}
+    for node in _user_nodes(result.graph):
+        root = _import_root(node.op.module)
+        if root is None or root in found or root == out or _importable_everywhere(root):
+            continue
+        found[root] = node
+    return [(node, root) for root, node in found.items()]
+
+
 def path_notes(results: Iterable[Generated], out_dir: str | Path) -> list[str]:
     """``SPEC:LINE:COL: note: ...`` for each user module the generated code
     imports but cannot find when run from ``out_dir`` (it was found next to
     the spec or in the working directory at build time): what to put on
     ``PYTHONPATH``. The generated files themselves name no folder, so that
     they stay the same wherever they are built."""
-    out = Path(out_dir).resolve()
     notes = []
     for result in results:
-        seen: set[Path] = set()
-        for node in _user_nodes(result.graph):
-            root = _import_root(node.op.module)
-            if root is None or root in seen or root == out or _importable_everywhere(root):
-                continue
-            seen.add(root)
+        for node, root in missing_roots(result, out_dir):
             top = node.op.module.split(".")[0]
             train = shlex.quote(str(Path(out_dir) / file_names(result.graph)["train"]))
             tests = shlex.quote(str(Path(out_dir) / file_names(result.graph)["test"]))

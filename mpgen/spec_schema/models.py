@@ -32,7 +32,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from mpgen.errors import shown
+from mpgen.errors import did_you_mean, shown
 
 DTYPES = ("float32", "float16", "bfloat16", "int64", "int32", "bool")
 Dtype = Literal["float32", "float16", "bfloat16", "int64", "int32", "bool"]
@@ -153,10 +153,28 @@ def _check_version(value: Any) -> Any:
     return value
 
 
+def _number(kind: str, value: Any) -> float:
+    """``value`` as a finite float; a bool, a string, nan, inf or an int too
+    big for a float is an error."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _error(kind, f"expected a number, got {shown(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise _error(kind, f"expected a finite number, got {shown(value)}")
+    return number
+
+
 def _check_speed(value: Any) -> Any:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _error("speed", f"expected a number, got {shown(value)}")
-    if not (value > 0 and math.isfinite(value)):
+    try:
+        positive = value > 0 and math.isfinite(value)
+    except OverflowError:  # an int too big for a float
+        positive = False
+    if not positive:
         raise _error("speed", f"speeds must be positive numbers, got {shown(value)}")
     return value
 
@@ -443,7 +461,11 @@ class CallSpec(_Model):
 
 
 class LossSpec(CallSpec):
-    """``train.loss``: a ``torch.nn`` loss name, or ``{op: Name, **kwargs}``."""
+    """``train.loss``: a ``torch.nn`` loss name, or ``{op: Name, **kwargs}``.
+    ``class_dim`` (class-index losses) is mpgen's: which dim of the output
+    holds the classes; it is not passed to the loss."""
+
+    class_dim: Optional[StrictInt] = None
 
     example: ClassVar[str] = "a loss like 'MSELoss' or {op: CrossEntropyLoss, label_smoothing: 0.1}"
 
@@ -452,6 +474,113 @@ class OptimizerSpec(CallSpec):
     """``train.optimizer``: a ``torch.optim`` class name, or ``{op: Name, **kwargs}``."""
 
     example: ClassVar[str] = "an optimizer like 'SGD' or {op: AdamW, lr: 3.0e-4}"
+
+
+class SchedulerSpec(CallSpec):
+    """``train.scheduler``: a built-in schedule (``cosine``, ``linear``,
+    ``constant``) or a ``torch.optim.lr_scheduler`` class, by name or as
+    ``{op: Name, warmup: STEPS, **kwargs}``; the front end checks the keys
+    against the schedule."""
+
+    warmup: StrictInt = Field(default=0, ge=0)
+
+    example: ClassVar[str] = ("a schedule like 'cosine', {op: cosine, warmup: 100} or "
+                              "{op: StepLR, step_size: 30}")
+
+
+#: A factory of training data, ``package.module:function``.
+FACTORY = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+#: The files of tensors a training script loads.
+DATA_SUFFIXES = (".pt", ".pth", ".npz", ".safetensors")
+_DATA_FORMS = ("a file like data/train.npz, a factory 'package.module:function', or "
+               "{factory: 'package.module:function', KEYWORD: VALUE, ...}")
+
+
+def _check_factory(text: str) -> str:
+    if not FACTORY.match(text):
+        raise _error("data", f"expected a factory 'package.module:function', got {shown(text)}")
+    return text
+
+
+def _check_data_path(text: str) -> str:
+    if "\0" in text or "\n" in text or "\r" in text:
+        raise _error("data", f"a data file's path has no NUL or line break, got {shown(text)}")
+    if not text.endswith(DATA_SUFFIXES):
+        raise _error("data", f"a data file ends in {', '.join(DATA_SUFFIXES[:-1])} or "
+                     f"{DATA_SUFFIXES[-1]}, got {shown(text)} (a factory is written "
+                     "'package.module:function')")
+    return text
+
+
+class DataSpec(_Model):
+    """``train.data``/``train.eval_data``: a path, ``package.module:function``,
+    or ``{factory: ..., **kwargs}`` / ``{path: ...}``. Only the text is
+    checked: a factory's module is never imported at build time. Which of
+    ``factory``/``path`` is given, and that only a factory takes keyword
+    arguments, the front end checks (at the keys)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    __pydantic_extra__: dict[KwargName, Value]
+    factory: Optional[Annotated[StrictStr, AfterValidator(_check_factory)]] = None
+    path: Optional[Annotated[StrictStr, AfterValidator(_check_data_path)]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"factory" if FACTORY.match(data) else "path": data}
+        if not isinstance(data, dict):
+            raise _error("data", f"expected {_DATA_FORMS}, got {shown(data)}")
+        return data
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The factory's keyword arguments, in spec order."""
+        return dict(self.model_extra or {})
+
+
+#: ``train.no_decay``: the kinds of parameters kept out of weight decay.
+NO_DECAY = ("biases", "norms", "embeddings")
+#: ``train.amp``: autocast dtypes; YAML reads a bare ``off`` as false.
+AMP = ("off", "bf16", "fp16")
+
+
+def _check_no_decay_kind(kind: Any) -> Any:
+    if kind not in NO_DECAY or not isinstance(kind, str):
+        hint = did_you_mean(kind, NO_DECAY) if isinstance(kind, str) else ""
+        raise _error("no_decay", f"expected one of {', '.join(NO_DECAY)}, got {shown(kind)}{hint}")
+    return kind
+
+
+def _check_distinct(kinds: list) -> list:
+    twice = [kind for i, kind in enumerate(kinds) if kind in kinds[:i]]
+    if twice:
+        raise _error("no_decay", f"{twice[0]!r} is listed twice")
+    return kinds
+
+
+def _check_amp(value: Any) -> str:
+    if value is False:
+        return "off"
+    if value not in AMP or not isinstance(value, str):
+        hint = did_you_mean(value, AMP) if isinstance(value, str) else ""
+        raise _error("amp", f"expected one of {', '.join(AMP)}, got {shown(value)}{hint}")
+    return value
+
+
+def _check_grad_clip(value: Any) -> float:
+    number = _number("grad_clip", value)
+    if number <= 0:
+        raise _error("grad_clip", f"the largest gradient norm must be greater than 0, got "
+                     f"{shown(value)}")
+    return number
+
+
+def _check_fraction(value: Any) -> float:
+    number = _number("eval_split", value)
+    if not 0 <= number < 1:
+        raise _error("eval_split", f"the fraction held out must be in [0, 1), got {shown(value)}")
+    return number
 
 
 def _loss_form(value: Any) -> str:
@@ -475,6 +604,19 @@ class TrainSpec(_Model):
     seed: StrictInt = 0
     log_every: StrictInt = Field(default=1, ge=1)
     dims: dict[str, Annotated[StrictInt, Field(ge=1)]] = Field(default_factory=dict)
+    epochs: Optional[StrictInt] = Field(default=None, ge=1)
+    scheduler: Optional[SchedulerSpec] = None
+    grad_clip: Optional[Annotated[Any, AfterValidator(_check_grad_clip)]] = None
+    accumulate: StrictInt = Field(default=1, ge=1)
+    amp: Annotated[Any, AfterValidator(_check_amp)] = "off"
+    no_decay: Annotated[list[Annotated[Any, AfterValidator(_check_no_decay_kind)]],
+                        AfterValidator(_check_distinct)] = Field(default_factory=list)
+    data: Optional[DataSpec] = None
+    eval_data: Optional[DataSpec] = None
+    eval_every: StrictInt = Field(default=0, ge=0)
+    eval_split: Annotated[Any, AfterValidator(_check_fraction)] = 0.0
+    samples: StrictInt = Field(default=1024, ge=1)
+    workers: StrictInt = Field(default=0, ge=0, le=256)
 
 
 class Spec(_Model):

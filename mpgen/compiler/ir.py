@@ -567,6 +567,10 @@ class Loss:
     #: into its shape (0 <= class_dim < rank); None for other losses.
     class_dim: Optional[int] = None
     rank: int = 0  # the output's rank
+    #: ``class_dim:`` as the spec writes it (negative counts from the end) and
+    #: where; None: the default rule (``analysis.targets``).
+    class_dim_given: Optional[int] = None
+    class_dim_pos: Optional[Position] = None
 
     @property
     def callee(self) -> str:

@@ -6,14 +6,18 @@ training script would crash is refused here, at the offending key: the loss
 is built and computed on a sample batch, and the optimizer is built and takes
 one step on sample parameters (on the CPU, a few elements), so that whatever
 torch says about a bad value (``reduction: bogus``, ``lr: -1``) is a build
-error rather than a crash at the script's first step. The synthetic targets
+error rather than a crash at the script's first step; so is a scheduler,
+built on that sample optimizer. The data settings are checked as text only: a
+factory's module is never imported at build time. The synthetic targets
 of the generated training script follow from the loss and (filled in by
 ``analysis.targets``) the inferred output shape:
 
 - class-index losses (``CrossEntropyLoss``, ``NLLLoss``, ``MultiMarginLoss``):
-  integer targets in ``[0, C)``; for an output ``[N, C]`` the classes are the
-  last dim; an output with more dims (``[batch, seq, vocab]``) is flattened to
-  ``[N*seq, vocab]``, as language models are trained;
+  integer targets in ``[0, C)``, shaped like the output without its class
+  dim: dim 1 by PyTorch's convention (``[N, C]``, or ``[N, C, H, W]`` for
+  segmentation), the last dim when dim 1 is symbolic and the last is a number
+  (``[batch, seq, vocab]``, flattened to ``[N*seq, vocab]`` as language
+  models are trained), or the loss's ``class_dim:``;
 - ``BCELoss``/``BCEWithLogitsLoss``/``KLDivLoss``: values in ``[0, 1)`` shaped like the output;
 - every other single-target loss (``MSELoss``, ``L1Loss``, ``HuberLoss``, …):
   normal noise shaped like the output.
@@ -31,11 +35,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from torch.optim import lr_scheduler
+
 from mpgen.compiler.frontend import ops
-from mpgen.compiler.ir import Graph, Loss, OpKind, TrainConfig
+from mpgen.compiler.frontend.limits import MAX_TRAIN_SIZE
+from mpgen.compiler.ir import DataSource, Graph, Loss, OpKind, Scheduler, TrainConfig
 from mpgen.errors import Collector, Position, did_you_mean, shown
 from mpgen.spec_schema.load import SourceMap
-from mpgen.spec_schema.models import CallSpec, TrainSpec
+from mpgen.spec_schema.models import CallSpec, DataSpec, SchedulerSpec, TrainSpec
 
 _CLASS_LOSSES = {"CrossEntropyLoss", "NLLLoss", "MultiMarginLoss"}
 _PROB_LOSSES = {"BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "MultiLabelSoftMarginLoss"}
@@ -60,6 +67,18 @@ _SEEDS = (-(2**63), 2**64 - 1)
 _SPELLED = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
 #: Size of symbolic dims other than ``batch`` when ``train.dims`` is silent.
 DEFAULT_DIM = 16
+#: ``torch.optim.lr_scheduler`` classes a spec cannot use: what a spec cannot write.
+_REFUSED_SCHEDULERS = {
+    "SequentialLR": "chains other schedulers",
+    "ChainedScheduler": "chains other schedulers",
+    "LambdaLR": "takes a Python function",
+    "MultiplicativeLR": "takes a Python function",
+    "LRScheduler": "is the base class of the schedules, not one",
+}
+#: A scheduler's arguments that the training script passes, or that torch deprecates.
+_SCHEDULER_OWN = ("optimizer", "last_epoch", "verbose")
+#: What a built-in schedule takes.
+_BUILT_IN_KEYS = ("warmup", "min_lr")
 
 
 def loss_names() -> list[str]:
@@ -72,6 +91,17 @@ def optimizer_names() -> list[str]:
         if inspect.isclass(getattr(torch.optim, n))
         and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
         and n != "Optimizer"
+    )
+
+
+def scheduler_names() -> list[str]:
+    """The ``torch.optim.lr_scheduler`` classes a spec may name."""
+    return sorted(
+        name for name, cls in vars(lr_scheduler).items()
+        if inspect.isclass(cls) and not name.startswith("_")
+        and cls.__module__ == lr_scheduler.__name__
+        and (issubclass(cls, lr_scheduler.LRScheduler) or name == "ReduceLROnPlateau")
+        and name not in _REFUSED_SCHEDULERS
     )
 
 
@@ -109,20 +139,165 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
         loss = _loss(graph, out, call, path, source, errors)
         if loss is not None:
             losses.append(loss)
+    before = len(errors.errors)
     lr, opt_kwargs = _optimizer(spec.optimizer, source, errors)
+    optimizer = (getattr(torch.optim, spec.optimizer.op)
+                 if spec.optimizer.op in optimizer_names() else None)
+
+    def sample() -> torch.optim.Optimizer:
+        """The optimizer over sample parameters, for the scheduler's check."""
+        return _sample_optimizer(optimizer, {"lr": lr, **dict(opt_kwargs)})
+
+    usable = optimizer is not None and len(errors.errors) == before
+    scheduler = (_scheduler(spec.scheduler, sample if usable else None, source, errors)
+                 if spec.scheduler else None)
+    if optimizer is not None:
+        _optimizer_fits(spec, optimizer, source, errors)
+    data = _data(spec.data, "data", source, errors)
+    eval_data = _data(spec.eval_data, "eval_data", source, errors)
+    if spec.eval_data is not None and spec.eval_split > 0:
+        errors.add(source.value(("train", "eval_split")), "train.eval_split: the evaluation "
+                   "data is train.eval_data; hold out a split only without it")
+    if spec.samples > MAX_TRAIN_SIZE:
+        errors.add(source.value(("train", "samples")), f"train.samples: at most "
+                   f"{MAX_TRAIN_SIZE:,} (the largest size), got {shown(spec.samples)}")
     if not _SEEDS[0] <= spec.seed <= _SEEDS[1]:
         errors.add(source.value(("train", "seed")), f"train.seed: {shown(spec.seed)} is outside "
                    f"the range torch.manual_seed takes, [{_SEEDS[0]}, {_SEEDS[1]}]")
     errors.raise_if_any()
-    optimizer = getattr(torch.optim, spec.optimizer.op)
+    written = spec.model_fields_set
     train = TrainConfig(
         losses=tuple(losses), optimizer=spec.optimizer.op, optimizer_kwargs=opt_kwargs, lr=lr,
         batch_size=spec.batch_size, steps=spec.steps, seed=spec.seed, log_every=spec.log_every,
         dims=tuple(dims.items()), closure=needs_closure(optimizer),
         one_device=spec.optimizer.op in _ONE_DEVICE_OPTIMIZERS,
         optimizer_pos=_op_position(source, ("train", "optimizer")),
+        epochs=spec.epochs, steps_given="steps" in written or "epochs" not in written,
+        scheduler=scheduler, grad_clip=spec.grad_clip, accumulate=spec.accumulate, amp=spec.amp,
+        no_decay=tuple(spec.no_decay), data=data, eval_data=eval_data,
+        eval_every=spec.eval_every, eval_split=float(spec.eval_split), samples=spec.samples,
+        workers=spec.workers,
     )
     return dataclasses.replace(graph, train=train, dims=train.dims)
+
+
+def _scheduler(spec: SchedulerSpec, optimizer: Optional[Callable[[], torch.optim.Optimizer]],
+               source: SourceMap, errors: Collector) -> Optional[Scheduler]:
+    """``train.scheduler``, its keys checked against the schedule; a torch
+    class is built on ``optimizer()`` (the spec's optimizer over sample
+    parameters; None when that has errors of its own) and takes a step."""
+    path = ("train", "scheduler")
+    pos = _op_position(source, path)
+    if spec.op in Scheduler.BUILT_IN:
+        min_lr = 0.0
+        for key, value in spec.kwargs.items():
+            if key != "min_lr":
+                errors.add(source.key((*path, key)), f"train.scheduler: unknown keyword {key!r} "
+                           f"for the built-in schedule {spec.op!r}, which takes warmup and "
+                           f"min_lr{did_you_mean(key, _BUILT_IN_KEYS)}")
+            elif (isinstance(value, bool) or not isinstance(value, (int, float))
+                  or _finite(value) is None or value < 0):
+                errors.add(source.value((*path, key)), f"train.scheduler.min_lr: expected a "
+                           f"finite number >= 0, got {shown(value)}")
+            else:
+                min_lr = float(value)
+        return Scheduler(spec.op, (), spec.warmup, min_lr)
+    if spec.op in _REFUSED_SCHEDULERS:
+        errors.add(pos, f"train.scheduler: {spec.op} {_REFUSED_SCHEDULERS[spec.op]}, which a "
+                   "spec cannot write; use a built-in schedule (cosine, linear, constant) or "
+                   "another torch.optim.lr_scheduler class (warmup: N adds a linear warmup to "
+                   "any of them)")
+        return None
+    if spec.op not in scheduler_names():
+        errors.add(pos, f"train.scheduler: unknown schedule {spec.op!r}; expected cosine, linear, "
+                   f"constant or a torch.optim.lr_scheduler class"
+                   f"{did_you_mean(spec.op, [*Scheduler.BUILT_IN, *scheduler_names()])}")
+        return None
+    cls = getattr(lr_scheduler, spec.op)
+    allowed = [name for name in ops.module_signature(cls).names if name not in _SCHEDULER_OWN]
+    unknown = [key for key in spec.kwargs if key not in allowed]
+    for key in unknown:
+        hint = did_you_mean(key, [*allowed, "warmup"])
+        if not hint and key == "min_lr":
+            hint = " (min_lr is for the built-in schedules)"
+        errors.add(source.key((*path, key)), f"train.scheduler: unknown keyword argument {key!r} "
+                   f"for {spec.op}{hint}")
+    if unknown:
+        return None
+    if optimizer is not None:
+        check = _Check(f"train.scheduler: {spec.op}", spec.kwargs, path, pos, source, errors)
+        if check.run(lambda given: cls(optimizer(), **given), "cannot be built") is None:
+            return None
+        if check.run(lambda given: _sample_schedule_step(cls(optimizer(), **given)),
+                     "cannot take a step") is None:
+            return None
+    return Scheduler(spec.op, tuple(spec.kwargs.items()), spec.warmup)
+
+
+def _sample_schedule_step(scheduler: Any) -> Any:
+    """``scheduler`` after one step (``ReduceLROnPlateau`` steps on a loss)."""
+    if isinstance(scheduler, lr_scheduler.ReduceLROnPlateau):
+        scheduler.step(1.0)
+    else:
+        scheduler.step()
+    return scheduler
+
+
+def _optimizer_fits(spec: TrainSpec, optimizer: type, source: SourceMap,
+                    errors: Collector) -> None:
+    """Settings the training script could not honour with ``optimizer``:
+    ``no_decay`` without weight decay; fp16's GradScaler or accumulated
+    micro-batches with a step that evaluates a closure (LBFGS)."""
+    name = spec.optimizer.op
+    if spec.no_decay:
+        param = inspect.signature(optimizer.__init__).parameters.get("weight_decay")
+        decay = spec.optimizer.kwargs.get("weight_decay", param and param.default)
+        where = source.value(("train", "no_decay"))
+        if param is None:
+            errors.add(where, f"train.no_decay: {name} has no weight decay to keep parameters "
+                       "out of; use an optimizer with weight_decay, such as AdamW")
+        elif isinstance(decay, (int, float)) and not isinstance(decay, bool) and decay == 0:
+            said = ("is 0" if "weight_decay" in spec.optimizer.kwargs
+                    else "defaults to 0")
+            errors.add(where, f"train.no_decay: {name}'s weight_decay {said}, so no parameter "
+                       "decays; set train.optimizer.weight_decay (nanoGPT uses 0.1)")
+    if not needs_closure(optimizer):
+        return
+    if spec.amp == "fp16":
+        errors.add(source.value(("train", "amp")), f"train.amp: fp16 scales the loss with a "
+                   f"GradScaler, which cannot step {name} (its step evaluates a closure); use "
+                   "bf16 or off")
+    if spec.accumulate > 1:
+        errors.add(source.value(("train", "accumulate")), f"train.accumulate: {name} evaluates "
+                   "the loss itself, several times a step (a closure), so micro-batches cannot "
+                   "be accumulated; use accumulate: 1 and a larger batch_size")
+
+
+def _data(spec: Optional[DataSpec], key: str, source: SourceMap,
+          errors: Collector) -> Optional[DataSource]:
+    """``train.data``/``train.eval_data``: exactly one of ``factory:`` and
+    ``path:``; keyword arguments only with a factory. The text itself was
+    checked by the schema."""
+    if spec is None:
+        return None
+    path = ("train", key)
+    extra = list(spec.kwargs)
+    if spec.factory is not None and spec.path is not None:
+        errors.add(source.key((*path, "path")), f"train.{key}: give factory: or path:, not both")
+    elif spec.factory is None and spec.path is None:
+        typo = [k for k in extra if did_you_mean(k, ("factory", "path"))]
+        if typo:
+            errors.add(source.key((*path, typo[0])), f"train.{key}: unknown key {typo[0]!r}"
+                       f"{did_you_mean(typo[0], ('factory', 'path'))}")
+        else:
+            errors.add(source.value(path), f"train.{key}: expected factory: "
+                       "'package.module:function' or path: FILE")
+    elif spec.path is not None and extra:
+        errors.add(source.key((*path, extra[0])), f"train.{key}: {extra[0]!r}: only a factory "
+                   "takes keyword arguments, not a file")
+    else:
+        return DataSource(spec.path, spec.factory, tuple(spec.kwargs.items()))
+    return None
 
 
 def needs_closure(optimizer: type) -> bool:
@@ -308,6 +483,14 @@ def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
         return None
     kind = ("classes" if call.op in _CLASS_LOSSES
             else "probabilities" if call.op in _PROB_LOSSES else "like_output")
+    class_dim_pos = None
+    if call.class_dim is not None:
+        if kind != "classes":
+            errors.add(source.key((*path, "class_dim")), f"train.loss: class_dim is for the "
+                       f"class-index losses ({', '.join(sorted(_CLASS_LOSSES))}); {call.op} "
+                       "takes targets shaped like the output")
+            return None
+        class_dim_pos = source.value((*path, "class_dim"))
     check = _Check(f"train.loss: {call.op}", call.kwargs, path, pos, source, errors)
     cls = getattr(nn, call.op)
     value = None
@@ -322,7 +505,8 @@ def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
                    f"({', '.join(given)}) gives a loss per element, not the one number the "
                    "training script minimises; use reduction 'mean' or 'sum'")
         return None
-    return Loss(out, call.op, tuple(call.kwargs.items()), kind, pos)
+    return Loss(out, call.op, tuple(call.kwargs.items()), kind, pos,
+                class_dim_given=call.class_dim, class_dim_pos=class_dim_pos)
 
 
 def _sample_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:

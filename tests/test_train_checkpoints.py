@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import resource
 import signal
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -63,14 +64,17 @@ def test_resnet18_three_steps_and_a_resume_to_six_equal_six_steps_bit_for_bit(tm
     assert list(a["model"]) == list(b["model"])
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
-    assert sorted(p.name for p in (tmp_path / "B").iterdir()) == ["last.pt"]
+    # No temporary file left; the log has every step once, the resumed run appended.
+    assert sorted(p.name for p in (tmp_path / "B").iterdir()) == ["last.pt", "log.csv"]
+    with (tmp_path / "B" / "log.csv").open() as f:
+        assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "3", "4", "5", "6"]
 
 
 def test_the_checkpoint_holds_model_optimizer_step_and_every_rng(simple, tmp_path):
     run = train(simple, "--steps", "2", "--checkpoint", str(tmp_path / "c"))
     assert run.returncode == 0, run.stderr
     state = load(tmp_path / "c" / "last.pt")
-    assert sorted(state) == ["model", "optimizer", "rng", "step"]
+    assert sorted(state) == ["model", "optimizer", "rng", "scaler", "scheduler", "step"]
     assert state["step"] == 2
     assert sorted(state["rng"]) == ["python", "torch"]  # no CUDA here
     assert sorted(state["optimizer"]) == ["param_groups", "state"]
@@ -130,7 +134,8 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(simple, t
                           "the previous checkpoint is kept\n")
     assert (folder / "last.pt").read_bytes() == before
     assert load(folder / "last.pt")["step"] == 2
-    assert sorted(p.name for p in folder.iterdir()) == ["last.pt"]  # no temporary file left
+    # No temporary file left.
+    assert sorted(p.name for p in folder.iterdir()) == ["last.pt", "log.csv"]
 
 
 def test_ctrl_c_finishes_the_step_saves_and_exits(simple, tmp_path):
@@ -139,15 +144,16 @@ def test_ctrl_c_finishes_the_step_saves_and_exits(simple, tmp_path):
         [sys.executable, str(simple), "--steps", "1000000", "--checkpoint", str(folder)],
         cwd=simple.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert process.stdout.readline() == "SimpleModel: 430 parameters\n"
+        assert process.stdout.readline() == "SimpleModel: 430 parameters; 1000000 steps of 1 x 5 samples\n"
         assert process.stdout.readline().startswith("step 1/1000000  loss ")
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=120)
     finally:
         process.kill()
     assert process.returncode == 1
-    step = int(out.splitlines()[-1].split()[1].split("/")[0])
+    step = int([l for l in out.splitlines() if l.startswith("step ")][-1].split()[1].split("/")[0])
     assert err == f"interrupted after step {step}; saved {folder}/last.pt\n"
+    assert f"trained {step} steps in " in out  # the summary still comes
     assert load(folder / "last.pt")["step"] == step
 
 
@@ -186,7 +192,7 @@ def test_layers_named_like_the_checkpoint_code_keep_their_names(tmp_path):
     script = tmp_path / "out" / "train_m.py"
     text = script.read_text()
     assert "    path = torch.randn((batch_size, 8))  # [batch, 8]" in text  # make_batch's own
-    assert "            checkpoint_1 = model(*inputs)" in text
+    assert "    checkpoint = model(*inputs)" in text  # forward_loss's own
     run = train(script, "--steps", "2", "--checkpoint", "c")
     assert run.returncode == 0, run.stderr
     assert load(tmp_path / "out" / "c" / "last.pt")["step"] == 2

@@ -129,18 +129,19 @@ def test_lbfgs_gets_the_closure_form_of_the_step_and_trains(tmp_path):
     script = (tmp_path / "out" / "train_m.py").read_text()
     loop = script[script.index("        for step in"):script.index("\n            if not torch.isfinite")]
     assert loop == textwrap.indent(textwrap.dedent('''\
-        for step in range(done + 1, args.steps + 1):
-            inputs, targets = batch_at(args.seed, step, args.batch_size)
+        for step in range(done + 1, last + 1):
+            batch = next(stream)
 
             def closure() -> torch.Tensor:
                 """Forward, the loss and its gradients: LBFGS evaluates them several times a step."""
                 optimizer.zero_grad(set_to_none=True)
-                fc = model(*inputs)
-                loss = loss_fn(fc, targets[0].to("cpu"))  # on cpu
+                loss, _ = forward_loss(model, loss_fns, batch[:1], batch[1:])
                 loss.backward()
+                if args.grad_clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
                 return loss
 
-            loss = optimizer.step(closure)  # the loss before the step'''),
+            loss = optimizer.step(closure).detach()  # the loss before the step'''),
         "        ")
     printed = train_one_step(tmp_path / "out" / "train_m.py")
     assert printed.splitlines()[1].startswith("step 1/1  loss ")

@@ -124,7 +124,7 @@ def header(graph: Graph) -> list[str]:
 
 @functools.cache
 def environment() -> jinja2.Environment:
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.PackageLoader("mpgen", "templates"),
         undefined=jinja2.StrictUndefined,
         keep_trailing_newline=True,
@@ -132,6 +132,10 @@ def environment() -> jinja2.Environment:
         lstrip_blocks=True,
         autoescape=False,
     )
+    # ``{{ name|field }}`` is ``{name}``: a replacement field of an f-string,
+    # which jinja's own braces cannot write directly.
+    env.filters["field"] = lambda code: "{" + str(code) + "}"
+    return env
 
 
 def _tuple(names: Sequence[str]) -> str:

@@ -224,6 +224,13 @@ def _scheduler(spec: SchedulerSpec, optimizer: Optional[Callable[[], torch.optim
                    f"for {spec.op}{hint}")
     if unknown:
         return None
+    defaults = inspect.signature(cls.__init__).parameters
+    for key, value in spec.kwargs.items():
+        expected = _kind_of(defaults[key].default)
+        if expected is not None and not _is_kind(value, expected):
+            errors.add(source.value((*path, key)), f"train.scheduler: {spec.op}'s {key} is "
+                       f"{expected} (default {shown(defaults[key].default)}), got {shown(value)}")
+            return None
     if optimizer is not None:
         check = _Check(f"train.scheduler: {spec.op}", spec.kwargs, path, pos, source, errors)
         if check.run(lambda given: cls(optimizer(), **given), "cannot be built") is None:
@@ -232,6 +239,28 @@ def _scheduler(spec: SchedulerSpec, optimizer: Optional[Callable[[], torch.optim
                      "cannot take a step") is None:
             return None
     return Scheduler(spec.op, tuple(spec.kwargs.items()), spec.warmup)
+
+
+def _kind_of(default: Any) -> Optional[str]:
+    """What a scheduler argument's default says its values are, or None (no
+    default, ``None``, or a default of another type)."""
+    if isinstance(default, bool):
+        return "true or false"
+    if isinstance(default, (int, float)):
+        return "a number"  # or one per parameter group (min_lr, max_lr)
+    if isinstance(default, str):
+        return "a string"
+    return None
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == "a number" and isinstance(value, list):
+        return bool(value) and all(_is_kind(item, kind) for item in value)
+    if isinstance(value, bool):
+        return kind == "true or false"
+    if isinstance(value, (int, float)):
+        return kind == "a number"
+    return isinstance(value, str) and kind == "a string"
 
 
 def _sample_schedule_step(scheduler: Any) -> Any:

@@ -15,7 +15,7 @@ import dataclasses
 
 import pytest
 
-from helpers import write_spec
+from helpers import ROOT, write_spec
 from mpgen.compiler import pipeline
 from mpgen.compiler.frontend.training import scheduler_names
 from mpgen.compiler.ir import DataSource, Scheduler, TensorType, TrainConfig
@@ -335,3 +335,15 @@ def test_a_class_dim_without_classes_is_refused(tmp_path, inputs, loss, message)
     text = (f"mpgen: 1\nname: M\ninputs:\n  x: {inputs}\nlayers:\n  out: {{op: Identity}}\n"
             f"train: {{loss: {loss}}}\n")
     assert refused(tmp_path, text) == message
+
+
+def test_the_example_of_docs_spec_md_builds(tmp_path):
+    """The ``train:`` block that opens docs/spec.md's "Training" is a valid one."""
+    section = (ROOT / "docs" / "spec.md").read_text().split("\n## Training\n")[1]
+    example = section.split("```yaml\n")[1].split("```")[0]
+    model = ("mpgen: 1\nname: M\ninputs:\n  x: [batch, seq, 8]\nlayers:\n"
+             "  out: {op: Linear, args: [8, 65]}\n")
+    config = pipeline.compile_spec(write_spec(tmp_path, model + example)).train
+    assert (config.epochs, config.scheduler, config.amp, config.eval_data) == (
+        3, Scheduler("cosine"), "bf16", DataSource(path="data/eval.npz"))
+    assert config.losses[0].class_dim == 2

@@ -8,7 +8,12 @@ import enum
 import math
 import os
 import shlex
+import signal
+import subprocess
 import sys
+import tempfile
+import threading
+from pathlib import Path
 from typing import Optional, Sequence
 
 from mpgen import __version__
@@ -97,7 +102,36 @@ def _parser() -> argparse.ArgumentParser:
     diff.add_argument("new", metavar="NEW")
     _compile_options(diff)
     diff.set_defaults(device_map=None)
+    train_help = "build a spec into a temporary folder and run its training script"
+    train = sub.add_parser(
+        "train", help=train_help,
+        usage="mpgen train SPEC [-o DIR] [--device-map MAP] [--force] [--root DIR] "
+              "[--time-limit SECONDS] [-- SCRIPT ARGS...]",
+        description="Build a spec into a temporary folder and run its training script "
+                    "(train_<name>.py, in the working directory), passing it the arguments "
+                    "after '--'. The exit status is the script's (128+N when signal N "
+                    "stopped it); 2 for a bad spec, and then nothing runs.")
+    train.add_argument("spec", metavar="SPEC")
+    train.add_argument("-o", "--out", metavar="DIR",
+                       help="build into DIR and keep it (default: a temporary folder, "
+                            "removed afterwards)")
+    train.add_argument("--device-map", metavar="MAP",
+                       help="as for build; 'cpu' runs any spec on the CPU")
+    train.add_argument("--force", action="store_true",
+                       help="overwrite files in DIR that mpgen did not generate")
+    _compile_options(train)
     return parser
+
+
+def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``mpgen train SPEC ... -- ARGS``: the arguments before ``--``, and ARGS
+    (passed to the training script unchanged, ``--`` included after the
+    first). Only ``train`` has them; argparse alone mishandles ``--``."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command != "train" or "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
 
 
 def _say(text: str, stream=None) -> None:
@@ -152,6 +186,66 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     return Exit.DIFF
 
 
+def _train(args: argparse.Namespace, device_map: dict[str, str]) -> int:
+    """Build one spec (into ``--out`` or a temporary folder) and run its
+    training script; the script's exit status."""
+    from mpgen.commands import build
+    from mpgen.compiler.codegen.common import file_names
+
+    with contextlib.ExitStack() as stack:
+        out = args.out or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="mpgen-train-", ignore_cleanup_errors=True))
+        results, changes = build.build([args.spec], out, device_map, force=args.force,
+                                       root=args.root, time_limit=args.time_limit)
+        for path in changes.removed:  # -o DIR: the spec's files of an earlier name
+            _say(f"removed {path}", sys.stderr)
+        script = Path(out) / file_names(results[0].graph)["train"]
+        # User modules found next to the spec: what `build` would tell the user to set.
+        roots = [str(root) for _, root in build.missing_roots(results[0], out)]
+        env = dict(os.environ)
+        if roots:
+            env["PYTHONPATH"] = os.pathsep.join([*roots, *filter(None, [env.get("PYTHONPATH")])])
+        path_note = f" with PYTHONPATH={shlex.quote(env['PYTHONPATH'])}" if roots else ""
+        _say(f"mpgen: built {results[0].graph.name} into {out}; running "
+             f"{shlex.join([script.name, *args.script_args])}{path_note}", sys.stderr)
+        return _run_script([sys.executable, str(script), *args.script_args], env)
+
+
+def _run_script(command: list[str], env: dict[str, str]) -> int:
+    """Run ``command`` in the foreground (stdin, stdout, stderr and the working
+    directory are this process's) and return its exit status as a shell
+    gives it: 128+N when signal N stopped it.
+
+    A Ctrl-C at the terminal reaches the script itself (the same process
+    group), which saves a checkpoint and exits: mpgen only waits for it,
+    neither dying with a traceback nor cutting the save short. A SIGTERM
+    sent to mpgen alone is passed on, so that nothing outlives it.
+    """
+    children: list[subprocess.Popen] = []
+    terminated: list[int] = []
+
+    def on_signal(signum: int, frame) -> None:
+        if signum == signal.SIGTERM:
+            terminated.append(signum)
+            for child in children:
+                child.send_signal(signum)
+
+    held = {}
+    if threading.current_thread() is threading.main_thread():  # only it can set handlers
+        # A Python function, not SIG_IGN: exec puts the default back in the script.
+        held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        children.append(subprocess.Popen(command, env=env))
+        if terminated:  # before the script existed
+            children[0].send_signal(signal.SIGTERM)
+        code = children[0].wait()
+    finally:
+        for sig, handler in held.items():
+            if handler is not None:  # None: not set from Python, cannot be put back
+                signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
 def _run(args: argparse.Namespace) -> int:
     from mpgen.compiler import pipeline
     from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
@@ -163,6 +257,8 @@ def _run(args: argparse.Namespace) -> int:
         return _build(args, device_map)
     if args.command == "check":
         return _check(args, device_map)
+    if args.command == "train":
+        return _train(args, device_map)
     if args.command == "show":
         from mpgen.commands import show as summary
 
@@ -192,8 +288,17 @@ def _run(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run one command; the exit status is an :class:`Exit`: 0, 1 or 2, and
-    nothing else (argparse's usage errors are 2 too)."""
-    args = _parser().parse_args(argv)
+    nothing else (argparse's usage errors are 2 too), except for ``train``
+    once its script runs: then the script's status."""
+    argv, script_args = _split_script_args(list(sys.argv[1:] if argv is None else argv))
+    parser = _parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        hint = (f" (the training script's arguments go after '--': mpgen train "
+                f"{shlex.quote(args.spec)} -- {shlex.join(unknown)})"
+                if args.command == "train" else "")
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
+    args.script_args = script_args
     try:
         return _run(args)
     except MpgenError as exc:

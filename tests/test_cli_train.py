@@ -110,8 +110,8 @@ def test_a_spec_error_exits_2_at_its_position_runs_nothing_and_leaves_no_folder(
     assert not (tmp_path / "out").exists()
 
 
-def test_the_script_arguments_go_after_a_double_dash(capfd):
-    ran = mpgen("train", SEED, "--steps", "2")
+def test_the_script_arguments_go_after_a_double_dash(tmp_path, capfd):
+    ran = mpgen("train", SEED, "--steps", "2", cwd=tmp_path)
     assert ran.returncode == 2
     assert ran.stderr.splitlines()[-1] == (
         f"mpgen: error: unrecognized arguments: --steps 2 (the training script's arguments "
@@ -123,8 +123,9 @@ def test_the_script_arguments_go_after_a_double_dash(capfd):
     (["--resume"], 2, "train_simple_model.py: error: --resume needs --checkpoint DIR"),
     (["--steps", "5", "--lr", "1e30"], 1, "step 2: the loss is nan; stopping"),
 ], ids=["usage", "nan"])
-def test_the_exit_status_is_the_scripts(script_args, status, message, capfd, temp_root):
-    ran = mpgen("train", SEED, *CPU, "--", *script_args)
+def test_the_exit_status_is_the_scripts(script_args, status, message, tmp_path, capfd,
+                                        temp_root):
+    ran = mpgen("train", SEED, *CPU, "--", *script_args, cwd=tmp_path)
     assert ran.returncode == status
     assert built_into(ran.stderr).parent == temp_root
     assert capfd.readouterr().err.splitlines()[-1] == message
@@ -132,11 +133,12 @@ def test_the_exit_status_is_the_scripts(script_args, status, message, capfd, tem
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="the seed's two GPUs are here")
-def test_a_model_on_gpus_this_machine_lacks_fails_in_the_script(capfd):
-    ran = mpgen("train", SEED, "--", "--steps", "1")
+def test_a_model_on_gpus_this_machine_lacks_fails_in_the_script(tmp_path, capfd):
+    ran = mpgen("train", SEED, "--", "--steps", "1", cwd=tmp_path)
     assert ran.stderr.startswith("mpgen: built SimpleModel into ")
     assert ran.returncode not in (0, 2)
-    assert "cuda" in capfd.readouterr().err.lower()
+    err = capfd.readouterr().err
+    assert "cuda:0" in err and "--device-map cpu" in err
 
 
 def test_user_modules_next_to_the_spec_are_put_on_the_scripts_path(tmp_path, capfd,
@@ -170,7 +172,7 @@ def foreground_job(cwd: Path, *script_args: str):
 def test_ctrl_c_reaches_the_script_which_saves_and_mpgen_returns_its_status(tmp_path):
     with foreground_job(tmp_path, "--steps", "1000000", "--checkpoint", "ck") as process:
         folder = built_into(process.stderr.readline())
-        assert process.stdout.readline() == "SimpleModel: 430 parameters\n"
+        assert process.stdout.readline().startswith("SimpleModel: 430 parameters")
         assert process.stdout.readline().startswith("step 1/1000000  loss ")
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C at a terminal does
         out, err = process.communicate(timeout=120)
@@ -186,7 +188,7 @@ def test_ctrl_c_reaches_the_script_which_saves_and_mpgen_returns_its_status(tmp_
 def test_a_sigterm_to_mpgen_alone_stops_the_script_too(tmp_path):
     with foreground_job(tmp_path, "--steps", "1000000") as process:
         folder = built_into(process.stderr.readline())
-        assert process.stdout.readline() == "SimpleModel: 430 parameters\n"
+        assert process.stdout.readline().startswith("SimpleModel: 430 parameters")
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=120)
     assert process.returncode == 128 + signal.SIGTERM

@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 
@@ -232,3 +233,15 @@ def test_device_speed_divides_the_forward(tmp_path):
     for unit in graph.costs.units:
         flops[graph.nodes[unit.node].devices[unit.instance]] += unit.flops
     assert times.forward == (flops["cuda:0"], flops["cuda:1"] / 2)
+
+
+def test_the_documented_example_runs():
+    """docs/pipelining.md's example, as written."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "pipelining.md").read_text()
+    code = text.split("```python\n", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(compile(code, "docs/pipelining.md", "exec"), namespace)
+    run = namespace["run"]
+    assert run.schedule == ONE_F_ONE_B and run.microbatches == 6
+    assert run.pipeline.devices == ("cuda:0", "cuda:1")
+    assert run.peak_in_flight == (2, 1)

@@ -130,29 +130,36 @@ def read_tensors(path: pathlib.Path) -> dict:
     return tensors
 
 
-def load_data(source: str, kwargs: dict) -> Dataset | DataLoader:
-    """A file of tensors, or ``module:function`` called with ``kwargs``: a Dataset or a DataLoader."""
+def load_data(source: str, kwargs: dict, flag: str) -> Dataset | DataLoader:
+    """A file of tensors, or ``module:function`` called with ``kwargs``: a
+    Dataset or a DataLoader. ``flag`` (--data, --eval-data) names it in errors."""
     if source.endswith(DATA_FILES):
         path = pathlib.Path(source)
         if not path.is_file():
-            sys.exit(f"--data: no file {path}")
+            sys.exit(f"{flag}: no file {path}")
         return TensorData(read_tensors(path), str(path))
     module, colon, function = source.partition(":")
-    if not colon:
+    if not (module and colon and function):
         sys.exit(
-            f"--data {source}: expected a file ({', '.join(DATA_FILES)}) or module:function"
+            f"{flag} {source}: expected a file ({', '.join(DATA_FILES)}) or module:function"
         )
     if "" not in sys.path and str(pathlib.Path.cwd()) not in sys.path:
         sys.path.insert(
             0, str(pathlib.Path.cwd())
         )  # modules of the working directory, as python -m does
-    factory = vars(importlib.import_module(module)).get(function)
+    try:
+        imported = importlib.import_module(module)
+    except ModuleNotFoundError as error:
+        if error.name is None or not f"{module}.".startswith(f"{error.name}."):
+            raise  # the module is there, but what it imports is not: the traceback says where
+        sys.exit(f"{flag} {source}: no module {error.name}")
+    factory = vars(imported).get(function)
     if not callable(factory):
-        sys.exit(f"--data {source}: {module} has no function {function}")
+        sys.exit(f"{flag} {source}: {module} has no function {function}")
     data = factory(**kwargs)
     if not isinstance(data, (Dataset, DataLoader)):
         sys.exit(
-            f"--data {source}: returned {type(data).__name__}, not a Dataset or DataLoader"
+            f"{flag} {source}: returned {type(data).__name__}, not a Dataset or DataLoader"
         )
     return data
 
@@ -541,12 +548,14 @@ def main(argv: list[str] | None = None) -> None:
 
     # The data: --data, else synthetic; evaluation on --eval-data, a held-out split, or more synthetic samples.
     if args.data:
-        data = load_data(args.data, {} if args.data == None else {})
+        data = load_data(args.data, {} if args.data == None else {}, "--data")
     else:
         data = SyntheticData(args.samples, args.seed)
     eval_data = None
     if args.eval_data:
-        eval_data = load_data(args.eval_data, {} if args.eval_data == None else {})
+        eval_data = load_data(
+            args.eval_data, {} if args.eval_data == None else {}, "--eval-data"
+        )
     elif args.eval_split:
         if isinstance(data, DataLoader):
             parser.error(

@@ -95,6 +95,8 @@ def test_steps_given_says_whether_steps_bound_the_run(tmp_path, train, epochs, s
     # ReduceLROnPlateau's own min_lr, one per parameter group or one for all
     ("{op: ReduceLROnPlateau, mode: max, min_lr: [1.0e-5]}",
      Scheduler("ReduceLROnPlateau", (("mode", "max"), ("min_lr", [1.0e-5])))),
+    ("{op: ReduceLROnPlateau, min_lr: [1.0e-5, 0]}\n  no_decay: [norms]",  # two groups
+     Scheduler("ReduceLROnPlateau", (("min_lr", [1.0e-5, 0]),))),
     ("{op: CyclicLR, base_lr: 0.001, max_lr: 0.1}",  # cycles AdamW's betas
      Scheduler("CyclicLR", (("base_lr", 0.001), ("max_lr", 0.1)))),
 ])
@@ -192,6 +194,10 @@ def test_a_factory_is_never_imported_at_build_time(tmp_path):
     ("scheduler: {op: ReduceLROnPlateau, mode: maxx}",
      "spec.yaml:7:50: train.scheduler: ReduceLROnPlateau cannot be built with mode='maxx': "
      "mode maxx is unknown!"),
+    # with no_decay the script's optimizer has two parameter groups
+    ("optimizer: AdamW, no_decay: [biases], scheduler: {op: ReduceLROnPlateau, min_lr: [0.001]}",
+     "spec.yaml:7:90: train.scheduler: ReduceLROnPlateau cannot be built with min_lr=[0.001]: "
+     "expected 2 min_lrs, got 1"),
     ("scheduler: {op: OneCycleLR, max_lr: 0.1}",
      "spec.yaml:7:25: train.scheduler: OneCycleLR cannot be built: You must define either "
      "total_steps OR (epochs AND steps_per_epoch)"),

@@ -34,7 +34,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-
 from torch.optim import lr_scheduler
 
 from mpgen.compiler.frontend import ops
@@ -146,7 +145,8 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
 
     def sample() -> torch.optim.Optimizer:
         """The optimizer over sample parameters, for the scheduler's check."""
-        return _sample_optimizer(optimizer, {"lr": lr, **dict(opt_kwargs)})
+        groups = bool(spec.no_decay) and "weight_decay" in ops.module_signature(optimizer).names
+        return _sample_optimizer(optimizer, {"lr": lr, **dict(opt_kwargs)}, groups)
 
     usable = optimizer is not None and len(errors.errors) == before
     scheduler = (_scheduler(spec.scheduler, sample if usable else None, source, errors)
@@ -381,11 +381,18 @@ def _optimizer(opt: CallSpec, source: SourceMap,
     return lr, tuple(kwargs)
 
 
-def _sample_optimizer(cls: type, kwargs: dict[str, Any]) -> torch.optim.Optimizer:
-    """``cls`` over sample parameters (1-D and 2-D, as a model's), with gradients."""
+def _sample_optimizer(cls: type, kwargs: dict[str, Any],
+                      no_decay: bool = False) -> torch.optim.Optimizer:
+    """``cls`` over sample parameters (1-D and 2-D, as a model's), with
+    gradients; with ``no_decay``, in two groups as the training script makes
+    them (the 1-D one without weight decay), so that a scheduler's value per
+    group (``min_lr: [...]``) is checked against the script's groups."""
     params = [nn.Parameter(torch.zeros(2, 3)), nn.Parameter(torch.zeros(3))]
     for param in params:
         param.grad = torch.ones_like(param)
+    if no_decay:
+        return cls([{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}],
+                   **kwargs)
     return cls(params, **kwargs)
 
 

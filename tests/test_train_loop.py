@@ -34,123 +34,58 @@ from torch import nn
 
 from helpers import build_to, import_generated, write_spec
 
-#: ``train:`` of every spec below but the last: SGD, a small batch, few steps.
-TRAIN = """
-train:
-  loss: MSELoss
-  optimizer: {op: SGD, lr: 0.1}
-  batch_size: 4
-  steps: 4
-"""
-#: x -> one output of 1; a learnable regression. Model names differ from
-#: spec to spec: each model module is imported by name.
-REG = """
-mpgen: 1
-name: LoopReg
-inputs:
-  x: [batch, 4]
-layers:
-  fc: {op: Linear, args: [4, 1]}
-""" + TRAIN
+
+def spec(name: str, layers: list[str], *, inputs: str = "x: [batch, 4]", loss: str = "MSELoss",
+         optimizer: str = "{op: SGD, lr: 0.1}",
+         train: tuple[str, ...] = ("batch_size: 4", "steps: 4"), top: tuple[str, ...] = ()) -> str:
+    """A spec: ``layers``, ``train`` and ``top`` are YAML lines under
+    ``layers:``, under ``train:`` (after the loss and the optimizer) and at
+    the top level. Model names differ from spec to spec: each model
+    module is imported by its name."""
+    lines = ["mpgen: 1", f"name: {name}", "inputs:", f"  {inputs}", "layers:",
+             *(f"  {layer}" for layer in layers), *top,
+             "train:", f"  loss: {loss}", f"  optimizer: {optimizer}",
+             *(f"  {line}" for line in train)]
+    return "\n".join(lines) + "\n"
+
+
+#: x -> one output of 1; a learnable regression.
+FC = ["fc: {op: Linear, args: [4, 1]}"]
+REG = spec("LoopReg", FC)
 #: Three classes of x.
-CLS = """
-mpgen: 1
-name: LoopCls
-inputs:
-  x: [batch, 4]
-layers:
-  fc: {op: Linear, args: [4, 3]}
-train:
-  loss: CrossEntropyLoss
-  optimizer: {op: SGD, lr: 0.5}
-  batch_size: 4
-  steps: 4
-"""
+CLS = spec("LoopCls", ["fc: {op: Linear, args: [4, 3]}"], loss="CrossEntropyLoss",
+           optimizer="{op: SGD, lr: 0.5}")
 #: Two outputs with a loss each: targets a_target and b_target.
-TWO = """
-mpgen: 1
-name: LoopTwo
-inputs:
-  x: [batch, 4]
-layers:
-  a: {op: Linear, args: [4, 3], in: x}
-  b: {op: Linear, args: [4, 1], in: x}
-outputs: [a, b]
-train:
-  loss: {a: CrossEntropyLoss, b: MSELoss}
-  optimizer: {op: SGD, lr: 0.1}
-  batch_size: 4
-  steps: 4
-"""
+TWO = spec("LoopTwo", ["a: {op: Linear, args: [4, 3], in: x}",
+                      "b: {op: Linear, args: [4, 1], in: x}"],
+           loss="{a: CrossEntropyLoss, b: MSELoss}", top=("outputs: [a, b]",))
 #: Per-pixel classes: an NCHW output, classes on dim 1, targets [batch, h, w].
-SEG = """
-mpgen: 1
-name: LoopSeg
-inputs:
-  x: [batch, 3, 4, 4]
-layers:
-  conv: {op: Conv2d, args: [3, 3, 1]}
-train:
-  loss: CrossEntropyLoss
-  optimizer: {op: SGD, lr: 0.5}
-  batch_size: 4
-  steps: 4
-"""
+SEG = spec("LoopSeg", ["conv: {op: Conv2d, args: [3, 3, 1]}"], inputs="x: [batch, 3, 4, 4]",
+           loss="CrossEntropyLoss", optimizer="{op: SGD, lr: 0.5}")
 #: Weight decay on weights only: not on biases, norms or embeddings.
-DECAY = """
-mpgen: 1
-name: LoopDecay
-inputs:
-  tokens: {shape: [batch, 6], dtype: int64}
-layers:
-  emb: {op: Embedding, args: [10, 8]}
-  norm: {op: LayerNorm, args: [8]}
-  head: {op: Linear, args: [8, 2]}
-train:
-  loss: MSELoss
-  optimizer: {op: AdamW, lr: 0.01, weight_decay: 0.1}
-  no_decay: [biases, norms, embeddings]
-  batch_size: 2
-  steps: 1
-"""
+DECAY = spec("LoopDecay", ["emb: {op: Embedding, args: [10, 8]}",
+                           "norm: {op: LayerNorm, args: [8]}", "head: {op: Linear, args: [8, 2]}"],
+             inputs="tokens: {shape: [batch, 6], dtype: int64}",
+             optimizer="{op: AdamW, lr: 0.01, weight_decay: 0.1}",
+             train=("batch_size: 2", "steps: 1", "no_decay: [biases, norms, embeddings]"))
+
+
+def scheduled(name: str, scheduler: str) -> str:
+    """LoopReg's spec with a scheduler."""
+    return spec(name, FC, train=("batch_size: 4", "steps: 4", f"scheduler: {scheduler}"))
+
+
 #: A torch scheduler after a warmup: resumed with its state.
-STEPPED = REG.replace("LoopReg", "LoopStepped") + """
-  scheduler: {op: StepLR, step_size: 2, gamma: 0.5, warmup: 1}
-"""
+STEPPED = scheduled("LoopStepped", "{op: StepLR, step_size: 2, gamma: 0.5, warmup: 1}")
 #: Placed on two GPUs, built without --device-map.
-GPUS = """
-mpgen: 1
-name: LoopGpus
-inputs:
-  x: [batch, 4]
-layers:
-  first: {op: Linear, args: [4, 4]}
-  second: {op: Linear, args: [4, 1]}
-placement:
-  first: cuda:0
-  second: cuda:1
-""" + TRAIN
+GPUS = spec("LoopGpus", ["first: {op: Linear, args: [4, 4]}",
+                        "second: {op: Linear, args: [4, 1]}"],
+            top=("placement:", "  first: cuda:0", "  second: cuda:1"))
 #: Every new key of train: sets a default of the script.
-KEYS = """
-mpgen: 1
-name: LoopKeys
-inputs:
-  x: [batch, 4]
-layers:
-  fc: {op: Linear, args: [4, 1]}
-train:
-  loss: MSELoss
-  optimizer: {op: SGD, lr: 0.05}
-  batch_size: 3
-  epochs: 2
-  scheduler: {op: StepLR, step_size: 1, gamma: 0.5}
-  grad_clip: 0.001
-  accumulate: 2
-  amp: bf16
-  data: {factory: "loop_keys_data:make", n: 12}
-  eval_split: 0.25
-  eval_every: 1
-"""
+KEYS = spec("LoopKeys", FC, optimizer="{op: SGD, lr: 0.05}", train=(
+    "batch_size: 3", "epochs: 2", "scheduler: {op: StepLR, step_size: 1, gamma: 0.5}",
+    "grad_clip: 0.001", "accumulate: 2", "amp: bf16",
+    'data: {factory: "loop_keys_data:make", n: 12}', "eval_split: 0.25", "eval_every: 1"))
 
 
 @dataclass
@@ -293,7 +228,8 @@ def write_module(folder: Path, name: str, text: str) -> None:
 
 def delta(before: nn.Module, after: dict) -> float:
     """The norm of the change of all parameters (as one vector)."""
-    return torch.cat([(after[k] - v).flatten() for k, v in before.state_dict().items()]).norm().item()
+    moved = [(after[k] - v).flatten() for k, v in before.state_dict().items()]
+    return torch.cat(moved).norm().item()
 
 
 @pytest.fixture
@@ -430,7 +366,8 @@ def test_a_factory_gives_a_dataloader_that_is_read_in_its_own_batches(reg, here,
 @pytest.mark.parametrize("argv, files, message", [
     (["--data", "partial.pt"], {"partial.pt": {"x": torch.zeros(8, 4)}},
      "partial.pt: no tensor target (it has x)"),
-    (["--data", "uneven.npz"], {"uneven.npz": {"x": torch.zeros(8, 4), "target": torch.zeros(6, 1)}},
+    (["--data", "uneven.npz"],
+     {"uneven.npz": {"x": torch.zeros(8, 4), "target": torch.zeros(6, 1)}},
      "uneven.npz: the tensors hold different numbers of samples [6, 8]"),
     (["--data", "data.csv"], {},
      "--data data.csv: expected a file (.pt, .pth, .npz, .safetensors) or module:function"),
@@ -631,10 +568,6 @@ def test_amp_fp16_skips_a_step_whose_gradients_overflow_and_halves_the_scale(reg
 # Schedules ------------------------------------------------------------------
 
 
-def schedule_spec(scheduler: str, name: str) -> str:
-    return REG.replace("LoopReg", name) + f"  scheduler: {scheduler}\n"
-
-
 def used_lrs(built: Built, here: Path, capsys, steps: int, *argv: str) -> list[float]:
     """The lr each step of a run used, from log.csv."""
     ok(built, capsys, "--steps", str(steps), "--log-dir", "log", *argv)
@@ -659,8 +592,8 @@ def linear(step: int, steps: int, warmup: int, lr: float, min_lr: float) -> floa
 @pytest.mark.parametrize("op, formula", [("cosine", cosine), ("linear", linear)])
 def test_a_built_in_schedule_sets_each_steps_lr_by_its_formula(tmp_path_factory, here, capsys,
                                                                 op, formula):
-    built = build(tmp_path_factory, schedule_spec(f"{{op: {op}, warmup: 2, min_lr: 0.01}}",
-                                                  f"Loop{op.title()}"))
+    built = build(tmp_path_factory, scheduled(f"Loop{op.title()}",
+                                                f"{{op: {op}, warmup: 2, min_lr: 0.01}}"))
     assert used_lrs(built, here, capsys, 8) == pytest.approx(
         [formula(s, 8, 2, 0.1, 0.01) for s in range(1, 9)], rel=1e-12)
     # --lr scales it, min_lr stays.
@@ -673,13 +606,13 @@ def test_a_built_in_schedule_sets_each_steps_lr_by_its_formula(tmp_path_factory,
 
 
 def test_the_constant_schedule_warms_up_then_keeps_the_lr(tmp_path_factory, here, capsys):
-    built = build(tmp_path_factory, schedule_spec("{op: constant, warmup: 3}", "LoopConstant"))
+    built = build(tmp_path_factory, scheduled("LoopConstant", "{op: constant, warmup: 3}"))
     assert used_lrs(built, here, capsys, 6) == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
 
 
 def test_a_torch_scheduler_with_and_without_warmup(tmp_path_factory, stepped, here, capsys):
-    plain = build(tmp_path_factory, schedule_spec("{op: StepLR, step_size: 2, gamma: 0.5}",
-                                                  "LoopStepLR"))
+    plain = build(tmp_path_factory,
+                  scheduled("LoopStepLR", "{op: StepLR, step_size: 2, gamma: 0.5}"))
     assert used_lrs(plain, here, capsys, 6) == pytest.approx(
         [0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
     # warmup: 1 then StepLR from its start.
@@ -688,8 +621,8 @@ def test_a_torch_scheduler_with_and_without_warmup(tmp_path_factory, stepped, he
 
 
 def test_reduce_lr_on_plateau_steps_on_the_loss(tmp_path_factory, here, capsys):
-    built = build(tmp_path_factory, schedule_spec(
-        "{op: ReduceLROnPlateau, factor: 0.5, patience: 0}", "LoopPlateau"))
+    built = build(tmp_path_factory, scheduled(
+        "LoopPlateau", "{op: ReduceLROnPlateau, factor: 0.5, patience: 0}"))
     # One sample repeated and a tiny lr: the loss stays on a plateau, so every
     # step after the first halves the lr.
     one = regression(1)

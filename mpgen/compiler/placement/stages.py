@@ -1,0 +1,97 @@
+"""Pipeline stages: the forward plan's sections, each with what it receives
+and what it passes on.
+
+# NOTE: [Pipeline stages]
+# A stage is one section of the forward plan (consecutive work on one
+# device). Stage k is a function of the variables it *takes* and returns the
+# variables it *gives*: every variable defined by stage k or earlier (or a
+# model input) that a later stage reads before redefining it, or that forward
+# returns. Model inputs enter at stage 0 and are passed on like any value, so
+# a stage only ever receives from the stage before it: that is what a
+# pipeline schedule (GPipe, 1F1B; ``torch.distributed.pipelining``) can run,
+# and what the micro-batched forward runs one micro-batch at a time. The
+# last stage gives the model's outputs, in ``outputs`` order. A variable a
+# stage reads includes the tensors whose sizes its expressions read
+# (``"=size(idx, 1)"``) and the copies of tied parameters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from mpgen.compiler.ir import ForwardPlan, Graph, Node, Section, sizes_used
+
+
+@dataclass(frozen=True)
+class Stage:
+    index: int
+    device: str
+    section: Section
+    takes: tuple[str, ...]  # variables received, in a fixed order
+    gives: tuple[str, ...]  # variables passed on; the last stage's: forward's returns
+
+
+def _node_vars(graph: Graph, node: Node) -> tuple[dict[str, str], tuple[str, ...]]:
+    """Value name -> variable in forward, and the variables a step of ``node`` defines."""
+    var = ({t.name: t.var for t in graph.inputs} | {n.name: n.var for n in graph.nodes}
+           | {e.name: e.var for n in graph.nodes for e in n.elements})
+    defines = tuple(e.var for e in node.elements) if node.pattern else (node.var,)
+    return var, defines
+
+
+def _reads_and_defines(graph: Graph, section: Section) -> tuple[list[str], list[str]]:
+    """The variables ``section`` reads before defining them, and those it defines, in order."""
+    nodes = {n.name: n for n in graph.nodes}
+    reads: list[str] = []
+    defined: list[str] = []
+
+    def read(v: str) -> None:
+        if v not in defined and v not in reads:
+            reads.append(v)
+
+    def define(v: str) -> None:
+        if v not in defined:
+            defined.append(v)
+
+    for t in section.transfers:
+        read(t.src_var)
+        define(t.dst_var)
+    for step in section.steps:
+        node = nodes[step.node]
+        var, defines = _node_vars(graph, node)
+        for v in step.reads:
+            read(v)
+        for _, v in step.tied:
+            read(v)
+        for value in sorted(set().union(*(sizes_used(a) for a in (*node.call.values,
+                                                                  *node.init.values)))):
+            read(var[value])
+        if step.out_var not in defines:  # a run of a repeated layer: out = first; loop
+            define(step.out_var)
+        for v in defines:
+            define(v)
+    return reads, defined
+
+
+def stages(graph: Graph, plan: ForwardPlan | None = None) -> tuple[Stage, ...]:
+    """The stages of ``plan`` (default: the graph's), NOTE [Pipeline stages]."""
+    plan = plan or graph.plan
+    sections = plan.sections
+    usage = [_reads_and_defines(graph, s) for s in sections]
+    available = [t.var for t in graph.inputs]
+    result = []
+    for k, section in enumerate(sections):
+        takes = tuple(available)
+        reads, defines = usage[k]
+        for v in defines:
+            if v not in available:
+                available.append(v)
+        if k == len(sections) - 1:
+            gives = tuple(plan.returns)
+        else:
+            needed = set(plan.returns)
+            for later_reads, _ in usage[k + 1:]:
+                needed.update(later_reads)
+            gives = tuple(v for v in available if v in needed)
+        available = list(gives)  # the next stage takes exactly these
+        result.append(Stage(k, section.device, section, takes, gives))
+    return tuple(result)

@@ -425,6 +425,9 @@ class Node:
     factory: bool = False  # ``in: []``: made on its device, reads no tensor
     ties: tuple[Tie, ...] = ()
     inits: tuple[InitRule, ...] = ()  # the layer's own ``init:``
+    # ``checkpoint: true``: forward recomputes it in backward instead of
+    # keeping its activations (``torch.utils.checkpoint``), each instance.
+    checkpoint: bool = False
     # Filled by analysis.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance
@@ -799,6 +802,20 @@ class Layout:
 
 
 @dataclass(frozen=True)
+class PipelineConfig:
+    """``pipeline:``: micro-batched execution of the model's stages
+    (NOTE [Pipeline stages] in placement/stages.py)."""
+
+    microbatches: int  # M: the generated forward splits the batch into M
+    schedule: str = "1f1b"  # pp_<name>.py's default --schedule: gpipe | 1f1b | interleaved
+    #: Devices whose layers are all checkpointed (``checkpoint: [cuda:1]``),
+    #: as the spec names them (before --device-map).
+    checkpoint: tuple[str, ...] = ()
+
+    SCHEDULES: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b", "interleaved")
+
+
+@dataclass(frozen=True)
 class Graph:
     """A whole compiled spec."""
 
@@ -819,6 +836,10 @@ class Graph:
     # Filled by placement:
     plan: Optional[ForwardPlan] = None
     device_map: tuple[tuple[str, str], ...] = ()
+    # The plan at the spec's own devices, before --device-map: the stages of
+    # pp_<name>.py (one per device run), whatever devices this build runs on.
+    spec_plan: Optional[ForwardPlan] = field(default=None, compare=False, repr=False)
+    pipeline: Optional[PipelineConfig] = None  # ``pipeline:``; None: the plain forward
     layout: Optional[Layout] = None
 
     def node(self, name: str) -> Node:

@@ -44,13 +44,17 @@ def assign(graph: Graph, devices: Sequence[tuple[str, ...]],
            device_map: Optional[dict[str, str]] = None) -> Graph:
     """Set per-instance devices (after ``device_map``) and plan transfers."""
     device_map = device_map or {}
+    spec_nodes = tuple(dataclasses.replace(n, devices=tuple(ds))
+                       for n, ds in zip(graph.nodes, devices))
+    spec_plan = plan_transfers(dataclasses.replace(graph, nodes=spec_nodes))
     nodes = tuple(
         dataclasses.replace(n, devices=tuple(map_device(d, device_map) for d in ds))
         for n, ds in zip(graph.nodes, devices)
     )
     graph = dataclasses.replace(graph, nodes=nodes,
                                 device_map=tuple(sorted(device_map.items())))
-    return dataclasses.replace(graph, plan=plan_transfers(graph))
+    plan = plan_transfers(graph)
+    return dataclasses.replace(graph, plan=plan, spec_plan=spec_plan if device_map else plan)
 
 
 def plan_transfers(graph: Graph) -> ForwardPlan:

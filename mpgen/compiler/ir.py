@@ -100,6 +100,15 @@ class TensorType:
     def nbytes(self, sizes: Mapping[str, int]) -> int:
         return self.numel(sizes) * DTYPE_BYTES.get(self.dtype, 4)
 
+    @property
+    def batch_dim(self) -> Optional[int]:
+        """Where the ``batch`` dim is (the first one); None when it has none of its own
+        (``batch*seq`` is not one)."""
+        for k, d in enumerate(self.shape):
+            if isinstance(d, SymDim) and d.symbols == ("batch",) and d.factor == 1:
+                return k
+        return None
+
 
 # -- placement units and values -----------------------------------------------
 
@@ -677,6 +686,13 @@ class UnitCost:
     flops: int
     out_bytes: int
     measured: bool = True  # False: activations fell back to the output bytes
+    #: What the unit keeps for backward when it is checkpointed: its inputs
+    #: (NOTE [Cost formulas] in analysis/costs.py).
+    checkpoint_bytes: int = 0
+    #: Checkpointed: ``activation_bytes`` is ``checkpoint_bytes``, and
+    #: ``recomputed_bytes`` the activations backward recomputes instead.
+    checkpointed: bool = False
+    recomputed_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -811,6 +827,9 @@ class PipelineConfig:
     #: Devices whose layers are all checkpointed (``checkpoint: [cuda:1]``),
     #: as the spec names them (before --device-map).
     checkpoint: tuple[str, ...] = ()
+    # Where the spec says it, for the errors of checks after placement.
+    pos: Optional[Position] = field(default=None, compare=False)
+    checkpoint_pos: tuple[Position, ...] = field(default=(), compare=False)
 
     SCHEDULES: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b", "interleaved")
 

@@ -352,6 +352,8 @@ class LayerSpec(_Model):
     # Shared parameters: ``tie: {weight: wte.weight}``.
     tie: Optional[dict[KwargName, StrictStr]] = Field(default=None, min_length=1)
     init_: Optional[LayerInit] = Field(default=None, alias="init")
+    # mpgen extension: recompute the layer in backward (torch.utils.checkpoint).
+    checkpoint: Optional[StrictBool] = None
 
     _one_input = field_validator("in_", mode="before")(_one_or_many)
 
@@ -434,6 +436,24 @@ class PlacementSpec(_Model):
             return {"explicit": data}
         raise _error("placement", "expected a mapping of layer -> device, like "
                      "{layer1: cuda:0, layer2: cuda:1}, or {auto: {devices: [...]}}")
+
+
+class PipelineSpec(_Model):
+    """``pipeline:``: the micro-batched forward and ``pp_<name>.py``'s defaults.
+    The schedule's name and the devices' use are the front end's to check."""
+
+    microbatches: StrictInt = Field(ge=1, le=100_000)
+    # mpgen extension: pp_<name>.py's default --schedule.
+    schedule: StrictStr = "1f1b"
+    # mpgen extension: every layer placed on these devices is checkpointed.
+    checkpoint: list[Device] = Field(default_factory=list)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mapping(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            raise _error("pipeline", "expected a mapping like {microbatches: 4}")
+        return data
 
 
 class CallSpec(_Model):
@@ -638,6 +658,7 @@ class Spec(_Model):
     ] = Field(min_length=1)
     outputs: Optional[list[StrictStr]] = Field(default=None, min_length=1)
     placement: Optional[PlacementSpec] = None
+    pipeline: Optional[PipelineSpec] = None
     train: Optional[TrainSpec] = None
     # module class -> parameter -> initializer
     init: Optional[dict[StrictStr, Annotated[Any, AfterValidator(_check_init_map)]]] = None
@@ -650,9 +671,11 @@ class Spec(_Model):
 #: Field names per model, for did-you-mean suggestions on unknown keys.
 FIELDS = {
     "Spec": list(Spec.model_fields),
-    "LayerSpec": ["op", "in", "args", "repeat", "output", "outputs", "call", "tie", "init"],
+    "LayerSpec": ["op", "in", "args", "repeat", "output", "outputs", "call", "tie", "init",
+                  "checkpoint"],
     "BlockSpec": list(BlockSpec.model_fields),
     "InputSpec": list(InputSpec.model_fields),
     "AutoPlacementSpec": list(AutoPlacementSpec.model_fields),
     "TrainSpec": list(TrainSpec.model_fields),
+    "PipelineSpec": list(PipelineSpec.model_fields),
 }

@@ -202,4 +202,6 @@ def _fields_at(path: YamlPath) -> list[str]:
         return ["auto"]
     if path == ("train",):
         return FIELDS["TrainSpec"]
+    if path == ("pipeline",):
+        return FIELDS["PipelineSpec"]
     return []

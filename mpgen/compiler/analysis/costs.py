@@ -31,6 +31,16 @@ placement report and ``mpgen diff`` show them.
 #              saved the original. If the meta run of a unit fails, its
 #              activations fall back to its output bytes (``UnitCost.measured`` is
 #              False).
+# checkpointed a unit recomputed in backward (``checkpoint: true``, or on a
+#              ``pipeline.checkpoint`` device) keeps what
+#              ``torch.utils.checkpoint`` keeps: its inputs, each storage not
+#              saved by an earlier unit, plus its output if it is a model
+#              output:  activations = checkpoint_bytes = sum(inputs not counted
+#              before) (+ output);  recomputed_bytes = the activations it would
+#              keep otherwise - checkpoint_bytes (the memory saved, at least 0).
+#              Every unit measures checkpoint_bytes; a unit checkpointed by its
+#              device (known after placement) swaps the numbers then, and the
+#              units after it keep theirs.
 # memory       weights + gradients + optimizer + activations.
 # flops        forward FLOPs counted by ``torch.utils.flop_counter`` (matmul,
 #              convolution, attention: 2 per multiply-add); elementwise ops,
@@ -165,19 +175,28 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         if module is not None:
             modules[node.name] = module
             recorder.exclude(module)
-        measured: list[tuple[int, int, int, bool]] = []  # (activations, flops, out, ok)
+        # (activations, flops, out, ok, kept when checkpointed)
+        measured: list[tuple[int, int, int, bool, int]] = []
         x = [env.get(name) for name in node.inputs]
         values: dict[str, Any] = {}
         for _ in range(min(node.instances, 2)):
+            inputs = {t.untyped_storage()._cdata: t for t in x
+                      if isinstance(t, torch.Tensor) and not recorder.counted(t)}
+            before = dict(recorder.saved)
             out, act, flops = recorder.record(lambda: meta.run(node, module, x, {}, recorder,
                                                                env=env))
+            if node.checkpoint:  # forward keeps only the inputs: NOTE [Cost formulas]
+                recorder.saved = before
+                for t in inputs.values():
+                    recorder.keep(t)
             try:
                 values = meta.unpack(node, out) if out is not None else {}
             except meta.OutputError:
                 values = {}
             ok = bool(values) and all(isinstance(v, torch.Tensor) for v in values.values())
             out_bytes = sum(_nbytes(v) for v in values.values()) if ok else fallback_out
-            measured.append((act if ok else out_bytes, flops if ok else 0, out_bytes, ok))
+            measured.append((act if ok else out_bytes, flops if ok else 0, out_bytes, ok,
+                             sum(_storage_bytes(t) for t in inputs.values())))
             x = [out if ok and not node.pattern else None, *x[1:]]
         for name in node.value_names:
             env[name] = values.get(name)
@@ -187,14 +206,22 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         kept = sum(recorder.keep(values[name]) for name in node.value_names
                    if name in outputs and values.get(name) is not None)
         for k in range(node.instances):
-            act, flops, out_bytes, ok = measured[min(k, 1)]
+            act, flops, out_bytes, ok, inputs_kept = measured[min(k, 1)]
             if k == node.instances - 1:
-                act += kept
-            units.append(UnitCost(node.unit(k), i, k, node.params, weights, trainable,
-                                  trainable * factor, act, flops, out_bytes, ok))
+                act, inputs_kept = act + kept, inputs_kept + kept
+            unit = UnitCost(node.unit(k), i, k, node.params, weights, trainable,
+                            trainable * factor, act, flops, out_bytes, ok, inputs_kept)
+            units.append(checkpointed_cost(unit) if node.checkpoint else unit)
     cuts = _cut_bytes(graph, units)
     return Costs(tuple(units), tuple(cuts), tuple(value_bytes.items()),
                  tuple(dims.items()), optimizer, factor)
+
+
+def checkpointed_cost(unit: UnitCost) -> UnitCost:
+    """``unit`` recomputed in backward: it keeps its inputs, not its activations."""
+    return dataclasses.replace(unit, activation_bytes=unit.checkpoint_bytes, checkpointed=True,
+                               recomputed_bytes=max(unit.activation_bytes
+                                                    - unit.checkpoint_bytes, 0))
 
 
 def _cut_bytes(graph: Graph, units: Sequence[UnitCost]) -> list[int]:
@@ -333,6 +360,10 @@ def _meta_tensor(t: TensorType, dims: Mapping[str, int]) -> torch.Tensor:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().nbytes()
 
 
 def _tie(node: Node, module: Optional[nn.Module], modules: Mapping[str, nn.Module],

@@ -8,12 +8,13 @@ front end's namespace) or from a namespace here; every value goes through
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping, Optional, Sequence
 
 from mpgen.compiler.codegen.common import Names, call, count, header, literal
 from mpgen.compiler.codegen.format import LINE_LENGTH
 from mpgen.compiler.codegen.writer import INDENT, PythonWriter
-from mpgen.compiler.frontend.namespace import Namespace
+from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import (
     Args,
     BlockClass,
@@ -23,12 +24,16 @@ from mpgen.compiler.ir import (
     InputTensor,
     Node,
     OpKind,
+    Section,
     Step,
     TensorType,
+    UnitRef,
     device_runs,
     params_used,
     unit_labels,
 )
+from mpgen.compiler.placement.pipelining import checkpointed_units
+from mpgen.compiler.placement.stages import Stage, stages
 
 
 def render_model(graph: Graph) -> str:
@@ -66,6 +71,8 @@ def _module_doc(graph: Graph) -> list[str]:
 def _imports(graph: Graph) -> list[str]:
     nodes = list(graph.nodes) + [n for b in graph.blocks for n in b.nodes]
     lines = ["import torch"]
+    if checkpointed_units(graph):
+        lines.append("import torch.utils.checkpoint")
     if any(n.op.callee.startswith("F.") for n in nodes):
         lines.append("import torch.nn.functional as F")
     lines.append("from torch import nn")
@@ -79,22 +86,36 @@ def _imports(graph: Graph) -> list[str]:
 # -- classes --------------------------------------------------------------------
 
 def _class(w: PythonWriter, name: str, doc: list[str], init_params: Sequence[str],
-           init, forward_params: Sequence[str], n_returns: int, forward) -> None:
+           init, forward_params: Sequence[str], n_returns: int, forward,
+           attributes=None, methods=None) -> None:
     """``class name(nn.Module)`` with ``__init__`` and ``forward`` bodies
-    written by ``init()`` and ``forward()``."""
+    written by ``init()`` and ``forward()``; ``attributes()`` writes class
+    attributes after the docstring and ``methods()`` methods before forward."""
     w.line()
     w.line()
     with w.block(f"class {name}(nn.Module)"):
         w.docstring(doc)
         w.line()
+        if attributes:
+            attributes()
+            w.line()
         with w.block(f"def __init__({', '.join(['self', *init_params])}) -> None"):
             w.line("super().__init__()")
             init()
         w.line()
-        tensors = ", ".join(["self", *(f"{p}: torch.Tensor" for p in forward_params)])
-        hint = "torch.Tensor" if n_returns == 1 else f"tuple[{', '.join(['torch.Tensor'] * n_returns)}]"
-        with w.block(f"def forward({tensors}) -> {hint}"):
+        if methods:
+            methods()
+        with w.block(f"def forward({_tensors(forward_params)}) -> {_returns(n_returns)}"):
             forward()
+
+
+def _tensors(params: Sequence[str]) -> str:
+    """``self, x: torch.Tensor, ...``: a method's parameters."""
+    return ", ".join(["self", *(f"{p}: torch.Tensor" for p in params)])
+
+
+def _returns(n: int) -> str:
+    return "torch.Tensor" if n == 1 else f"tuple[{', '.join(['torch.Tensor'] * n)}]"
 
 
 def _block_class(w: PythonWriter, block: BlockClass) -> None:
@@ -177,20 +198,112 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
 
     var = _variables(graph.inputs, graph.nodes)
     names = Names({}, var)
+    checkpointed = checkpointed_units(graph)
+
+    def section_code(section: Section) -> None:
+        for t in section.transfers:
+            w.line(f'{t.dst_var} = {t.src_var}.to("{t.dst}")', _shape(t.type))
+        for step in section.steps:
+            node = nodes[step.node]
+            for part, recompute in _checkpoint_runs(node, step, checkpointed):
+                _step(w, node, part, names, device=step.device, checkpoint=recompute)
 
     def forward() -> None:
         for i, section in enumerate(graph.plan.sections):
             if i:
                 w.line()
             w.comment(section.device)
-            for t in section.transfers:
-                w.line(f'{t.dst_var} = {t.src_var}.to("{t.dst}")', _shape(t.type))
-            for step in section.steps:
-                _step(w, nodes[step.node], step, names, device=step.device)
+            section_code(section)
         w.line(f"return {', '.join(graph.plan.returns)}")
 
-    _class(w, graph.name, doc, [], init, [t.var for t in graph.inputs], len(graph.outputs),
-           forward)
+    inputs = [t.var for t in graph.inputs]
+    if graph.pipeline is None:
+        _class(w, graph.name, doc, [], init, inputs, len(graph.outputs), forward)
+        return
+    pipelined = _Pipelined(graph, stages(graph))
+    _class(w, graph.name, doc, [], init, inputs, len(graph.outputs), pipelined.forward(w),
+           attributes=pipelined.attributes(w), methods=pipelined.methods(w, section_code))
+
+
+class _Pipelined:
+    """The micro-batched forward (``pipeline:``): one method per stage, and a
+    forward that runs them over the micro-batches in GPipe order."""
+
+    def __init__(self, graph: Graph, stages: Sequence[Stage]) -> None:
+        self.graph = graph
+        self.stages = stages
+        # Methods and class attributes share the namespace of the layers.
+        attrs = Namespace({n.name for n in graph.nodes})
+        self.count = attrs.fresh("microbatches")
+        self.methods_named = [attrs.fresh(f"stage_{s.index}") for s in stages]
+        local = Namespace(GLOBALS | {"self", *(t.var for t in graph.inputs),
+                                     *graph.plan.returns})
+        self.n, self.batches, self.run, self.tick, self.k, self.outs = (
+            local.fresh(v) for v in ("n", "batches", "stages", "tick", "k", "outs"))
+
+    def attributes(self, w: PythonWriter):
+        def write() -> None:
+            w.comment("Micro-batches forward splits the batch into (pipeline: in the spec).")
+            w.line(f"{self.count} = {self.graph.pipeline.microbatches!r}")
+        return write
+
+    def methods(self, w: PythonWriter, section_code):
+        def write() -> None:
+            for stage, method in zip(self.stages, self.methods_named):
+                with w.block(f"def {method}({_tensors(stage.takes)}) -> "
+                             "tuple[torch.Tensor, ...]"):
+                    w.docstring([f"Stage {stage.index}, on {stage.device}."])
+                    section_code(stage.section)
+                    w.line(f"return {_tuple_code(stage.gives)}")
+                w.line()
+        return write
+
+    def forward(self, w: PythonWriter):
+        graph, n, batches, k, tick = self.graph, self.n, self.batches, self.k, self.tick
+        splits = []
+        for t in graph.inputs:
+            dim = t.type.batch_dim
+            splits.append(f"[{t.var}] * {n}" if dim is None else
+                          f"{t.var}.tensor_split({n}, dim={dim})")
+        first = next(t for t in graph.inputs if t.type.batch_dim is not None)
+
+        def write() -> None:
+            w.comment("The batch in micro-batches along its batch dim, each a tuple of")
+            w.comment("the inputs; an input without a batch dim goes whole to each.")
+            w.line(f"{n} = min(self.{self.count}, {first.var}.size({first.type.batch_dim}))")
+            w.line(f"{batches} = list(zip({', '.join(splits)}))")
+            w.comment("GPipe fill-drain: at tick t, stage k runs micro-batch t - k, later")
+            w.comment("stages first, so that device k works on micro-batch i while device")
+            w.comment("k + 1 works on i - 1 (CUDA kernels launch asynchronously).")
+            w.line(f"{self.run} = {_tuple_code([f'self.{m}' for m in self.methods_named])}")
+            with w.block(f"for {tick} in range({n} + len({self.run}) - 1)"):
+                with w.block(f"for {k} in reversed(range(len({self.run})))"):
+                    with w.block(f"if 0 <= {tick} - {k} < {n}"):
+                        w.line(f"{batches}[{tick} - {k}] = "
+                               f"{self.run}[{k}](*{batches}[{tick} - {k}])")
+            w.comment("Each output's micro-batches, concatenated along its batch dim.")
+            for j, (name, var) in enumerate(zip(graph.outputs, graph.plan.returns)):
+                dim = graph.type_of(name).batch_dim
+                w.line(f"{var} = torch.cat([{self.outs}[{j}] for {self.outs} in {batches}], "
+                       f"dim={dim})", _shape(graph.type_of(name)))
+            w.line(f"return {', '.join(graph.plan.returns)}")
+        return write
+
+
+def _checkpoint_runs(node: Node, step: Step, checkpointed: frozenset[UnitRef]
+                     ) -> list[tuple[Step, bool]]:
+    """``step`` split into runs of instances that are all checkpointed or all
+    not (a repeated layer over a checkpointed device and another)."""
+    flags = [node.unit(k) in checkpointed for k in range(step.start, step.stop)]
+    parts: list[tuple[Step, bool]] = []
+    start = step.start
+    for k in range(step.start + 1, step.stop + 1):
+        if k == step.stop or flags[k - step.start] != flags[start - step.start]:
+            reads = step.reads if not parts else (step.out_var, *step.reads[1:])
+            parts.append((dataclasses.replace(step, reads=reads, start=start, stop=k),
+                          flags[start - step.start]))
+            start = k
+    return parts
 
 
 def _spread(node: Node, runs: Sequence[tuple[int, int, str]]) -> list[str]:
@@ -230,10 +343,13 @@ def _tuple_code(items: Sequence[str]) -> str:
 
 
 def _apply(node: Node, reads: Sequence[str], target: str, names: Names,
-           device: Any = None, tied: Sequence[tuple[str, str]] = ()) -> str:
+           device: Any = None, tied: Sequence[tuple[str, str]] = (),
+           checkpoint: bool = False) -> str:
     """The call that runs ``node`` on ``reads`` (one variable per input): its
     function, or ``target`` (a module); ``device`` (a value: a device name, or
-    an ``Expr`` such as ``x.device``) is where a factory makes its tensor."""
+    an ``Expr`` such as ``x.device``) is where a factory makes its tensor.
+    ``checkpoint``: through ``torch.utils.checkpoint``, which calls the module
+    with the same arguments again in backward."""
     tensors, by_keyword = node.feeding.build(list(reads), pack=_tuple_code)
     keywords = [(k, Expr(v)) for k, v in by_keyword.items()]
     if node.op.kind is OpKind.FUNCTION:
@@ -244,14 +360,24 @@ def _apply(node: Node, reads: Sequence[str], target: str, names: Names,
     elif tied:
         # NOTE: [Tied parameters across devices] (placement.transfers)
         params = "{" + ", ".join(f"{p!r}: {v}" for p, v in tied) + "}"
-        code = f"torch.func.functional_call({target}, {params}, {_tuple_code(tensors)}"
+        args = [target, params, _tuple_code(tensors)]
         kw = [*keywords, *node.call.keyword]
         if kw:  # functional_call takes forward's keyword arguments as a dict
-            code += ", {" + ", ".join(f"{k!r}: {literal(v, names)}" for k, v in kw) + "}"
-        code += ")"
+            args.append("{" + ", ".join(f"{k!r}: {literal(v, names)}" for k, v in kw) + "}")
+        if checkpoint:
+            code = call(_CHECKPOINT, ["torch.func.functional_call", *args],
+                        [("use_reentrant", False)])
+        else:
+            code = f"torch.func.functional_call({', '.join(args)})"
+    elif checkpoint:
+        code = _call(_CHECKPOINT, [target, *tensors], node.call, names,
+                     [("use_reentrant", False), *keywords])
     else:
         code = _call(target, tensors, node.call, names, keywords)
     return code + (f"[{node.output}]" if node.output is not None else "")
+
+
+_CHECKPOINT = "torch.utils.checkpoint.checkpoint"
 
 
 def _target(node: Node, step: Step) -> str:
@@ -280,17 +406,20 @@ def _comment(node: Node, shapes: Mapping[str, Optional[TensorType]]) -> Optional
 
 def _step(w: PythonWriter, node: Node, step: Step, names: Names,
           shapes: Mapping[str, Optional[TensorType]] = {},
-          device: Any = None) -> None:
-    """Run one step: a layer, one instance, or a loop over a run of instances."""
+          device: Any = None, checkpoint: bool = False) -> None:
+    """Run one step: a layer, one instance, or a loop over a run of instances
+    (``checkpoint``: each through ``torch.utils.checkpoint``)."""
     comment = _comment(node, shapes)
     out = _target(node, step)
     if node.repeat is None:
-        code = _apply(node, step.reads, f"self.{node.name}", names, device, step.tied)
+        code = _apply(node, step.reads, f"self.{node.name}", names, device, step.tied,
+                      checkpoint)
         w.line(f"{out} = {code}", comment)
         return
     if step.stop - step.start == 1:
         target = f"self.{node.name}[{step.start}]"
-        w.line(f"{out} = {_apply(node, step.reads, target, names, device)}", comment)
+        w.line(f"{out} = {_apply(node, step.reads, target, names, device, checkpoint=checkpoint)}",
+               comment)
         return
     first, extra = step.reads[0], list(step.reads[1:])
     if first != out:
@@ -300,7 +429,8 @@ def _step(w: PythonWriter, node: Node, step: Step, names: Names,
     else:
         modules = f"self.{node.name}[{step.start}:{step.stop}]"
     with w.block(f"for {step.loop_var} in {modules}"):
-        w.line(f"{out} = {_apply(node, [out, *extra], step.loop_var, names, device)}", comment)
+        code = _apply(node, [out, *extra], step.loop_var, names, device, checkpoint=checkpoint)
+        w.line(f"{out} = {code}", comment)
 
 
 def _initialization(w: PythonWriter, graph: Graph) -> None:

@@ -19,7 +19,8 @@ from mpgen.compiler.codegen.common import (
     input_code,
     optimizer_call,
 )
-from mpgen.compiler.ir import Graph
+from mpgen.compiler.ir import Graph, Transfer
+from mpgen.compiler.placement.stages import stages
 
 #: Sizes of symbolic dims in the generated tests (small: they run on CPUs).
 TEST_BATCH = 2
@@ -49,8 +50,9 @@ def model_facts(graph: Graph) -> ModelFacts:
     from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 
     dims = dict(graph.train.dims)
-    if "batch" in dims:
-        dims["batch"] = TEST_BATCH
+    microbatches = graph.pipeline.microbatches if graph.pipeline else 1
+    if "batch" in dims:  # a micro-batched forward: at least a sample per micro-batch
+        dims["batch"] = max(TEST_BATCH, microbatches)
     placement: dict[str, str] = {}
     for node in graph.nodes:
         if not node.op.has_module:
@@ -61,12 +63,13 @@ def model_facts(graph: Graph) -> ModelFacts:
             for k, device in enumerate(node.devices):
                 placement[f"{node.name}.{k}"] = device
     transfers = []
-    for t in graph.plan.transfers:
+    micro = dims | ({"batch": dims["batch"] // microbatches} if "batch" in dims else {})
+    for t in _transfers_in_order(graph):
         if (t.src or "cpu") == t.dst:
             continue  # a CPU input to a CPU layer: .to() returns it unchanged
-        known = None not in t.type.concrete(dims)
+        known = None not in t.type.concrete(micro)
         transfers.append(
-            (str(t.value), t.src or "cpu", t.dst, t.type.nbytes(dims) if known else None)
+            (str(t.value), t.src or "cpu", t.dst, t.type.nbytes(micro) if known else None)
         )
     reserved = GLOBALS | {graph.name, "self", "ModelSuite"}
     sizes = {name: str(size) for name, size in dims.items()}
@@ -87,6 +90,18 @@ def model_facts(graph: Graph) -> ModelFacts:
         input_vars=input_vars,
         optimizer=optimizer_call(graph.train, graph.train.lr),
     )
+
+
+def _transfers_in_order(graph: Graph) -> list[Transfer]:
+    """The transfers forward makes, in order: the plan's; micro-batched, each
+    stage's once per micro-batch, in the order of the wavefront (at tick t,
+    stage k runs micro-batch t - k, later stages first)."""
+    if graph.pipeline is None:
+        return list(graph.plan.transfers)
+    sections = [s.section for s in stages(graph)]
+    m, k = graph.pipeline.microbatches, len(sections)
+    return [t for tick in range(m + k - 1) for stage in reversed(range(k))
+            if 0 <= tick - stage < m for t in sections[stage].transfers]
 
 
 def render_test(graph: Graph) -> str:

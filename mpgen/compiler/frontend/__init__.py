@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 from mpgen.compiler.frontend.limits import check_sizes, check_structure
+from mpgen.compiler.frontend.pipeline import resolve_pipeline
 from mpgen.compiler.frontend.placement import placement_request
 from mpgen.compiler.frontend.resolve import resolve
 from mpgen.compiler.frontend.training import resolve_train
@@ -21,15 +22,21 @@ from mpgen.spec_schema.models import Spec
 
 
 def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> Graph:
-    """Layers, training settings and the placement request, with every
-    mistake of the three reported together; raises MpgenError. ``root``: the
-    project a dotted op may import from (``frontend.imports``)."""
+    """Layers, training settings, the placement request and the pipeline
+    settings, with every mistake of the four reported together; raises
+    MpgenError. ``root``: the project a dotted op may import from
+    (``frontend.imports``)."""
     check_structure(spec, loaded.source)  # before anything is resolved or built
     graph = resolve(spec, loaded, root)
     errors = Collector()
     try:
         graph = resolve_train(graph, spec.train, loaded.source)
         check_sizes(graph, spec.train, loaded.source)
+    except MpgenError as exc:
+        errors.extend(exc)
+    try:  # without train settings (they failed) the batch size is not checked
+        graph = dataclasses.replace(graph, pipeline=resolve_pipeline(spec.pipeline, graph,
+                                                                     loaded.source))
     except MpgenError as exc:
         errors.extend(exc)
     try:

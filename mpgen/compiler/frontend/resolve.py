@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from mpgen.compiler.frontend import expressions, imports, ops
 from mpgen.compiler.ir import (
@@ -53,6 +54,12 @@ from mpgen.errors import Collector, Position, did_you_mean
 from mpgen.files import is_project_folder
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec
+
+#: The keywords torch.utils.checkpoint.checkpoint keeps for itself (it pops
+#: preserve_rng_state from its **kwargs).
+CHECKPOINT_OWN = (*(p.name for p in inspect.signature(checkpoint).parameters.values()
+                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)),
+                  "preserve_rng_state")
 
 #: Attributes every nn.Module has; a layer attribute must not shadow them.
 _MODULE_ATTRS = frozenset(dir(nn.Module)) | {"training"}
@@ -331,7 +338,7 @@ class _Resolver:
             ok = False
         ties = self.ties(lpath, layer, op, params, earlier)
         inits = self.layer_inits(lpath, layer, op)
-        if ties is None or inits is None:
+        if ties is None or inits is None or not self.checkpoint_ok(lpath, layer, op, params):
             ok = False
         if not ok:
             return None
@@ -344,7 +351,7 @@ class _Resolver:
         return Node(name=name, var=var, op=op, init=init, call=call, inputs=tuple(refs),
                     pos=self.key(*lpath), repeat=layer.repeat, output=layer.output, feed=feed,
                     pattern=pattern, elements=elements, factory=factory, ties=ties or (),
-                    inits=inits or ())
+                    inits=inits or (), checkpoint=bool(layer.checkpoint))
 
     # -- the new forms of a layer -------------------------------------------
     def feed(self, in_path, items: list) -> tuple[list[str], list[Position], Feed]:
@@ -451,6 +458,30 @@ class _Resolver:
                 return None
             ties.append(Tie(param, owner, owner_param, pos))
         return tuple(ties)
+
+    def checkpoint_ok(self, lpath, layer: LayerSpec, op: Op, params) -> bool:
+        """``checkpoint: true`` needs a module or block layer of the model."""
+        if not layer.checkpoint:
+            return True
+        why = None
+        if params is not None:
+            why = ("is set on the block's instances in the model's layers, not on a layer "
+                   "inside a block")
+        elif not op.has_module:
+            why = (f"needs a module or block layer; {op.spelled} is a function, which keeps "
+                   "no state to recompute: checkpoint the layers around it, or put it in a "
+                   "block and checkpoint the block")
+        else:
+            given = [*(layer.call or {}), *(k for item in layer.in_ or []
+                                            if isinstance(item, dict) for k in item)]
+            clash = next((k for k in given if k in CHECKPOINT_OWN), None)
+            if clash:
+                why = (f"torch.utils.checkpoint takes {clash!r} itself, so the layer's "
+                       f"keyword {clash!r} cannot be passed through it")
+        if why:
+            self.errors.add(self.key(*lpath, "checkpoint"),
+                            f"{self.label(lpath)}: checkpoint: {why}")
+        return why is None
 
     def layer_inits(self, lpath, layer: LayerSpec, op: Op) -> Optional[tuple[InitRule, ...]]:
         if not layer.init_map:
@@ -598,7 +629,8 @@ class _Resolver:
         ok = True
         for key, _ in kwargs:
             if key not in allowed:
-                hint = did_you_mean(key, [*allowed, "op", "in", "args", "repeat", "output"])
+                hint = did_you_mean(key, [*allowed, "op", "in", "args", "repeat", "output",
+                                          "checkpoint"])
                 self.errors.add(self.key(*lpath, key), f"{self.label(lpath)}: unknown keyword "
                                 f"argument {key!r} for {op.spelled}{hint}")
                 ok = False

@@ -12,6 +12,7 @@ from typing import Mapping, Optional
 from mpgen.compiler.ir import AutoPlacement, Graph
 from mpgen.compiler.placement.auto import place_auto
 from mpgen.compiler.placement.explicit import place_explicit
+from mpgen.compiler.placement.pipelining import check_pipeline
 from mpgen.compiler.placement.training import check_training
 
 
@@ -24,4 +25,4 @@ def place(graph: Graph, device_map: Optional[Mapping[str, str]] = None) -> Graph
     else:
         placed = place_explicit(graph, graph.placement, device_map)
     check_training(placed)
-    return placed
+    return check_pipeline(placed)

@@ -155,14 +155,14 @@ def test_lbfgs_passes_the_generated_tests_on_one_device(tmp_path):
 
 
 def test_a_spec_named_closure_keeps_its_names(tmp_path):
-    """The step's closure claims its name like the rest of the scaffold: the
-    layer's variable is renamed."""
+    """The step's closure is main()'s own name; the layer's variable lives in
+    forward_loss, where it cannot shadow it, and keeps its name."""
     text = MODEL.replace("fc:", "closure:") + "train: {optimizer: LBFGS}\n"
     code, err = build(tmp_path, text, "--device-map", "cpu")
     assert code == 0, err
     script = (tmp_path / "out" / "train_m.py").read_text()
     assert "def closure() -> torch.Tensor:" in script
-    assert "closure_1 = model(*inputs)" in script
+    assert "    closure = model(*inputs)" in script
     assert "step 1/1  loss" in train_one_step(tmp_path / "out" / "train_m.py")
 
 

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Optional
 from mpgen.compiler import frontend, placement
 from mpgen.compiler.analysis import costs, shapes, targets
 from mpgen.compiler.analysis.budget import Budget
-from mpgen.compiler.codegen import common, model, report, tests, train
+from mpgen.compiler.codegen import common, model, pp, report, tests, train
 from mpgen.compiler.codegen.format import format_source
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.ir import Graph
@@ -58,6 +58,7 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
         names["model"]: model.render_model(graph),
         names["train"]: train.render_train(graph),
         names["test"]: tests.render_test(graph),
+        names["pp"]: pp.render_pp(graph),
         names["report"]: report.render_report(graph),
     }
     files = {name: format_source(text, name) if name.endswith(".py") else text

@@ -36,11 +36,12 @@ from mpgen.compiler.ir import (
 
 def file_names(graph: Graph) -> dict[str, str]:
     """Role -> file name of every generated file."""
-    stem, train_stem, test_stem = module_stems(graph.name)
+    stem, train_stem, test_stem, pp_stem = module_stems(graph.name)
     return {
         "model": f"{stem}.py",
         "train": f"{train_stem}.py",
         "test": f"{test_stem}.py",
+        "pp": f"{pp_stem}.py",
         "report": f"{stem}.placement.md",
     }
 

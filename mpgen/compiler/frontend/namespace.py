@@ -41,11 +41,11 @@ def module_name(class_name: str) -> str:
     return snake.lower()
 
 
-def module_stems(model: str) -> tuple[str, str, str]:
+def module_stems(model: str) -> tuple[str, str, str, str]:
     """The generated modules of a model: ``simple_model``, ``train_simple_model``,
-    ``test_simple_model``."""
+    ``test_simple_model``, ``pp_simple_model``."""
     stem = module_name(model)
-    return stem, f"train_{stem}", f"test_{stem}"
+    return stem, f"train_{stem}", f"test_{stem}", f"pp_{stem}"
 
 
 def model_name_problem(name: str, user_modules: frozenset[str] | set[str] = frozenset()

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Optional
 
 from mpgen.compiler.analysis.costs import human_bytes
 from mpgen.compiler.codegen.common import environment
 from mpgen.compiler.ir import Costs, Graph, device_runs, unit_labels
 from mpgen.compiler.placement.devices import map_device
+from mpgen.compiler.placement.stages import stages
 
 #: Fill and stroke colours of the device classes in the Mermaid graph, in order.
 PALETTE = (
@@ -104,6 +106,8 @@ class ReportContext:
     legend: list[str]
     mermaid: list[str]
     notes: list[str] = field(default_factory=list)
+    pipeline: list[str] = field(default_factory=list)  # paragraphs; none: plain forward
+    checkpoints: Optional[Table] = None  # the checkpointed units; None: there are none
 
 
 def report_context(graph: Graph) -> ReportContext:
@@ -145,7 +149,45 @@ def report_context(graph: Graph) -> ReportContext:
         notes=_tie_notes(graph, costs) + ([] if all(u.measured for u in costs.units) else [
             "Activations of " + ", ".join(md_code(u.name) for u in costs.units if not u.measured)
             + " could not be measured on the meta device; their output size is used instead."]),
+        pipeline=_pipeline(graph),
+        checkpoints=_checkpoint_table(graph, costs),
     )
+
+
+def _pipeline(graph: Graph) -> list[str]:
+    """What ``pipeline:`` does to forward, in a few sentences."""
+    pipeline = graph.pipeline
+    if pipeline is None:
+        return []
+    parts = stages(graph)
+    names = ", ".join(f"{md_code(f'stage_{s.index}')} on {md_code(s.device)}" for s in parts)
+    return [
+        f"**Micro-batched** (`pipeline:`): forward splits the batch into "
+        f"**{pipeline.microbatches}** micro-batches and runs {len(parts)} stage(s) ({names}) "
+        "over them in GPipe order: stage k runs micro-batch i while stage k + 1 runs "
+        "i - 1. Each transfer above happens once per micro-batch with its share of the "
+        "bytes; activations are those of the whole batch, as in the plain split.",
+        f"`pp_<name>.py` runs one stage per device of the spec's layout under `torchrun`, "
+        f"with the schedule {md_code(pipeline.schedule)} by default.",
+    ]
+
+
+def _checkpoint_table(graph: Graph, costs: Costs) -> Optional[Table]:
+    units = [u for u in costs.units if u.checkpointed]
+    if not units:
+        return None
+    rows = []
+    for u in units:
+        node = graph.nodes[u.node]
+        why = "`checkpoint: true`" if node.checkpoint else "`pipeline.checkpoint`"
+        rows.append([md_code(u.name), md_code(node.devices[u.instance]), why,
+                     human_bytes(u.activation_bytes + u.recomputed_bytes),
+                     human_bytes(u.activation_bytes), human_bytes(u.recomputed_bytes)])
+    saved = sum(u.recomputed_bytes for u in units)
+    rows.append(["total", "", "", "", human_bytes(sum(u.activation_bytes for u in units)),
+                 human_bytes(saved)])
+    return Table(["unit", "device", "by", "activations without", "kept (its inputs)",
+                  "saved"], rows)
 
 
 def _tie_notes(graph: Graph, costs: Costs) -> list[str]:

@@ -25,9 +25,10 @@ def resolve_pipeline(spec: Optional[PipelineSpec], graph: Graph,
     errors = Collector()
     schedules = PipelineConfig.SCHEDULES
     if spec.schedule not in schedules:
+        hint = (did_you_mean(spec.schedule, schedules)
+                or f" (expected one of {', '.join(schedules)})")
         errors.add(source.value(("pipeline", "schedule")), f"pipeline.schedule: unknown "
-                   f"schedule {shown(spec.schedule)}{did_you_mean(spec.schedule, schedules)} "
-                   f"(expected one of {', '.join(schedules)})")
+                   f"schedule {shown(spec.schedule)}{hint}")
     if not any(t.type.batch_dim is not None for t in graph.inputs):
         errors.add(source.key(("pipeline",)), "pipeline: the forward splits its inputs along "
                    "their batch dim into micro-batches, but no input has a 'batch' dim "

@@ -16,6 +16,14 @@
 # their gradients over the ranks holding them after each backward, as
 # Megatron does for first- and last-stage embeddings.
 #
+# NOTE: [Micro-batch losses]
+# The schedules average the micro-batches' losses (their gradients are
+# divided by M), and the log shows that mean. M divides the batch (a stage
+# receives into buffers shaped by the first micro-batch, so they must be
+# equal), so for a mean loss that mean is the single-process script's loss
+# of the whole batch; a summed loss is multiplied by M. A batch-coupled
+# layer (BatchNorm) still sees micro-batches, and differs.
+#
 # The data pipeline (--data, synthetic samples, the seeded order), the
 # checkpoint helpers, the parameter groups and the built-in learning-rate
 # schedule are the training script's, imported from train_<name>.py; block
@@ -64,7 +72,7 @@ _SCAFFOLD_LOCALS = (
     "autocast", "log", "step", "batch", "inputs", "target", "losses", "loss", "epoch",
     "save", "module", "optimizer", "scheduler", "started", "error",
 )
-_LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns")
+_LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
 
 
 @dataclass
@@ -265,24 +273,28 @@ def _loss_expr(loss: Loss, fn: str, out: str, target: str) -> str:
 
 
 def _loss_lines(graph: Graph, n: dict[str, str], reserved: set[str]) -> list[str]:
-    """stage_loss's body: the outputs unpacked, each loss on its micro-batch's targets."""
+    """stage_loss's body: the outputs unpacked, each loss on its micro-batch's
+    targets, so that the schedule's mean over micro-batches is the batch's
+    loss (NOTE [Micro-batch losses])."""
     ns = Namespace(reserved | set(_LOSS_PARAMS))
     outs = [ns.fresh(o) for o in graph.outputs]
     if len(outs) == 1:  # the schedule passes a stage's one output without its tuple
         lines = [f"{outs[0]} = outputs[0] if isinstance(outputs, tuple) else outputs"]
     else:
         lines = [f"{_tuple(outs)} = outputs"]
+    losses = graph.train.losses
     parts = []
-    for k, loss in enumerate(graph.train.losses):
+    for k, loss in enumerate(losses):
         out = outs[graph.outputs.index(loss.output)]
-        target = ns.fresh("target" if len(graph.train.losses) == 1 else f"{loss.output}_target")
+        target = ns.fresh("target" if len(losses) == 1 else f"{loss.output}_target")
         lines.append(f"{target} = {n['pick']}(targets[{k}], {n['TARGET_DIMS']}[{k}], index)")
         if not train_codegen.made_in_batch(loss):
             like = synthetic_like(loss.target_type, out, loss.classes, loss.target)
             lines.append(f"{target} = ({target} if {target} is not None else {like})"
                          f".to({out}.device)")
-        part = ns.fresh(f"{loss.output}_loss") if len(graph.train.losses) > 1 else "loss"
-        lines.append(f"{part} = {_loss_expr(loss, f'loss_fns[{k}]', out, target)}")
+        part = ns.fresh(f"{loss.output}_loss") if len(losses) > 1 else "loss"
+        scale = " * microbatches" if dict(loss.kwargs).get("reduction") == "sum" else ""
+        lines.append(f"{part} = {_loss_expr(loss, f'loss_fns[{k}]', out, target)}{scale}")
         parts.append(part)
     if len(parts) > 1:
         lines.append(f"loss = {' + '.join(parts)}")

@@ -448,13 +448,6 @@ class PipelineSpec(_Model):
     # mpgen extension: every layer placed on these devices is checkpointed.
     checkpoint: list[Device] = Field(default_factory=list)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _mapping(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            raise _error("pipeline", "expected a mapping like {microbatches: 4}")
-        return data
-
 
 class CallSpec(_Model):
     """``{op: Name, **kwargs}`` for losses and optimizers."""
@@ -658,7 +651,10 @@ class Spec(_Model):
     ] = Field(min_length=1)
     outputs: Optional[list[StrictStr]] = Field(default=None, min_length=1)
     placement: Optional[PlacementSpec] = None
-    pipeline: Optional[PipelineSpec] = None
+    pipeline: Annotated[
+        Optional[PipelineSpec],
+        _mapping_of("the pipeline settings", "{microbatches: 4, schedule: 1f1b}"),
+    ] = None
     train: Optional[TrainSpec] = None
     # module class -> parameter -> initializer
     init: Optional[dict[StrictStr, Annotated[Any, AfterValidator(_check_init_map)]]] = None

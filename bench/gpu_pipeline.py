@@ -39,7 +39,7 @@ measure: mpgen merges the sections of one device.)
 
 ``--device cpu`` is a smoke run of the same code on the CPU: virtual CUDA
 devices (``mpgen.testing.virtual_devices``; memory is the bytes of live
-tensors per device, times are CPU times), a batch of 8, 32 x 32 images, one
+tensors per device, times are CPU times), a batch of 8, 64 x 64 images, one
 warmup step and two repeats unless given. The project's tests run it.
 
 Exit status: 0 after measuring, and 0 with one line saying so where no GPU
@@ -225,6 +225,8 @@ def run_one(run: Run, model_class, graph: Graph, gpus: int, args):
             seconds, peaks = measure(model_class, graph, gpus, args.warmup, args.repeats)
     except torch.cuda.OutOfMemoryError:
         return None, {}, "out of memory"
+    except (RuntimeError, ValueError) as exc:  # the build ran and failed: a finding too
+        return None, {}, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0]}"
     finally:
         gc.collect()
     return seconds, peaks, ""
@@ -310,7 +312,7 @@ def parse_args(argv):
     parser.add_argument("--batch", type=int, help="batch size (120; --device cpu: 8)")
     parser.add_argument("--image-size", type=int,
                         help="height and width where the spec leaves them symbolic "
-                        "(128; --device cpu: 32)")
+                        "(128; --device cpu: 64)")
     parser.add_argument("--microbatches", type=microbatch_list, default=[2, 4, 6, 8, 12],
                         help="the values of M, comma-separated (default 2,4,6,8,12)")
     parser.add_argument("--warmup", type=int, help="untimed steps first (3; --device cpu: 1)")
@@ -323,7 +325,7 @@ def parse_args(argv):
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu_pipeline.md")
     args = parser.parse_args(argv)
     smoke = args.device == "cpu"
-    for name, gpu, cpu in (("batch", 120, 8), ("image_size", 128, 32), ("warmup", 3, 1),
+    for name, gpu, cpu in (("batch", 120, 8), ("image_size", 128, 64), ("warmup", 3, 1),
                            ("repeats", 10, 2)):
         if getattr(args, name) is None:
             setattr(args, name, cpu if smoke else gpu)

@@ -1,8 +1,9 @@
 """bench/gpu_pipeline.py, the GPU experiment, run here in its CPU smoke mode.
 
 ``--device cpu`` runs the script's GPU code on virtual CUDA devices: the
-seed example (two devices) built as one GPU, the naive split and
-micro-batched, each measured, in a markdown table on stdout and in --out.
+seed example (two devices) with a BatchNorm built as one GPU, the naive
+split and micro-batched, each measured (or failing, or refused by mpgen, as
+a row saying so), in a markdown table on stdout and in --out.
 With ``--gpus 1`` the split builds run merged onto cuda:0 beside a control.
 Without GPUs and without --device cpu it says so and exits 0; a bad spec is
 ``FILE:LINE:COL: message`` and exit 2 with nothing written.
@@ -19,7 +20,7 @@ import sys
 
 import pytest
 
-from helpers import EXAMPLES, ROOT, write_spec
+from helpers import ROOT, write_spec
 
 SCRIPT = ROOT / "bench" / "gpu_pipeline.py"
 
@@ -58,22 +59,42 @@ def speedup(cell: str) -> float:
     return float(cell[:-1])
 
 
-SMOKE = ("--device", "cpu", "--spec", EXAMPLES / "seed.yaml", "--batch", "8",
-         "--microbatches", "2,16", "--warmup", "1", "--repeats", "2")
+#: The seed example with a BatchNorm: a micro-batch of one sample fails in training.
+SPEC = """
+    mpgen: 1
+    name: SimpleModel
+    inputs:
+      x: [batch, 10]
+    layers:
+      layer1: {op: Linear, args: [10, 20]}
+      norm: {op: BatchNorm1d, args: [20]}
+      layer2: {op: Linear, args: [20, 10]}
+    placement:
+      layer1: cuda:0
+      layer2: cuda:1
+    train:
+      loss: MSELoss
+      optimizer: {op: SGD, lr: 0.01}
+      batch_size: 5
+    """
+
+
+def smoke(folder, *extra):
+    spec, out = write_spec(folder, SPEC), folder / "report.md"
+    status, stdout, stderr = run_script("--device", "cpu", "--spec", spec, "--batch", "8",
+                                        "--microbatches", "2,8,16", "--warmup", "1",
+                                        "--repeats", "2", "--out", out, *extra)
+    return status, stdout, stderr, out
 
 
 @pytest.fixture(scope="module")
 def two_devices(tmp_path_factory):
-    out = tmp_path_factory.mktemp("two") / "report.md"
-    status, stdout, stderr = run_script(*SMOKE, "--out", out)
-    return status, stdout, stderr, out
+    return smoke(tmp_path_factory.mktemp("two"))
 
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory):
-    out = tmp_path_factory.mktemp("one") / "report.md"
-    status, stdout, stderr = run_script(*SMOKE, "--gpus", "1", "--out", out)
-    return status, stdout, stderr, out
+    return smoke(tmp_path_factory.mktemp("one"), "--gpus", "1")
 
 
 def test_smoke_run_measures_one_gpu_naive_split_and_micro_batched(two_devices):
@@ -84,7 +105,7 @@ def test_smoke_run_measures_one_gpu_naive_split_and_micro_batched(two_devices):
     assert header == ["run", "time per batch", "vs one GPU", "peak cuda:0", "peak cuda:1",
                       "simulator: time per batch", "simulator: vs one GPU"]
     assert list(rows) == ["one GPU", "naive split over 2 GPUs", "micro-batched, M = 2",
-                          "micro-batched, M = 16"]
+                          "micro-batched, M = 8", "micro-batched, M = 16"]
     one, split = rows["one GPU"], rows["naive split over 2 GPUs"]
     micro = rows["micro-batched, M = 2"]
     for row in (one, split, micro):
@@ -100,6 +121,16 @@ def test_smoke_run_measures_one_gpu_naive_split_and_micro_batched(two_devices):
     assert one["simulator: vs one GPU"] == "1.00x"
     assert speedup(split["simulator: vs one GPU"]) <= 1.0
     assert 1.2 < speedup(micro["simulator: vs one GPU"]) < 1.4
+
+
+def test_a_build_that_fails_when_run_is_a_row_saying_why(two_devices, one_device):
+    for (_, stdout, _, _), label in ((two_devices, "micro-batched, M = 8"),
+                                     (one_device, "micro-batched, M = 8, all on cuda:0")):
+        _, rows = table(stdout)
+        assert rows[label]["time per batch"] == (
+            "failed: ValueError: Expected more than 1 value per channel when training, "
+            "got input size torch.Size([1, 20])")
+        assert rows[label]["vs one GPU"] == ""
 
 
 def test_a_micro_batch_count_mpgen_refuses_is_a_row_and_a_note(two_devices):
@@ -119,6 +150,7 @@ def test_with_one_gpu_the_split_builds_run_merged_beside_a_control(one_device):
     assert [h for h in header if h.startswith("peak")] == ["peak cuda:0"]
     assert list(rows) == ["one GPU", "one GPU under merged_devices (control)",
                           "naive split, all on cuda:0", "micro-batched, M = 2, all on cuda:0",
+                          "micro-batched, M = 8, all on cuda:0",
                           "micro-batched, M = 16, all on cuda:0"]
     assert rows["one GPU under merged_devices (control)"]["vs one GPU"] == "1.00x"
     for label in ("naive split, all on cuda:0", "micro-batched, M = 2, all on cuda:0"):

@@ -550,14 +550,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # The data: --data, else synthetic; evaluation on --eval-data, a held-out split, or more synthetic samples.
     if args.data:
-        data = load_data(args.data, {} if args.data == None else {}, "--data")
+        data = load_data(args.data, {}, "--data")
     else:
         data = SyntheticData(args.samples, args.seed)
     eval_data = None
     if args.eval_data:
-        eval_data = load_data(
-            args.eval_data, {} if args.eval_data == None else {}, "--eval-data"
-        )
+        eval_data = load_data(args.eval_data, {}, "--eval-data")
     elif args.eval_split:
         if isinstance(data, DataLoader):
             parser.error(
@@ -583,7 +581,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # optimizer steps
     if per_epoch == 0:
         sys.exit(
-            f"the data gives fewer than {args.accumulate} batches of {args.batch_size}; lower --batch-size"
+            f"one optimizer step needs {args.accumulate * args.batch_size} samples, more than one pass over the data gives; lower --batch-size or --accumulate"
         )
     last = min(args.steps or math.inf, (args.epochs or math.inf) * per_epoch)
 
@@ -594,7 +592,9 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = None
     print(
         f"BertBase: {sum(p.numel() for p in model.parameters()):,} parameters; "
-        f"{last} steps of {args.accumulate} x {args.batch_size} samples"
+        f"{last} steps of "
+        + (f"{args.accumulate} micro-batches of " if args.accumulate > 1 else "")
+        + f"{args.batch_size} samples"
     )
     scaler = torch.amp.GradScaler(DEVICE_TYPE, enabled=args.amp == "fp16")
 

@@ -530,6 +530,13 @@ def main(argv: list[str] | None = None) -> None:
         help="autocast to bf16, or fp16 with a gradient scaler",
     )
     parser.add_argument(
+        "--decay-steps",
+        type=int,
+        default=2,
+        metavar="N",
+        help="the schedule's length in steps, whatever --steps stops at (default: the spec's train.steps, else the run's steps)",
+    )
+    parser.add_argument(
         "--grad-clip",
         type=float,
         default=1.0,
@@ -587,14 +594,12 @@ def main(argv: list[str] | None = None) -> None:
 
     # The data: --data, else synthetic; evaluation on --eval-data, a held-out split, or more synthetic samples.
     if args.data:
-        data = load_data(args.data, {} if args.data == None else {}, "--data")
+        data = load_data(args.data, {}, "--data")
     else:
         data = SyntheticData(args.samples, args.seed)
     eval_data = None
     if args.eval_data:
-        eval_data = load_data(
-            args.eval_data, {} if args.eval_data == None else {}, "--eval-data"
-        )
+        eval_data = load_data(args.eval_data, {}, "--eval-data")
     elif args.eval_split:
         if isinstance(data, DataLoader):
             parser.error(
@@ -620,7 +625,7 @@ def main(argv: list[str] | None = None) -> None:
     )  # optimizer steps
     if per_epoch == 0:
         sys.exit(
-            f"the data gives fewer than {args.accumulate} batches of {args.batch_size}; lower --batch-size"
+            f"one optimizer step needs {args.accumulate * args.batch_size} samples, more than one pass over the data gives; lower --batch-size or --accumulate"
         )
     last = min(args.steps or math.inf, (args.epochs or math.inf) * per_epoch)
 
@@ -630,11 +635,15 @@ def main(argv: list[str] | None = None) -> None:
     optimizer = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda done: lr_factor(done, last, 2000, 3e-05 / args.lr if args.lr else 0.0),
+        lambda done: lr_factor(
+            done, args.decay_steps or last, 2000, 3e-05 / args.lr if args.lr else 0.0
+        ),
     )
     print(
         f"GPT2Small: {sum(p.numel() for p in model.parameters()):,} parameters; "
-        f"{last} steps of {args.accumulate} x {args.batch_size} samples"
+        f"{last} steps of "
+        + (f"{args.accumulate} micro-batches of " if args.accumulate > 1 else "")
+        + f"{args.batch_size} samples"
     )
     scaler = torch.amp.GradScaler(DEVICE_TYPE, enabled=args.amp == "fp16")
 

@@ -149,7 +149,7 @@ def test_ctrl_c_finishes_the_step_saves_and_exits(simple, tmp_path):
         [sys.executable, str(simple), "--steps", "1000000", "--checkpoint", str(folder)],
         cwd=simple.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert process.stdout.readline() == "SimpleModel: 430 parameters; 1000000 steps of 1 x 5 samples\n"
+        assert process.stdout.readline() == "SimpleModel: 430 parameters; 1000000 steps of 5 samples\n"
         assert process.stdout.readline().startswith("step 1/1000000  loss ")
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=120)

@@ -71,8 +71,8 @@ DECAY = spec("LoopDecay", ["emb: {op: Embedding, args: [10, 8]}",
 
 
 def scheduled(name: str, scheduler: str) -> str:
-    """LoopReg's spec with a scheduler."""
-    return spec(name, FC, train=("batch_size: 4", "steps: 4", f"scheduler: {scheduler}"))
+    """LoopReg's spec with a scheduler, over 8 steps."""
+    return spec(name, FC, train=("batch_size: 4", "steps: 8", f"scheduler: {scheduler}"))
 
 
 #: A torch scheduler after a warmup: resumed with its state.
@@ -346,7 +346,7 @@ def test_a_factory_gives_a_dataset_of_tuples_or_of_dicts(reg, here, capsys):
         run = ok(reg, capsys, "--data", f"loop_datasets:{form}", "--epochs", "2",
                  "--steps", "100", "--batch-size", "4", "--checkpoint", form)
         # 12 samples in batches of 4: 3 steps an epoch.
-        assert run.lines("LoopReg: ") == ["LoopReg: 5 parameters; 6 steps of 1 x 4 samples"]
+        assert run.lines("LoopReg: ") == ["LoopReg: 5 parameters; 6 steps of 4 samples"]
         assert len(run.lines("step ")) == 6
     tuples, dicts = checkpoint(here / "tuples")["model"], checkpoint(here / "dicts")["model"]
     assert all(torch.equal(tuples[k], dicts[k]) for k in tuples)
@@ -385,7 +385,7 @@ def test_a_factory_gives_a_dataloader_that_is_read_in_its_own_batches(reg, here,
     (["--data", "loop_bad_data:three_items"], {},
      "the data gives 3 items per sample; expected 2: x, target"),
     (["--data", "few.pt", "--batch-size", "8"], {"few.pt": regression(6)},
-     "the data gives fewer than 1 batches of 8; lower --batch-size"),
+     "one optimizer step needs 8 samples, more than one pass over the data gives; lower --batch-size or --accumulate"),
     # argparse's usage errors (exit 2):
     (["--data", "data.pt", "--eval-every", "2"], {"data.pt": regression(8)},
      "error: --eval-every needs --eval-data or --eval-split"),
@@ -427,7 +427,7 @@ def test_epochs_run_e_times_n_over_b_steps_each_epoch_a_shuffled_pass(reg, here,
     # 10 samples in batches of 3: 3 steps an epoch, the 10th sample left over.
     run = ok(reg, capsys, "--data", "ten.pt", "--batch-size", "3", "--epochs", "2",
              "--steps", "100")
-    assert run.lines("LoopReg: ") == ["LoopReg: 5 parameters; 6 steps of 1 x 3 samples"]
+    assert run.lines("LoopReg: ") == ["LoopReg: 5 parameters; 6 steps of 3 samples"]
     assert [row["epoch"] for row in log_rows(here / "runs" / "loop_reg")] == ["0"] * 3 + ["1"] * 3
     read = [n for training, numbers in samples_seen if training for n in numbers]
     first, second = read[:9], read[9:]
@@ -605,6 +605,23 @@ def test_a_built_in_schedule_sets_each_steps_lr_by_its_formula(tmp_path_factory,
     assert factor(8, 8, 2, 0.1) == factor(20, 8, 2, 0.1) == pytest.approx(0.1)
 
 
+def test_a_built_in_schedule_spans_the_specs_steps_whatever_steps_stops_at(
+        tmp_path_factory, here, capsys):
+    # So 3 steps and a resume to 6 equal 6 straight, bit for bit, under cosine too.
+    built = build(tmp_path_factory, scheduled("LoopSpan", "{op: cosine, warmup: 2}"))
+    assert used_lrs(built, here, capsys, 3) == pytest.approx(
+        [cosine(s, 8, 2, 0.1, 0.0) for s in range(1, 4)], rel=1e-12)
+    assert used_lrs(built, here, capsys, 4, "--decay-steps", "4") == pytest.approx(
+        [cosine(s, 4, 2, 0.1, 0.0) for s in range(1, 5)], rel=1e-12)
+    same = ["--seed", "2", "--batch-size", "2"]
+    ok(built, capsys, *same, "--steps", "6", "--checkpoint", "A")
+    ok(built, capsys, *same, "--steps", "3", "--checkpoint", "B")
+    ok(built, capsys, *same, "--steps", "6", "--checkpoint", "B", "--resume")
+    a, b = checkpoint(here / "A"), checkpoint(here / "B")
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+    assert lrs(here / "A") == lrs(here / "B")
+
+
 def test_the_constant_schedule_warms_up_then_keeps_the_lr(tmp_path_factory, here, capsys):
     built = build(tmp_path_factory, scheduled("LoopConstant", "{op: constant, warmup: 3}"))
     assert used_lrs(built, here, capsys, 6) == pytest.approx([0.025, 0.05, 0.075, 0.1, 0.1, 0.1])
@@ -761,7 +778,7 @@ def test_without_a_terminal_progress_is_plain_lines_the_log_a_csv_and_a_summary(
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # no progress bar
     lines = done.stdout.splitlines()
-    assert lines[0] == "LoopCls: 15 parameters; 4 steps of 1 x 4 samples"
+    assert lines[0] == "LoopCls: 15 parameters; 4 steps of 4 samples"
     assert [line.split()[:2] for line in lines[1:5]] == [
         ["step", "2/4"], ["eval", "at"], ["step", "4/4"], ["eval", "at"]]
     assert lines[1].split()[2] == "loss" and lines[1].endswith(" samples/s")
@@ -829,7 +846,7 @@ def test_the_specs_train_keys_are_the_scripts_defaults(tmp_path_factory, here, c
     run = ok(keys, capsys, "--checkpoint", "c")
     # n: 12 reaches the factory; 3 held out (eval_split) leaves 9 samples:
     # 3 batches of 3, 2 a step (accumulate), so 1 step an epoch, 2 epochs.
-    assert run.lines("LoopKeys: ") == ["LoopKeys: 5 parameters; 2 steps of 2 x 3 samples"]
+    assert run.lines("LoopKeys: ") == ["LoopKeys: 5 parameters; 2 steps of 2 micro-batches of 3 samples"]
     assert [line.split(":")[0] for line in run.lines("eval at")] == [
         "eval at step 1", "eval at step 2"]
     assert lrs(here / "c") == pytest.approx([0.05, 0.025])  # StepLR, step_size 1
@@ -849,5 +866,5 @@ def test_the_specs_train_keys_are_the_scripts_defaults(tmp_path_factory, here, c
     """)
     run = ok(keys, capsys, "--data", "loop_other_data:make", "--epochs", "1", "--accumulate",
              "1", "--eval-split", "0", "--eval-every", "0")
-    assert run.lines("LoopKeys: ") == ["LoopKeys: 5 parameters; 2 steps of 1 x 3 samples"]
+    assert run.lines("LoopKeys: ") == ["LoopKeys: 5 parameters; 2 steps of 3 samples"]
     assert not run.lines("eval at")

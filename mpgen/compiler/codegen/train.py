@@ -81,6 +81,7 @@ class TrainContext:
     plateau: bool  # ReduceLROnPlateau: stepped with a loss
     lr_factor: list[str]  # body of the built-in schedule's function; [] for none
     lr_factor_doc: str
+    decay_steps: str  # --decay-steps' default: the spec's run length
     trainable: bool  # False: no parameters, so no optimizer and no backward
     closure: bool  # the optimizer's step takes a closure that recomputes the loss
     optimizer_name: str
@@ -276,7 +277,7 @@ def _scheduler(schedule: Optional[Scheduler], n: dict[str, str]) -> tuple[str, l
         floor = (f"{literal(schedule.min_lr)} / {n['args']}.lr if {n['args']}.lr else 0.0"
                  if schedule.min_lr else "0.0")
         statement = (f"{sched} = torch.optim.lr_scheduler.LambdaLR({opt}, lambda done: "
-                     f"{n['lr_factor']}(done, {n['last']}, {schedule.warmup}, {floor}))")
+                     f"{n['lr_factor']}(done, {n['args']}.decay_steps or {n['last']}, {schedule.warmup}, {floor}))")
         body = [
             "if step < warmup:",
             "    return (step + 1) / (warmup + 1)",
@@ -342,7 +343,8 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
         no_decay=bool(train.no_decay), no_decay_text=", ".join(train.no_decay),
         no_decay_test=no_decay_test, scheduler=scheduler,
         plateau=train.scheduler is not None and train.scheduler.op == "ReduceLROnPlateau",
-        lr_factor=lr_factor, lr_factor_doc=lr_factor_doc, trainable=graph.total_params > 0,
+        lr_factor=lr_factor, lr_factor_doc=lr_factor_doc,
+        decay_steps=str(train.steps) if train.steps_given else "None", trainable=graph.total_params > 0,
         closure=train.closure, optimizer_name=train.optimizer,
     ), n
 

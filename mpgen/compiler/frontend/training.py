@@ -213,6 +213,11 @@ def _scheduler(spec: SchedulerSpec, optimizer: Optional[Callable[[], torch.optim
                    f"constant or a torch.optim.lr_scheduler class"
                    f"{did_you_mean(spec.op, [*Scheduler.BUILT_IN, *scheduler_names()])}")
         return None
+    if spec.op == "ReduceLROnPlateau" and spec.warmup:
+        errors.add(source.value((*path, "warmup")), "train.scheduler: ReduceLROnPlateau steps on "
+                   "a loss, so it cannot follow a warmup (torch's SequentialLR steps without "
+                   "one); drop warmup, or use a built-in schedule with warmup")
+        return None
     cls = getattr(lr_scheduler, spec.op)
     allowed = [name for name in ops.module_signature(cls).names if name not in _SCHEDULER_OWN]
     unknown = [key for key in spec.kwargs if key not in allowed]

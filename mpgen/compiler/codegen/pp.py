@@ -62,7 +62,7 @@ _SCAFFOLD_GLOBALS = (
     "os", "pathlib", "dist", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "TensorChunkSpec", "_Replicate", "single", "Elsewhere",
     "STAGES", "STAGE_DEVICES", "DEVICE_TYPE", "SCHEDULES", "N_INPUTS", "INPUT_DIMS",
-    "TARGET_DIMS", "TIES", "PROBLEM", "stage_loss", "pick", "placement", "stop", "merge",
+    "TARGET_DIMS", "TIES", "PROBLEM", "stage_loss", "pick", "sendable", "examples", "placement", "stop", "merge",
     "tie_groups", "sync_ties", "clip_gradients", "Log", "run", "main",
 )
 _SCAFFOLD_LOCALS = (
@@ -70,7 +70,7 @@ _SCAFFOLD_LOCALS = (
     "missing", "groups", "optimizers", "schedulers", "done", "state", "path", "data",
     "per_epoch", "last", "feeds", "stream", "pipeline", "schedule", "loss_fns", "current",
     "autocast", "log", "step", "batch", "inputs", "target", "losses", "loss", "epoch",
-    "save", "module", "optimizer", "scheduler", "started", "error",
+    "save", "module", "optimizer", "scheduler", "started", "error", "shapes", "found",
 )
 _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
 

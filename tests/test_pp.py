@@ -1,0 +1,182 @@
+"""pp_<name>.py, the pipeline program: built for real, run for real under
+torchrun (gloo, on the CPU; ``--standalone`` picks a free port).
+
+The equality tests build one small spec whose layout visits cuda:0, cuda:1,
+cuda:0, cuda:1 (four stages, so interleaved runs on two ranks), with an
+integer input carried through stages that do not read it and a parameter
+tied across stages; the single-process training script and the pipeline
+start from the same weights (the script builds the model after
+``torch.manual_seed(--seed)``; the test saves exactly that as --init) and
+read the same --data file, and their losses, step by step, and final
+weights must agree.
+"""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import build_to, import_generated, write_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU = {"*": "cpu"}
+
+PIPE = """
+mpgen: 1
+name: PipeNet
+
+inputs:
+  x: [batch, 8]
+  ids: {shape: [batch], dtype: int64}
+
+layers:
+  l1: {op: Linear, args: [8, 16], in: x}
+  a1: {op: Tanh}
+  l2: {op: Linear, args: [16, 16]}
+  emb: {op: Embedding, args: [10, 16], in: ids}
+  add: {op: torch.add, in: [l2, emb]}
+  l3: {op: Linear, args: [16, 16]}
+  a3: {op: Tanh}
+  l4: {op: Linear, args: [16, 16], tie: {weight: l3.weight}}
+
+placement:
+  l1: cuda:0
+  l2: cuda:1
+  emb: cuda:0
+  l4: cuda:1
+
+train:
+  loss: MSELoss
+  optimizer: {op: SGD, lr: 0.1}
+  batch_size: 8
+  steps: 3
+"""
+
+
+def torchrun(n: int, script: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(n), script.name, *args],
+        cwd=script.parent, capture_output=True, text=True, timeout=timeout)
+
+
+def losses(log: Path) -> list[float]:
+    with log.open() as f:
+        return [float(row["loss"]) for row in csv.DictReader(f) if row["loss"]]
+
+
+@pytest.fixture(scope="module")
+def pipe(tmp_path_factory) -> Path:
+    """PipeNet built for the CPU, with a data file and the script's initial weights."""
+    out = tmp_path_factory.mktemp("pipe")
+    build_to(write_spec(out, PIPE), out, CPU)
+    generator = torch.Generator().manual_seed(1)
+    torch.save({"x": torch.randn(32, 8, generator=generator),
+                "ids": torch.randint(0, 10, (32,), generator=generator),
+                "target": torch.randn(32, 16, generator=generator)}, out / "data.pt")
+    model = import_generated(out / "pipe_net.py")
+    torch.manual_seed(0)  # as train_pipe_net.py --seed 0 does before building the model
+    torch.save(model.PipeNet().state_dict(), out / "init.pt")
+    single = subprocess.run(
+        [sys.executable, "train_pipe_net.py", "--seed", "0", "--data", "data.pt", "--steps", "3",
+         "--batch-size", "8", "--log-dir", "single", "--checkpoint", "single"],
+        cwd=out, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    return out
+
+
+def test_stages_hold_only_their_layers_with_the_models_keys(pipe):
+    pp = import_generated(pipe / "pp_pipe_net.py")
+    assert pp.STAGE_DEVICES == ("cuda:0", "cuda:1", "cuda:0", "cuda:1")
+    keys = [set(stage().state_dict()) for stage in pp.STAGES]
+    assert keys == [{"l1.weight", "l1.bias"}, {"l2.weight", "l2.bias"},
+                    {"emb.weight", "l3.weight", "l3.bias"}, {"l4.weight", "l4.bias"}]
+    model = import_generated(pipe / "pipe_net.py").PipeNet()
+    assert set().union(*keys) == set(model.state_dict())
+    # l4.weight is a copy of l3.weight, on another stage
+    assert pp.TIES == (((2, "l3.weight"), (3, "l4.weight")),)
+
+
+@pytest.mark.parametrize("schedule, ranks", [("gpipe", 4), ("1f1b", 4), ("interleaved", 2)])
+def test_losses_equal_the_single_process_script(pipe, schedule, ranks):
+    run = torchrun(ranks, pipe / "pp_pipe_net.py", "--schedule", schedule, "--steps", "3",
+                   "--batch-size", "8", "--microbatches", "4", "--data", "data.pt",
+                   "--init", "init.pt", "--log-dir", schedule, "--checkpoint", schedule)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 3/3  loss" in run.stdout
+    expected = losses(pipe / "single" / "log.csv")
+    assert losses(pipe / schedule / "log.csv") == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    # The merged stages load into the single-process model and equal its weights.
+    merged = pipe / f"{schedule}.pt"
+    done = subprocess.run([sys.executable, "pp_pipe_net.py", "--merge", schedule, merged.name],
+                          cwd=pipe, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    state = torch.load(merged, weights_only=True)
+    model = import_generated(pipe / "pipe_net.py").PipeNet()
+    model.load_state_dict(state, strict=True)
+    single = torch.load(pipe / "single" / "last.pt", weights_only=True)["model"]
+    for key, value in single.items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+    # The tied copies stayed equal, and moved: their gradients were summed.
+    assert torch.equal(state["l3.weight"], state["l4.weight"])
+    assert not torch.equal(state["l3.weight"], torch.load(pipe / "init.pt")["l3.weight"])
+
+
+@pytest.mark.parametrize("example, script", [("seed", "pp_simple_model.py"),
+                                             ("resnet18", "pp_res_net18.py")])
+def test_examples_run_under_torchrun(tmp_path, example, script):
+    build_to(ROOT / "examples" / f"{example}.yaml", tmp_path, CPU)
+    run = torchrun(2, tmp_path / script, "--steps", "2", "--batch-size", "4")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 2/2  loss" in run.stdout
+    assert len(losses(tmp_path / "runs" / script[:-3] / "log.csv")) == 2
+
+
+def test_interleaved_needs_a_repeating_layout(tmp_path):
+    build_to(ROOT / "examples" / "seed.yaml", tmp_path, CPU)
+    run = subprocess.run([sys.executable, "pp_simple_model.py", "--schedule", "interleaved",
+                          "--steps", "1"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 1
+    assert "interleaved needs a layout that visits its devices in a repeating order" in run.stderr
+    assert "cuda:0, cuda:1: use --schedule gpipe or 1f1b" in run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_outside_torchrun_says_how_to_launch(tmp_path):
+    build_to(ROOT / "examples" / "seed.yaml", tmp_path, CPU)
+    run = subprocess.run([sys.executable, "pp_simple_model.py", "--steps", "1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert "torchrun --nproc-per-node 2 pp_simple_model.py" in run.stderr
+
+
+def test_a_model_that_cannot_be_a_pipeline_says_why(tmp_path):
+    spec = write_spec(tmp_path, """
+        mpgen: 1
+        name: NoParams
+        inputs:
+          x: [batch, 4]
+        layers:
+          a: {op: ReLU}
+          b: {op: Tanh}
+        placement:
+          a: cuda:0
+          b: cuda:1
+        train:
+          loss: MSELoss
+          optimizer: {op: SGD, lr: 0.1}
+        """)
+    result = build_to(spec, tmp_path, CPU)
+    assert "train_no_params.py" in result.files  # the other files are built as ever
+    run = subprocess.run([sys.executable, "pp_no_params.py"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 1
+    assert run.stderr.strip() == ("pp_no_params.py: NoParams cannot run as a pipeline: NoParams "
+                                  "has no parameters, so there is nothing to train. Train it "
+                                  "with train_no_params.py")

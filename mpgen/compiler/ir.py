@@ -584,9 +584,11 @@ class Loss:
     class_dim_given: Optional[int] = None
     class_dim_pos: Optional[Position] = None
 
+    module: Optional[str] = None  # a user's loss class: its module, which the script imports
+
     @property
     def callee(self) -> str:
-        return f"nn.{self.op}"
+        return self.op if self.module else f"nn.{self.op}"
 
     @property
     def flatten(self) -> bool:
@@ -666,6 +668,18 @@ class TrainConfig:
     eval_split: float = 0.0  # fraction of the data held out for evaluation when no eval_data
     samples: int = 1024  # size of the synthetic dataset (one epoch)
     workers: int = 0  # DataLoader worker processes
+    optimizer_module: Optional[str] = None  # a user's optimizer class: its module
+    weight_decay: Optional[float] = None  # the optimizer's, written or its default
+
+    @property
+    def optimizer_callee(self) -> str:
+        return self.optimizer if self.optimizer_module else f"torch.optim.{self.optimizer}"
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        """The user modules the loss and optimizer classes come from, sorted."""
+        found = {loss.module for loss in self.losses} | {self.optimizer_module}
+        return tuple(sorted(m for m in found if m))
 
 
 # -- costs ---------------------------------------------------------------------

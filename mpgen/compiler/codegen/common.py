@@ -198,7 +198,8 @@ def input_code(graph: Graph, ns, sizes: dict[str, str]) -> tuple[list[str], list
 
 
 def optimizer_call(train, lr: Any, parameters: str = "model.parameters()") -> str:
-    """``torch.optim.X(model.parameters(), lr=..., **kwargs)`` from ``train``;
+    """``torch.optim.X(model.parameters(), lr=..., **kwargs)`` (or the user's
+    ``mypkg.optim.X``) from ``train``;
     ``parameters`` is the code for the parameters."""
-    return call(f"torch.optim.{train.optimizer}", [parameters],
+    return call(train.optimizer_callee, [parameters],
                 [("lr", lr), *train.optimizer_kwargs])

@@ -43,6 +43,7 @@ class ModelFacts:
     input_lines: list[str]  # statements making the inputs
     input_vars: list[str]
     optimizer: str  # an expression of ``model``
+    modules: tuple[str, ...]  # user modules of the optimizer (and losses) to import
 
 
 def model_facts(graph: Graph) -> ModelFacts:
@@ -89,6 +90,7 @@ def model_facts(graph: Graph) -> ModelFacts:
         input_lines=input_lines,
         input_vars=input_vars,
         optimizer=optimizer_call(graph.train, graph.train.lr),
+        modules=tuple(m for m in graph.train.modules if m == graph.train.optimizer_module),
     )
 
 

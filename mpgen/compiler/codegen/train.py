@@ -10,11 +10,9 @@ defaults of every flag. Every name the script defines is claimed from one
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
 
 from mpgen.compiler.codegen.common import (
     _tuple,
@@ -85,6 +83,7 @@ class TrainContext:
     trainable: bool  # False: no parameters, so no optimizer and no backward
     closure: bool  # the optimizer's step takes a closure that recomputes the loss
     optimizer_name: str
+    modules: tuple[str, ...]  # user modules of the loss and optimizer classes
 
 
 #: Names the script defines at module level (``n.*`` in the template), and
@@ -224,14 +223,17 @@ def loss_code(graph: Graph, n: dict[str, str]) -> tuple[list[str], str]:
 def _scaffold_names(graph: Graph) -> tuple[dict[str, str], Namespace]:
     """The scaffold's names (``n`` in ``train.py.jinja``), claimed before any
     name derived from the spec but after the model's class, which keeps its name."""
-    ns = Namespace(GLOBALS | _SCAFFOLD_IMPORTS | {graph.name})
+    packages = {m.split(".")[0] for m in graph.train.modules}  # import mypkg.losses binds mypkg
+    ns = Namespace(GLOBALS | _SCAFFOLD_IMPORTS | packages | {graph.name})
     names = {name: ns.fresh(name) for name in _SCAFFOLD_GLOBALS + _SCAFFOLD_LOCALS}
     return names, ns
 
 
 def _module_level(graph: Graph, n: dict[str, str]) -> set[str]:
     """The script's module-level names: what a function's locals must not shadow."""
-    return set(GLOBALS | _SCAFFOLD_IMPORTS | {graph.name}) | {n[k] for k in _SCAFFOLD_GLOBALS}
+    packages = {m.split(".")[0] for m in graph.train.modules}
+    return (set(GLOBALS | _SCAFFOLD_IMPORTS | packages | {graph.name})
+            | {n[k] for k in _SCAFFOLD_GLOBALS})
 
 
 def _source(source: Optional[DataSource]) -> tuple[str, str]:
@@ -250,12 +252,9 @@ def _optimizer(graph: Graph, n: dict[str, str]) -> tuple[str, str]:
     if not train.no_decay:
         return optimizer_call(train, lr, f"{n['model']}.parameters()"), ""
     kwargs = dict(train.optimizer_kwargs)
-    decay = kwargs.pop("weight_decay", None)
-    if decay is None:
-        decay = inspect.signature(getattr(torch.optim, train.optimizer)).parameters[
-            "weight_decay"].default
-    groups = f"{n['param_groups']}({n['model']}, {literal(decay)})"
-    optimizer = call(f"torch.optim.{train.optimizer}", [groups], [("lr", lr), *kwargs.items()])
+    kwargs.pop("weight_decay", None)  # in the groups: train.weight_decay, written or default
+    groups = f"{n['param_groups']}({n['model']}, {literal(train.weight_decay)})"
+    optimizer = call(train.optimizer_callee, [groups], [("lr", lr), *kwargs.items()])
     tests = []
     if "biases" in train.no_decay:
         tests.append('name.endswith("bias")')
@@ -345,7 +344,7 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
         plateau=train.scheduler is not None and train.scheduler.op == "ReduceLROnPlateau",
         lr_factor=lr_factor, lr_factor_doc=lr_factor_doc,
         decay_steps=str(train.steps) if train.steps_given else "None", trainable=graph.total_params > 0,
-        closure=train.closure, optimizer_name=train.optimizer,
+        closure=train.closure, optimizer_name=train.optimizer, modules=train.modules,
     ), n
 
 

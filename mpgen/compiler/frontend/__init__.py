@@ -10,6 +10,7 @@ import dataclasses
 from pathlib import Path
 from typing import Optional
 
+from mpgen.compiler.frontend import imports
 from mpgen.compiler.frontend.limits import check_sizes, check_structure
 from mpgen.compiler.frontend.pipeline import resolve_pipeline
 from mpgen.compiler.frontend.placement import placement_request
@@ -30,7 +31,8 @@ def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> 
     graph = resolve(spec, loaded, root)
     errors = Collector()
     try:
-        graph = resolve_train(graph, spec.train, loaded.source)
+        project = imports.Project.of(loaded.path, root, spec.imports or ())
+        graph = resolve_train(graph, spec.train, loaded.source, project)
         check_sizes(graph, spec.train, loaded.source)
     except MpgenError as exc:
         errors.extend(exc)

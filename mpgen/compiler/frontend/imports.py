@@ -460,9 +460,11 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def user_class(op: str, project: Project) -> tuple[type, str]:
-    """The ``nn.Module`` class the dotted op names and its module's name,
-    imported under the policy of this module; raises :class:`Refused`."""
+def user_class(op: str, project: Project, base: type = nn.Module,
+               what: str = "an nn.Module class") -> tuple[type, str]:
+    """The class the dotted op names (a subclass of ``base``: ``what``) and
+    its module's name, imported under the policy of this module; raises
+    :class:`Refused`."""
     parts = op.split(".")
     module_name, class_name = ".".join(parts[:-1]), parts[-1]
     if parts[0] in FORBIDDEN:
@@ -491,14 +493,14 @@ def user_class(op: str, project: Project) -> tuple[type, str]:
                 if not _already_loaded(module, op):
                     _execute(module, source)
             cls = getattr(sys.modules[module_name], class_name, None)
-            is_module = inspect.isclass(cls) and issubclass(cls, nn.Module)
+            is_module = inspect.isclass(cls) and issubclass(cls, base)
     except Refused:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the module raised is the op's error
         raise Refused(f"cannot import {module_name!r} for op {op!r}: "
                       f"{_describe(exc)}") from None
     if not is_module:
-        raise Refused(f"{op!r} is not an nn.Module class")
+        raise Refused(f"{op!r} is not {what}")
     return cls, module_name
 
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.optim import lr_scheduler
 
-from mpgen.compiler.frontend import ops
+from mpgen.compiler.frontend import imports, ops
 from mpgen.compiler.frontend.limits import MAX_TRAIN_SIZE
 from mpgen.compiler.ir import DataSource, Graph, Loss, OpKind, Scheduler, TrainConfig
 from mpgen.errors import Collector, Position, did_you_mean, shown
@@ -104,9 +104,12 @@ def scheduler_names() -> list[str]:
     )
 
 
-def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) -> Graph:
+def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
+                  project: Optional[imports.Project] = None) -> Graph:
     """The graph with the training script's settings (defaults when ``train``
-    is absent) and the sizes of its symbolic dims."""
+    is absent) and the sizes of its symbolic dims. ``project``: where a
+    user's loss or optimizer class (a dotted name) may be imported from
+    (``frontend.imports``)."""
     spec = spec or TrainSpec()
     errors = Collector()
     symbols = list(dict.fromkeys(s for t in graph.inputs for s in t.type.symbols))
@@ -135,13 +138,12 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
         if out not in per_output:
             continue
         call, path = per_output[out]
-        loss = _loss(graph, out, call, path, source, errors)
+        loss = _loss(graph, out, call, path, source, errors, project)
         if loss is not None:
             losses.append(loss)
     before = len(errors.errors)
-    lr, opt_kwargs = _optimizer(spec.optimizer, source, errors)
-    optimizer = (getattr(torch.optim, spec.optimizer.op)
-                 if spec.optimizer.op in optimizer_names() else None)
+    optimizer, optimizer_module = _optimizer_class(spec.optimizer.op, source, errors, project)
+    lr, opt_kwargs = _optimizer(spec.optimizer, optimizer, source, errors)
 
     def sample() -> torch.optim.Optimizer:
         """The optimizer over sample parameters, for the scheduler's check."""
@@ -176,7 +178,8 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap) ->
         scheduler=scheduler, grad_clip=spec.grad_clip, accumulate=spec.accumulate, amp=spec.amp,
         no_decay=tuple(spec.no_decay), data=data, eval_data=eval_data,
         eval_every=spec.eval_every, eval_split=float(spec.eval_split), samples=spec.samples,
-        workers=spec.workers,
+        workers=spec.workers, optimizer_module=optimizer_module,
+        weight_decay=_weight_decay(optimizer, spec.optimizer.kwargs),
     )
     return dataclasses.replace(graph, train=train, dims=train.dims)
 
@@ -341,18 +344,57 @@ def needs_closure(optimizer: type) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
-def _optimizer(opt: CallSpec, source: SourceMap,
+def _optimizer_class(op: str, source: SourceMap, errors: Collector,
+                     project: Optional[imports.Project]) -> tuple[Optional[type], Optional[str]]:
+    """The optimizer class ``op`` names: a ``torch.optim`` class, or a user's
+    ``torch.optim.Optimizer`` subclass by its dotted name (``mypkg.optim.Lion``,
+    under the import policy), with its module; (None, None) after an error."""
+    pos = _op_position(source, ("train", "optimizer"))
+    if "." in op:
+        cls, module = _user_class(op, project, torch.optim.Optimizer,
+                                  "a torch.optim.Optimizer class", pos, "train.optimizer", errors)
+        return cls, module
+    if op not in optimizer_names():
+        errors.add(pos, f"train.optimizer: unknown optimizer {op!r}"
+                   f"{did_you_mean(op, optimizer_names())}")
+        return None, None
+    return getattr(torch.optim, op), None
+
+
+def _user_class(op: str, project: Optional[imports.Project], base: type, what: str,
+                pos: Position, key: str, errors: Collector) -> tuple[Optional[type], Optional[str]]:
+    """A user's class for a loss or optimizer, or (None, None) after an error at ``pos``."""
+    if not all(part.isidentifier() for part in op.split(".")):
+        errors.add(pos, f"{key}: {op!r} is not a dotted Python path")
+        return None, None
+    try:
+        return imports.user_class(op, project or imports.Project.of("spec.yaml"), base, what)
+    except imports.Refused as exc:
+        errors.add(pos, f"{key}: {exc}")
+        return None, None
+
+
+def _weight_decay(optimizer: Optional[type], kwargs: dict[str, Any]) -> Optional[float]:
+    """The optimizer's weight decay, written or its default; None without one."""
+    if optimizer is None:
+        return None
+    param = inspect.signature(optimizer.__init__).parameters.get("weight_decay")
+    value = kwargs.get("weight_decay", param.default if param is not None else None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _optimizer(opt: CallSpec, cls: Optional[type], source: SourceMap,
                errors: Collector) -> tuple[float, tuple[tuple[str, Any], ...]]:
-    """The learning rate and the other keyword arguments of ``train.optimizer``,
-    after building it and taking one step with them."""
+    """The learning rate and the other keyword arguments of ``train.optimizer``
+    (``cls``; None when it has an error), after building it and taking one
+    step with them."""
     path = ("train", "optimizer")
     lr = 0.01
     kwargs: list[tuple[str, Any]] = []
-    if opt.op not in optimizer_names():
-        errors.add(_op_position(source, path), f"train.optimizer: unknown optimizer {opt.op!r}"
-                   f"{did_you_mean(opt.op, optimizer_names())}")
+    if cls is None:
         return lr, ()
-    cls = getattr(torch.optim, opt.op)
     sig = ops.module_signature(cls)
     allowed = [n for n in sig.names if n != "params"]
     before = len(errors.errors)
@@ -379,10 +421,11 @@ def _optimizer(opt: CallSpec, source: SourceMap,
         written = dict(opt.kwargs)  # every key is known by now
         check = _Check(f"train.optimizer: {opt.op}", written, path, _op_position(source, path),
                        source, errors)
-        if check.run(lambda given: _sample_optimizer(cls, {"lr": default_lr, **given}),
-                     "cannot be built") is not None:
-            check.run(lambda given: _sample_step(cls, {"lr": default_lr, **given}),
-                      "cannot take a step")
+        with imports.user_code():  # a user's optimizer runs its own code
+            if check.run(lambda given: _sample_optimizer(cls, {"lr": default_lr, **given}),
+                         "cannot be built") is not None:
+                check.run(lambda given: _sample_step(cls, {"lr": default_lr, **given}),
+                          "cannot take a step")
     return lr, tuple(kwargs)
 
 
@@ -494,8 +537,10 @@ def _op_position(source: SourceMap, path) -> Position:
 
 
 def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
-          errors: Collector) -> Optional[Loss]:
+          errors: Collector, project: Optional[imports.Project] = None) -> Optional[Loss]:
     pos = _op_position(source, path)
+    if "." in call.op:
+        return _user_loss(graph, out, call, path, pos, source, errors, project)
     if call.op not in loss_names():
         errors.add(pos, f"train.loss: unknown loss {call.op!r}{did_you_mean(call.op, loss_names())}")
         return None
@@ -548,6 +593,50 @@ def _loss(graph: Graph, out: str, call: CallSpec, path, source: SourceMap,
         return None
     return Loss(out, call.op, tuple(call.kwargs.items()), kind, pos,
                 class_dim_given=call.class_dim, class_dim_pos=class_dim_pos)
+
+
+def _user_loss(graph: Graph, out: str, call: CallSpec, path, pos: Position, source: SourceMap,
+               errors: Collector, project: Optional[imports.Project]) -> Optional[Loss]:
+    """A user's loss class (``mypkg.losses.FocalLoss``): an ``nn.Module``
+    whose forward takes the output and the target. Its targets are class
+    indices when the spec gives ``class_dim``; otherwise whatever of values
+    shaped like the output or class indices its sample computation accepts."""
+    cls, module = _user_class(call.op, project, nn.Module, "an nn.Module class", pos,
+                              "train.loss", errors)
+    if cls is None:
+        return None
+    sig = ops.module_signature(cls)
+    for key in call.kwargs:
+        if key not in sig.names and not sig.var_kwargs:
+            errors.add(source.key((*path, key)), f"train.loss: unknown keyword argument "
+                       f"{key!r} for {call.op}{did_you_mean(key, sig.names)}")
+            return None
+    check = _Check(f"train.loss: {call.op}", call.kwargs, path, pos, source, errors)
+    kinds = ["classes"] if call.class_dim is not None else ["like_output", "classes"]
+    value, kind = None, kinds[0]
+    with imports.user_code():
+        if check.run(lambda given: cls(**given), "cannot be built") is None:
+            return None
+        for kind in kinds:
+            try:
+                value = check.quietly(lambda given: cls(**given)(*_sample_batch(kind)),
+                                      call.kwargs)
+                break
+            except Exception:  # noqa: BLE001 - try the next kind of target
+                continue
+        if value is None:  # the last kind's error, at the op or the keyword to blame
+            value = check.run(lambda given: cls(**given)(*_sample_batch(kind)),
+                              "cannot be computed on a sample output and target")
+    if value is None:
+        return None
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        errors.add(pos, f"train.loss: {call.op} must return one number (a 0-dim tensor) the "
+                   f"training script minimises, got {type(value).__name__}"
+                   + (f" of shape {list(value.shape)}" if isinstance(value, torch.Tensor) else ""))
+        return None
+    class_dim_pos = source.value((*path, "class_dim")) if call.class_dim is not None else None
+    return Loss(out, call.op, tuple(call.kwargs.items()), kind, pos,
+                class_dim_given=call.class_dim, class_dim_pos=class_dim_pos, module=module)
 
 
 def _sample_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,6 +105,7 @@ class PPContext:
     optimizer: str
     scheduler: str
     steps: str
+    decay_steps: str
     epochs: str
     batch_size: int
     lr: str
@@ -366,7 +367,7 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
         replicate=any(d is None for d in dims), ties=_ties(graph, all_stages),
         loss_lines=_loss_lines(graph, n, reserved) if not problem else [],
         loss_fns=_tuple([call(loss.callee, [], loss.kwargs) for loss in train.losses]),
-        optimizer=optimizer, scheduler=scheduler, steps=tctx.steps, epochs=tctx.epochs,
+        optimizer=optimizer, scheduler=scheduler, steps=tctx.steps, decay_steps=tctx.decay_steps, epochs=tctx.epochs,
         batch_size=tctx.batch_size, lr=tctx.lr, seed=tctx.seed, log_every=tctx.log_every,
         amp=literal(train.amp if train.amp != "fp16" else "off"), grad_clip=tctx.grad_clip,
         data=tctx.data, data_kwargs=tctx.data_kwargs, data_help=tctx.data_help,

@@ -59,7 +59,7 @@ from mpgen.compiler.placement.stages import Stage, stages
 #: ``pp.py.jinja``), then names main() and run() define; claimed after the
 #: spec's block classes, which keep their names.
 _SCAFFOLD_GLOBALS = (
-    "os", "pathlib", "dist", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
+    "environ", "pathlib", "dist", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
     "ScheduleInterleaved1F1B", "TensorChunkSpec", "_Replicate", "single", "Elsewhere",
     "STAGES", "STAGE_DEVICES", "DEVICE_TYPE", "SCHEDULES", "N_INPUTS", "INPUT_DIMS",
     "TARGET_DIMS", "TIES", "PROBLEM", "stage_loss", "pick", "sendable", "examples", "placement", "stop", "merge",
@@ -70,7 +70,7 @@ _SCAFFOLD_LOCALS = (
     "missing", "groups", "optimizers", "schedulers", "done", "state", "path", "data",
     "per_epoch", "last", "feeds", "stream", "pipeline", "schedule", "loss_fns", "current",
     "autocast", "log", "step", "batch", "inputs", "target", "losses", "loss", "epoch",
-    "save", "module", "optimizer", "scheduler", "started", "error", "shapes", "found",
+    "save_stages", "module", "optimizer", "scheduler", "started", "error", "shapes", "found",
 )
 _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
 

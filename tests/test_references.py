@@ -31,7 +31,7 @@ def generated_model(spec: Path, out: Path, device_map=None):
     """Build ``spec`` into ``out`` and return the generated model class."""
     result = build_to(spec, out, device_map)
     (path,) = [out / name for name in result.files
-               if name.endswith(".py") and not name.startswith(("train_", "test_"))]
+               if name.endswith(".py") and not name.startswith(("train_", "test_", "pp_"))]
     module = import_generated(path)
     return getattr(module, result.graph.name)
 

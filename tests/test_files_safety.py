@@ -27,7 +27,7 @@ from mpgen.spec_schema.load import MAX_BYTES
 
 SEED = EXAMPLES / "seed.yaml"
 SEED_FILES = ["simple_model.py", "train_simple_model.py", "test_simple_model.py",
-              "simple_model.placement.md"]
+              "pp_simple_model.py", "simple_model.placement.md"]
 NEEDS_POSIX = pytest.mark.skipif(os.name != "posix", reason="FIFOs and /dev/zero are POSIX")
 
 
@@ -320,7 +320,7 @@ def test_a_renamed_model_leaves_orphans_that_check_lists_and_build_removes(tmp_p
     spec.write_text(spec.read_text().replace("name: SimpleModel", "name: Renamed"))
     check = mpgen("check", "seed.yaml", "-o", "out", cwd=tmp_path)
     assert check.returncode == 1
-    assert check.stdout.splitlines()[4:] == [
+    assert check.stdout.splitlines()[len(SEED_FILES):] == [  # after a "missing" line each
         f"out/{name}: generated from seed.yaml, which no longer generates it; build would "
         "remove it" for name in sorted(SEED_FILES)]
     build = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
@@ -329,9 +329,9 @@ def test_a_renamed_model_leaves_orphans_that_check_lists_and_build_removes(tmp_p
         f"removed out/{name}" for name in sorted(SEED_FILES)]
     # The other spec's files exist and were not passed: untouched, as are the notes.
     assert sorted(os.listdir(tmp_path / "out")) == sorted(
-        ["notes.md", "renamed.py", "train_renamed.py", "test_renamed.py",
+        ["notes.md", "renamed.py", "train_renamed.py", "test_renamed.py", "pp_renamed.py",
          "renamed.placement.md", "other_model.py", "train_other_model.py",
-         "test_other_model.py", "other_model.placement.md"])
+         "test_other_model.py", "pp_other_model.py", "other_model.placement.md"])
     assert mpgen("check", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
     assert other.exists()
 
@@ -348,7 +348,8 @@ def test_files_of_a_deleted_spec_in_the_project_are_orphans(tmp_path):
     assert check.stdout.splitlines() == [
         f"out/{name}: generated from specs/gone.yaml, which no longer exists; build would "
         f"remove it" for name in ["gone_model.placement.md", "gone_model.py",
-                                  "test_gone_model.py", "train_gone_model.py"]]
+                                  "pp_gone_model.py", "test_gone_model.py",
+                                  "train_gone_model.py"]]
     assert mpgen("build", "specs/seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
     assert sorted(os.listdir(tmp_path / "out")) == sorted(SEED_FILES)
 

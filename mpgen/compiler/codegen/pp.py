@@ -344,7 +344,7 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
     scheduler, _, _ = train_codegen._scheduler(train.scheduler, mapped)
     if train.scheduler is not None and train.scheduler.op == "ReduceLROnPlateau":
         scheduler = ""  # stepped with a loss every rank would need; not in the pipeline
-    dims = [train_codegen.batch_dim(t.type) for t in graph.inputs]
+    dims = [t.type.batch_dim for t in graph.inputs]
     used_blocks = sorted({node.op.callee for s in all_stages for node, _ in _stage_nodes(graph, s)
                           if node.op.kind is OpKind.BLOCK})
     cuda = any(d.startswith("cuda") for d in graph.devices)
@@ -362,7 +362,7 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
         schedule=literal(graph.pipeline.schedule if graph.pipeline else "1f1b"),
         microbatches=graph.pipeline.microbatches if graph.pipeline else len(all_stages),
         n_inputs=len(graph.inputs), input_dims=_tuple([literal(d) for d in dims]),
-        target_dims=_tuple([literal(train_codegen.batch_dim(loss.target_type))
+        target_dims=_tuple([literal(loss.target_type.batch_dim)
                             for loss in train.losses]),
         replicate=any(d is None for d in dims), ties=_ties(graph, all_stages),
         loss_lines=_loss_lines(graph, n, reserved) if not problem else [],

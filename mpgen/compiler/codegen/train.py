@@ -28,7 +28,7 @@ from mpgen.compiler.codegen.common import (
     synthetic_like,
 )
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
-from mpgen.compiler.ir import DataSource, Expr, Graph, Loss, Scheduler, SymDim, TensorType
+from mpgen.compiler.ir import DataSource, Expr, Graph, Loss, Scheduler
 
 
 @dataclass
@@ -120,14 +120,6 @@ _SCHEDULES = {
 _NORMS = ("nn.LayerNorm", "nn.RMSNorm", "nn.GroupNorm", "nn.BatchNorm1d", "nn.BatchNorm2d",
           "nn.BatchNorm3d", "nn.SyncBatchNorm", "nn.InstanceNorm1d", "nn.InstanceNorm2d",
           "nn.InstanceNorm3d")
-
-
-def batch_dim(t: TensorType) -> Optional[int]:
-    """Where ``t`` has its ``batch`` dim; None when it has none of its own."""
-    for k, d in enumerate(t.shape):
-        if isinstance(d, SymDim) and d.symbols == ("batch",) and d.factor == 1:
-            return k
-    return None
 
 
 def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], dict[str, str]]:
@@ -311,8 +303,8 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
     batch_ns = Namespace(_module_level(graph, n))
     params, batch_lines, inputs, targets, _ = batch_code(graph, batch_ns)
     keys = [t.var for t in graph.inputs] + [target_key(graph, loss) for loss in train.losses]
-    dims = ([batch_dim(t.type) for t in graph.inputs]
-            + [batch_dim(loss.target_type) for loss in train.losses])
+    dims = ([t.type.batch_dim for t in graph.inputs]
+            + [loss.target_type.batch_dim for loss in train.losses])
     loss_lines, loss_device = loss_code(graph, n)
     optimizer, no_decay_test = _optimizer(graph, n)
     scheduler, lr_factor, lr_factor_doc = _scheduler(train.scheduler, n)

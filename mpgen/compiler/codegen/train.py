@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-
 from mpgen.compiler.codegen.common import (
     _tuple,
     call,
@@ -147,7 +146,7 @@ def batch_code(graph: Graph, ns) -> tuple[str, list[str], list[str], list[str], 
         if not made_in_batch(loss):
             targets.append("None")
             continue
-        var = ns.fresh("target" if len(graph.train.losses) == 1 else f"{loss.output}_target")
+        var = ns.fresh(target_key(graph, loss))
         lines.append(f"{var} = {synthetic(loss.target_type, sizes, loss.classes, loss.target)}"
                      f"  # {loss.target_type}")
         targets.append(var)
@@ -180,7 +179,7 @@ def loss_code(graph: Graph, n: dict[str, str]) -> tuple[list[str], str]:
     for k, loss in enumerate(train.losses):
         out = out_vars[graph.outputs.index(loss.output)]
         device = devices[loss.output]
-        target = ns.fresh("target" if not multi else f"{loss.output}_target")
+        target = ns.fresh(target_key(graph, loss))
         if made_in_batch(loss):
             lines.append(f'{target} = targets[{k}].to("{device}")')
         else:

@@ -150,13 +150,16 @@ def test_ctrl_c_finishes_the_step_saves_and_exits(simple, tmp_path):
         cwd=simple.parent, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert process.stdout.readline() == "SimpleModel: 430 parameters; 1000000 steps of 5 samples\n"
-        assert process.stdout.readline().startswith("step 1/1000000  loss ")
+        first = process.stdout.readline()
+        assert first.startswith("step 1/1000000  loss ")
         process.send_signal(signal.SIGINT)
         out, err = process.communicate(timeout=120)
     finally:
         process.kill()
     assert process.returncode == 1
-    step = int([l for l in out.splitlines() if l.startswith("step ")][-1].split()[1].split("/")[0])
+    # The last step line, read here or by communicate() (interrupted after step 1: the first).
+    steps = [l for l in [first, *out.splitlines()] if l.startswith("step ")]
+    step = int(steps[-1].split()[1].split("/")[0])
     assert err == f"interrupted after step {step}; saved {folder}/last.pt\n"
     assert f"trained {step} steps in " in out  # the summary still comes
     assert load(folder / "last.pt")["step"] == step

@@ -72,17 +72,16 @@ def test_place_write_keeps_every_other_byte_and_the_layout(tmp_path, capsys):
     block = text[len(BEFORE):len(text) - len(AFTER)]
     assert block == (
         "placement:   # where things go\n"
-        "  # Written by `mpgen place --write` from this automatic placement\n"
-        "  # (bottleneck 544 parameters on cuda:0):\n"
+        "  # mpgen place --write: auto (balance params over 3 devices; bottleneck 544 "
+        "parameters on cuda:0),\n"
+        "  # shortest form: 3 bookmarks, one per device run; it replaced:\n"
         "  #   # chosen by mpgen\n"
         "  #   auto:\n"
         "  #     devices: [cuda:0, cuda:1, cuda:2]   # three GPUs\n"
         "  #     balance: params\n"
         "  a: cuda:0\n"
-        "  h.0: cuda:0\n"
         "  h.1-2: cuda:1\n"
         "  h.3: cuda:2\n"
-        "  z: cuda:2\n"
     )
     assert devices(path) == auto
     # A second --write has nothing left to do.
@@ -116,7 +115,7 @@ def test_place_write_of_a_flow_placement_with_crlf(tmp_path):
     assert main(["place", str(path), "--write"]) == 0
     new = path.read_bytes().decode()
     head, _, tail = text.partition("placement: {auto: {devices: [cuda:0, cuda:1]}}   # inline\r\n")
-    assert new.startswith(head + "placement:\r\n  # Written by")
+    assert new.startswith(head + "placement:\r\n  # mpgen place --write: auto (")
     assert "  #   {auto: {devices: [cuda:0, cuda:1]}}   # inline\r\n" in new
     assert new.endswith("\r\n" + tail)
     assert "\n" not in new.replace("\r\n", "")
@@ -137,7 +136,7 @@ def test_place_write_adds_a_block_to_a_spec_without_one(tmp_path):
     assert main(["place", str(path), "--write", "--device-map", "cuda:0=cuda:1"]) == 0
     text = path.read_text()
     assert text.startswith(original + "\n\nplacement:\n")
-    assert text.endswith("  a: cuda:1\n  b: cuda:1\n")
+    assert text.endswith(",\n  # shortest form: 1 bookmark, one per device run\n  a: cuda:1\n")
     assert devices(path) == [("a", ("cuda:1",)), ("b", ("cuda:1",))]
 
 

@@ -1,20 +1,34 @@
 """``mpgen place``: show a spec's layout in the explicit form, or write it back.
 
 # NOTE: [Writing the placement back]
-# The explicit form written names every layer, with a repeated layer's
-# instances compressed to ranges per device (``h.0-5: cuda:1``): each layer's
-# device is visible, a moved layer is a changed line in review, and since
-# every instance is named the bookmark rule never comes into play, so the
-# block reproduces the layout exactly whatever the order of entries.
+# ``mpgen place`` prints every layer, a repeated layer's instances compressed
+# to ranges per device (``h.0-5: cuda:1``): a view of where everything is.
+# ``--write`` writes the shortest explicit form that gives the same layout
+# (``shortest_entries``), so that the spec's own diff shows the move and not a
+# listing of every layer. Explicit entries are bookmarks: a named unit takes
+# the entry's device and the units after it keep it, those before the first
+# entry take the first entry's device. One entry per device run is therefore
+# both necessary (a run's first unit differs from the unit before it, so it
+# must be named; the first run needs some entry, or it would take the second
+# run's device) and enough; the default (no entries) is shorter still when
+# every unit is on cuda:0. Among the shortest forms the one closest to the
+# spec's current block is written: an old key that still names units of one
+# run only (its first unit, for every run but the first) is kept, with the
+# same device where it still holds, so an unchanged entry is an unchanged
+# line. Otherwise a run is named from its first unit to the end of that
+# layer's part of the run (``h.6-11``, or ``h`` for all of a layer). The
+# entries are resolved again by the compiler's own explicit resolver and
+# must give every unit its device (an internal error otherwise), and the
+# rewritten text is compiled before it replaces the file.
 #
-# ``--write`` splices the new block into the file's text in place of the old
-# one, using the positions PyYAML gives for the ``placement`` key and the last
+# The new block is spliced into the file's text in place of the old one,
+# using the positions PyYAML gives for the ``placement`` key and the last
 # token of its value: every byte outside that range is kept (comments, blank
 # lines, flow mappings, quoting, line endings), which a YAML round trip
 # (ruamel.yaml included) does not promise for reflowed flow mappings. An
 # automatic block is kept above the new entries as comments, so the settings
-# it was chosen from stay in the file. The rewritten text is compiled before
-# it replaces the file, and must give exactly the same devices.
+# it was chosen from stay in the file; a first comment line says how the
+# layout was chosen and how the form was.
 """
 
 from __future__ import annotations
@@ -25,14 +39,23 @@ import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import yaml
 
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
-from mpgen.compiler.placement.auto import BALANCE_UNITS
-from mpgen.compiler.ir import Graph, device_runs, unit_labels
+from mpgen.compiler.ir import (
+    ExplicitPlacement,
+    Graph,
+    PlacementEntry,
+    UnitRange,
+    device_runs,
+    unit_labels,
+)
 from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.placement.auto import BALANCE_UNITS
+from mpgen.compiler.placement.devices import DEFAULT_DEVICE
+from mpgen.compiler.placement.explicit import place_explicit
 from mpgen.errors import MpgenError, Position
 from mpgen.files import reason
 from mpgen.spec_schema.load import read_spec
@@ -50,10 +73,12 @@ class Placed:
     renamed: str = ""  # "devices renamed by --device-map cuda:1=cuda:0"
     root: str | Path | None = None  # the project it was compiled in (``compile_spec``)
     time_limit: Optional[float] = DEFAULT_TIME_LIMIT  # and the analysis budget
+    shortest: tuple[tuple[str, str], ...] = ()  # what --write writes (``shortest_entries``)
+    kept: int = 0  # how many of its keys the spec's current block already has
 
     def block(self, indent: str = "  ", newline: str = "\n") -> str:
         """The ``placement:`` block in the explicit form (without a final newline)."""
-        return newline.join(["placement:", *_entry_lines(self, indent)])
+        return newline.join(["placement:", *_entry_lines(self.entries, indent)])
 
 
 def explicit_entries(graph: Graph) -> list[tuple[str, str]]:
@@ -61,6 +86,63 @@ def explicit_entries(graph: Graph) -> list[tuple[str, str]]:
     return [(unit_labels([node.unit(k) for k in range(start, stop)], graph.repeats,
                          whole=True)[0], device)
             for node in graph.nodes for start, stop, device in device_runs(node.devices)]
+
+
+def shortest_entries(graph: Graph, current: Sequence[tuple[str, str]] = ()
+                     ) -> list[tuple[str, str]]:
+    """The fewest explicit entries (key, device) that give ``graph``'s devices.
+
+    One bookmark per device run, none when every unit is on the default
+    device; among those, the keys of ``current`` (the spec's block, as key ->
+    device) where they fit (NOTE [Writing the placement back]). Raises
+    :class:`MpgenError` (an internal error) if the entries do not resolve to
+    the same devices.
+    """
+    units = [(node, k) for node in graph.nodes for k in range(node.instances)]
+    runs = device_runs([node.devices[k] for node, k in units])
+    if len(runs) == 1 and runs[0][2] == DEFAULT_DEVICE:
+        return []
+    position = {node.unit(k): i for i, (node, k) in enumerate(units)}
+    spans = [(key, device, span) for key, device in current
+             if (span := _span(graph, key, position)) is not None]
+    entries = []
+    for r, (start, stop, device) in enumerate(runs):
+        fits = [(key, old) for key, old, (lo, hi) in spans
+                if start <= lo and hi < stop and (r == 0 or lo == start)]
+        key = next((k for k, old in fits if old == device), fits[0][0] if fits else None)
+        if key is None:
+            node, first = units[start]
+            last = min(node.instances, first + stop - start)
+            key = unit_labels([node.unit(k) for k in range(first, last)], graph.repeats,
+                              whole=True)[0]
+        entries.append((key, device))
+    _check_resolves(graph, entries)
+    return entries
+
+
+def _span(graph: Graph, key: str, position: Mapping) -> Optional[tuple[int, int]]:
+    """The first and last unit positions a placement key names (None: none)."""
+    label = UnitRange.parse(key)
+    if label is None or label.node not in graph.repeats:
+        return None
+    node = graph.node(label.node)
+    if label.first is None:
+        first, last = 0, node.instances - 1
+    elif node.repeat and label.first <= label.last < node.repeat:
+        first, last = label.first, label.last
+    else:
+        return None
+    return position[node.unit(first)], position[node.unit(last)]
+
+
+def _check_resolves(graph: Graph, entries: Sequence[tuple[str, str]]) -> None:
+    """Resolve ``entries`` as the compiler does; they must give every unit its device."""
+    where = Position("<mpgen place --write>")
+    request = ExplicitPlacement(tuple(PlacementEntry(k, d, where) for k, d in entries))
+    got = [n.devices for n in place_explicit(graph, request).nodes]
+    if got != [n.devices for n in graph.nodes]:  # pragma: no cover - a bug in mpgen
+        raise MpgenError(where, "internal error: the shortest placement form "
+                         f"{dict(entries)} does not reproduce the layout")
 
 
 def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
@@ -86,23 +168,29 @@ def place(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
         renamed = "devices renamed by --device-map " + ",".join(
             f"{k}={v}" for k, v in sorted(device_map.items()))
         how += f"; {renamed}"
+    request = graph.placement
+    current = ([(e.key, e.device) for e in request.entries]
+               if isinstance(request, ExplicitPlacement) else [])
+    shortest = shortest_entries(graph, current)
+    kept = len({key for key, _ in shortest} & {key for key, _ in current})
     return Placed(graph, tuple(explicit_entries(graph)), how, auto, bottleneck, renamed, root,
-                  time_limit)
+                  time_limit, tuple(shortest), kept)
 
 
 def write_placement(path: str | Path, placed: Placed) -> bool:
-    """Rewrite ``path``'s placement block into ``placed``'s explicit form.
+    """Rewrite ``path``'s placement block into ``placed``'s shortest explicit form.
 
-    Returns False when there is nothing to change (an explicit spec built
-    without a device map). Every line outside the placement block is kept
-    byte for byte; the new text is compiled and checked before it is written.
+    Returns False when there is nothing to change: a spec built without a
+    device map whose layout is not automatic (explicit, or the default) already
+    says what it gives. Every line outside the placement block is kept byte for
+    byte; the new text is compiled and checked before it is written.
     A symbolic link is written through (its target changes, the link stays);
     the file keeps its mode and is replaced in one rename; a read-only spec
     or folder is an :class:`MpgenError`.
     """
     text = read_spec(path)
-    if not placed.auto and not placed.graph.device_map and _find_placement(text, str(path)):
-        return False  # already explicit: the spec's own spelling stays
+    if not placed.auto and not placed.graph.device_map:
+        return False  # already explicit (or the default): the spec's own spelling stays
     new_text = rewrite_text(text, placed, str(path))
     if new_text == text:
         return False
@@ -143,12 +231,14 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
 
 
 def rewrite_text(text: str, placed: Placed, name: str = "spec.yaml") -> str:
-    """``text`` with its placement block replaced by ``placed``'s explicit form."""
+    """``text`` with its placement block replaced by ``placed``'s shortest explicit form."""
     newline = "\r\n" if "\r\n" in text else "\n"
     found = _find_placement(text, name)
     indent = _indent(text, found)
     if found is None:
-        block = newline.join(["placement:", *_entry_lines(placed, indent, [], written=True)])
+        if not placed.shortest:  # the default: no block is the shortest form
+            return text
+        block = newline.join(["placement:", *_written_lines(placed, indent, [])])
         sep = "" if not text or text.endswith("\n") else newline
         return f"{text}{sep}{newline}{block}{newline}"
     key, value = found
@@ -163,32 +253,43 @@ def rewrite_text(text: str, placed: Placed, name: str = "spec.yaml") -> str:
         raise MpgenError(_pos(name, key), "placement: cannot rewrite the placement block: "
                          "other content follows it on its last line")
     key_line_end = _line_end(text, key.start_mark.index)
+    colon = text[start:key.end_mark.index] + (": {}" if not placed.shortest else ":")
     if value.start_mark.index >= key_line_end:  # the value starts on a later line
-        first = text[start:key_line_end]
+        first = colon + text[key.end_mark.index:key_line_end].split(":", 1)[1]
         old = text[key_line_end:end].lstrip("\r\n")
     else:
-        first = text[start:key.end_mark.index] + ":"
+        first = colon
         old = text[value.start_mark.index:end]
     old_lines = _dedent(old.splitlines()) if placed.auto else []
-    block = newline.join([first, *_entry_lines(placed, indent, old_lines, written=True)])
+    block = newline.join([first, *_written_lines(placed, indent, old_lines)])
     return text[:start] + block + text[end:]
 
 
-def _entry_lines(placed: Placed, indent: str, old_lines: Optional[list[str]] = None,
-                 written: bool = False) -> list[str]:
-    lines = []
-    if written:
-        notes = "; ".join(n for n in (placed.bottleneck, placed.renamed) if n)
-        if placed.auto and old_lines:
-            lines.append(f"{indent}# Written by `mpgen place --write` from this automatic "
-                         "placement")
-            lines.append(f"{indent}# ({notes}):")
-            lines.extend(f"{indent}#   {line}".rstrip() for line in old_lines)
-        else:
-            lines.append(f"{indent}# Written by `mpgen place --write`"
-                         + (f" ({notes})." if notes else "."))
-    lines.extend(f"{indent}{_yaml_key(key)}: {device}" for key, device in placed.entries)
-    return lines
+def _entry_lines(entries: Sequence[tuple[str, str]], indent: str) -> list[str]:
+    return [f"{indent}{_yaml_key(key)}: {device}" for key, device in entries]
+
+
+def _written_lines(placed: Placed, indent: str, old_lines: list[str]) -> list[str]:
+    """The comment saying how the layout and its form were chosen, then the entries."""
+    origin = placed.graph.layout.method
+    notes = [n for n in (placed.bottleneck, placed.renamed) if n]
+    if placed.auto:
+        choice = placed.graph.layout.auto
+        notes.insert(0, f"balance {choice.request.balance} over {len(choice.devices)} devices")
+    n = len(placed.shortest)
+    if n == 0:
+        form = f"the default (no entries: every layer on {DEFAULT_DEVICE})"
+    else:
+        form = f"{n} bookmark{'s' if n > 1 else ''}, one per device run"
+        if placed.kept:
+            form += f", keeping {placed.kept} key{'s' if placed.kept > 1 else ''} of the old block"
+    replaced = placed.auto and old_lines
+    lines = [f"{indent}# mpgen place --write: {origin}"
+             + (f" ({'; '.join(notes)})" if notes else "") + ",",
+             f"{indent}# shortest form: {form}" + ("; it replaced:" if replaced else "")]
+    if replaced:
+        lines.extend(f"{indent}#   {line}".rstrip() for line in old_lines)
+    return lines + _entry_lines(placed.shortest, indent)
 
 
 def _yaml_key(key: str) -> str:

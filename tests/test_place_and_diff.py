@@ -199,6 +199,64 @@ def test_diff_of_two_files(tmp_path, capsys):
     assert "  + h.2 [batch, 8]: cuda:0 -> cuda:1 (64 bytes)\n" in out
 
 
+WIDE = """\
+mpgen: 1
+name: Wide
+inputs:
+  x: [batch, 1024]
+layers:
+  a: {{op: Linear, args: [1024, 1024]}}
+  h: {{op: ReLU, repeat: 6}}
+placement:
+{placement}
+train: {{batch_size: 64}}
+"""
+
+
+def wide(path, *entries):
+    path.write_text(WIDE.format(placement="".join(f"  {e}\n" for e in entries)))
+    return str(path)
+
+
+def test_diff_warns_when_a_change_multiplies_cross_device_traffic(tmp_path, capsys):
+    # One cut (h.2 -> h.3, 64 x 1024 floats) becomes three: h.1 goes to cuda:1 and back.
+    old = wide(tmp_path / "old.yaml", "a: cuda:0", "h.3: cuda:1")
+    new = wide(tmp_path / "new.yaml", "a: cuda:0", "h.1: cuda:1", "h.2: cuda:0", "h.3: cuda:1")
+    assert main(["diff", old, new]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(
+        f"--- {old}\n+++ {new}\n\n"
+        "warning: cross-device traffic grows 3.0x per training step (forward): "
+        "262,144 bytes (256.0 KiB) -> 786,432 bytes (768.0 KiB); added by:\n"
+        "  cuda:0 -> cuda:1: +262,144 bytes (256.0 KiB): h.0 [batch, 1024]\n"
+        "  cuda:1 -> cuda:0: +262,144 bytes (256.0 KiB): h.1 [batch, 1024]\n"
+        "\nmoved:\n  h.1: cuda:0 -> cuda:1\n")
+    assert ("transfers in forward:\n  between devices: 262,144 bytes (256.0 KiB) -> "
+            "786,432 bytes (768.0 KiB) per training step\n") in out
+    # The way back sends a third: no warning.
+    assert main(["diff", new, old]) == 0
+    assert "warning" not in capsys.readouterr().out
+    # From one device to two: traffic from none.
+    one = wide(tmp_path / "one.yaml", "a: cuda:0")
+    assert main(["diff", one, old]) == 0
+    assert ("warning: cross-device traffic grows from none per training step (forward): "
+            "0 bytes (0 B) -> 262,144 bytes (256.0 KiB); added by:\n"
+            "  cuda:0 -> cuda:1: +262,144 bytes (256.0 KiB): h.2 [batch, 1024]\n"
+            ) in capsys.readouterr().out
+
+
+def test_diff_does_not_warn_about_small_traffic(tmp_path, capsys):
+    # Three times the bytes, but 128 bytes more per step: below TRAFFIC_FLOOR.
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(STACK.format(split="1"))
+    new.write_text(STACK.format(split="1").replace("  h.1: cuda:1\n", "  h.1: cuda:1\n"
+                                                   "  h.2: cuda:0\n  h.3: cuda:1\n"))
+    assert main(["diff", str(old), str(new)]) == 0
+    out = capsys.readouterr().out
+    assert "between devices: 64 bytes (64 B) -> 192 bytes (192 B) per training step" in out
+    assert "warning" not in out
+
+
 def test_diff_of_identical_layouts(tmp_path, capsys):
     path = tmp_path / "s.yaml"
     path.write_text(STACK.format(split="2"))
@@ -251,6 +309,31 @@ def test_diff_errors_have_positions_and_no_traceback(repo):
     assert result.returncode == 2
     assert result.stderr.startswith("HEAD:spec.yaml:10:10: ")
     assert "Traceback" not in result.stderr
+
+
+def test_diff_from_a_subfolder_suggests_the_path_from_the_current_directory(repo):
+    sub = repo / "models" / "gpt"
+    sub.mkdir(parents=True)
+    (sub / "spec.yaml").write_text(STACK.format(split="1-3"))
+    git(repo, "add", "models/gpt/spec.yaml")
+    git(repo, "rm", "-q", "spec.yaml")  # no spec.yaml at the root
+    git(repo, "commit", "-q", "-m", "the spec moves to a subfolder")
+    (sub / "spec.yaml").write_text(STACK.format(split="3"))
+    result = mpgen("diff", "HEAD:spec.yaml", "spec.yaml", cwd=sub)
+    assert result.returncode == 2
+    assert result.stderr == (
+        "HEAD:spec.yaml:1:1: cannot read 'HEAD:spec.yaml' from git: fatal: path 'spec.yaml' "
+        "does not exist in 'HEAD'; a REV:path is relative to the repository root, and HEAD "
+        "has 'spec.yaml' in the current directory: did you mean 'HEAD:./spec.yaml' or "
+        "'HEAD:models/gpt/spec.yaml'?\n")
+    # Either spelling it suggests reads the subfolder's spec.
+    for side in ("HEAD:./spec.yaml", "HEAD:models/gpt/spec.yaml"):
+        result = mpgen("diff", side, "spec.yaml", cwd=sub)
+        assert result.returncode == 0, result.stderr
+        assert "moved:\n  h.1-2: cuda:1 -> cuda:0\n" in result.stdout
+    # A path missing in the subfolder too gets git's message alone.
+    result = mpgen("diff", "HEAD:other.yaml", "spec.yaml", cwd=sub)
+    assert result.stderr.rstrip().endswith("fatal: path 'other.yaml' does not exist in 'HEAD'")
 
 
 def test_diff_of_a_revision_with_too_many_errors_says_it_stopped(repo):

@@ -6,7 +6,10 @@ root, or to the current directory when written ``REV:./path``). Both sides
 are compiled in full; the diff lists the layer instances whose device
 changed (compressed to ranges), the parameters and estimated training memory
 of each device before and after, and the forward transfers added and
-removed.
+removed. It starts with a warning when the bytes crossing devices per step
+at least double (and grow by at least ``TRAFFIC_FLOOR``). A ``REV:path``
+that git cannot find at the root but finds as ``REV:./path`` gets an error
+that suggests the latter.
 """
 
 from __future__ import annotations
@@ -62,6 +65,27 @@ class TransferKey:
                 f"({self.nbytes:,} bytes)")
 
 
+#: Traffic growth below this many bytes per step is not worth a warning: a
+#: copy that small costs the launch latency of a transfer, whatever its size.
+TRAFFIC_FLOOR = 64 * 1024
+
+
+@dataclass(frozen=True)
+class TrafficGrowth:
+    """Bytes crossing devices per training step in forward, before and after,
+    with the device pairs whose share grew and the tensors added on each.
+    ``warn``: the new layout sends at least twice as much, and at least
+    :data:`TRAFFIC_FLOOR` bytes more."""
+
+    before: int
+    after: int
+    grown: tuple[tuple[str, str, int, tuple[TransferKey, ...]], ...]  # src, dst, added, tensors
+
+    @property
+    def warn(self) -> bool:
+        return self.after >= 2 * self.before and self.after - self.before >= TRAFFIC_FLOOR
+
+
 @dataclass(frozen=True)
 class LayoutDiff:
     old: str
@@ -72,6 +96,7 @@ class LayoutDiff:
     devices: tuple[DeviceChange, ...]
     transfers_removed: tuple[TransferKey, ...]
     transfers_added: tuple[TransferKey, ...]
+    traffic: TrafficGrowth
 
 
 def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None,
@@ -135,11 +160,36 @@ def _git_show(arg: str) -> str:
         raise MpgenError(pos, f"spec is larger than {MAX_BYTES} bytes")
     if returncode != 0:
         why = message[0] if message else f"git exited with {returncode}"
-        raise MpgenError(pos, f"cannot read {arg!r} from git: {why}")
+        raise MpgenError(pos, f"cannot read {arg!r} from git: {why}{_cwd_hint(rev, path)}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise MpgenError(pos, f"spec is not UTF-8 ({exc.reason})") from None
+
+
+def _cwd_hint(rev: str, path: str) -> str:
+    """A did-you-mean when ``REV:path`` (from the repository root) is missing
+    but ``REV:./path`` (from the current directory) exists: git reads a
+    ``REV:path`` from the root, which surprises a user in a subfolder."""
+    if path.startswith(("./", "../", "/")):
+        return ""
+    here = f"{rev}:./{path}"
+    if _git_quiet("cat-file", "-e", here) is None:
+        return ""
+    prefix = _git_quiet("rev-parse", "--show-prefix")
+    rooted = f" or {rev + ':' + prefix.strip() + path!r}" if prefix and prefix.strip() else ""
+    return (f"; a REV:path is relative to the repository root, and {rev} has {path!r} in the "
+            f"current directory: did you mean {here!r}{rooted}?")
+
+
+def _git_quiet(*args: str) -> Optional[str]:
+    """Stdout of a short git command, or None when it fails."""
+    try:
+        done = subprocess.run(["git", *args], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.decode("utf-8", "replace") if done.returncode == 0 else None
 
 
 def _renamed(exc: MpgenError, path: str, arg: str) -> MpgenError:
@@ -180,7 +230,25 @@ def diff(old: Side, new: Side) -> LayoutDiff:
         devices=changes,
         transfers_removed=tuple(t for t in old_t if t not in new_t),
         transfers_added=tuple(t for t in new_t if t not in old_t),
+        traffic=_traffic(old_t, new_t),
     )
+
+
+def _traffic(old: list[TransferKey], new: list[TransferKey]) -> TrafficGrowth:
+    """Cross-device bytes of each side's transfers (inputs from the caller not
+    counted, as in the report), and where they grew."""
+    def per_pair(keys: list[TransferKey]) -> dict[tuple[str, str], int]:
+        pairs: dict[tuple[str, str], int] = {}
+        for t in keys:
+            if t.src != CALLER:
+                pairs[t.src, t.dst] = pairs.get((t.src, t.dst), 0) + t.nbytes
+        return pairs
+
+    before, after = per_pair(old), per_pair(new)
+    grown = tuple((src, dst, n - before.get((src, dst), 0),
+                   tuple(t for t in new if (t.src, t.dst) == (src, dst) and t not in old))
+                  for (src, dst), n in after.items() if n > before.get((src, dst), 0))
+    return TrafficGrowth(sum(before.values()), sum(after.values()), grown)
 
 
 def _runs(items) -> list[tuple[str, str, str]]:
@@ -205,17 +273,35 @@ def _totals(side: Side) -> dict[str, tuple[int, int]]:
     return totals
 
 
+#: The source of a model input's transfer: the caller's device, not a layer's.
+CALLER = "caller"
+
+
 def _transfers(side: Side) -> list[TransferKey]:
     keys = []
     for t in side.graph.plan.transfers:
-        keys.append(TransferKey(str(t.value), t.src or "caller", t.dst,
+        keys.append(TransferKey(str(t.value), t.src or CALLER, t.dst,
                                 str(t.type), side.costs.nbytes(t.value)))
     return keys
+
+
+def _amount(nbytes: int) -> str:
+    return f"{nbytes:,} bytes ({human_bytes(nbytes)})"
 
 
 def format_diff(d: LayoutDiff) -> str:
     """The diff as plain text, for the terminal."""
     lines = [f"--- {d.old}", f"+++ {d.new}", ""]
+    traffic = d.traffic
+    if traffic.warn:
+        grows = (f"grows {traffic.after / traffic.before:.1f}x" if traffic.before
+                 else "grows from none")
+        lines.append(f"warning: cross-device traffic {grows} per training step (forward): "
+                     f"{_amount(traffic.before)} -> {_amount(traffic.after)}; added by:")
+        lines.extend(f"  {src} -> {dst}: +{_amount(added)}: "
+                     + ", ".join(f"{t.tensor} {t.shape}" for t in tensors)
+                     for src, dst, added, tensors in traffic.grown)
+        lines.append("")
     if d.moved:
         lines.append("moved:")
         lines.extend(f"  {label}: {a} -> {b}" for label, a, b in d.moved)
@@ -239,6 +325,9 @@ def format_diff(d: LayoutDiff) -> str:
     lines += ["", "transfers in forward:"]
     if not d.transfers_removed and not d.transfers_added:
         lines.append("  unchanged")
+    else:
+        lines.append(f"  between devices: {_amount(traffic.before)} -> "
+                     f"{_amount(traffic.after)} per training step")
     lines.extend(f"  - {t}" for t in d.transfers_removed)
     lines.extend(f"  + {t}" for t in d.transfers_added)
     return "\n".join(lines) + "\n"

@@ -2,8 +2,9 @@
 
 It says how the layout was chosen, what each device holds (layers,
 parameters, estimated training memory and FLOPs at the training sizes), which
-tensors move between devices in forward, and draws the layer graph as a
-Mermaid flowchart coloured by device (GitHub renders it).
+tensors move between devices in forward, charts each device's memory and
+parameters as Mermaid bar charts, and draws the layer graph as a Mermaid
+flowchart coloured by device (GitHub renders both).
 
 :func:`report_context` computes every string; ``placement.md.jinja`` only
 loops. Everything that comes from the spec goes through :func:`md_code`,
@@ -14,6 +15,7 @@ paths.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Optional
@@ -101,6 +103,7 @@ class ReportContext:
     how: list[str]  # paragraphs
     estimates: str
     devices: Table
+    charts: list[list[str]]  # Mermaid xychart-beta lines: memory, then parameters
     transfers: Table
     transfer_notes: list[str]
     legend: list[str]
@@ -142,6 +145,7 @@ def report_context(graph: Graph) -> ReportContext:
         how=how,
         estimates=_estimates(costs),
         devices=_device_table(graph, costs, devices, capacity),
+        charts=_charts(graph, costs, devices),
         transfers=_transfer_table(graph, costs),
         transfer_notes=_transfer_notes(graph, costs),
         legend=[f"{md_code(d)}: {PALETTE[i % len(PALETTE)][0]}" for i, d in enumerate(devices)],
@@ -247,7 +251,8 @@ def _how(kind: str, choice, device_map) -> list[str]:
         if extras:
             paragraphs.append("With " + "; ".join(extras) + ".")
         paragraphs.append("`mpgen place SPEC --write` writes this layout into the spec in the "
-                          "explicit form, to review it as a config diff.")
+                          "shortest explicit form (one bookmark per device run), to review it "
+                          "as a config diff.")
     if device_map:
         mapping = ",".join(f"{k}={v}" for k, v in sorted(device_map.items()))
         paragraphs.append(f"Devices were renamed at build time by `--device-map {mapping}`; the "
@@ -279,8 +284,7 @@ def _device_table(graph: Graph, costs: Costs, devices: list[str],
     if capacity:
         columns.append("% of capacity")
     rows = []
-    for device in devices:
-        units = [u for u in costs.units if graph.nodes[u.node].devices[u.instance] == device]
+    for device, units in _units_by_device(graph, costs, devices).items():
         labels = unit_labels([u.unit for u in units])
         memory = sum(u.memory for u in units)
         row = [
@@ -310,6 +314,59 @@ def _device_table(graph: Graph, costs: Costs, devices: list[str],
         total.append("")
     rows.append(total)
     return Table(columns, rows)
+
+
+def _units_by_device(graph: Graph, costs: Costs, devices: list[str]) -> dict[str, list]:
+    """Each device (in report order) -> the costs of its units, in unit order."""
+    return {device: [u for u in costs.units if graph.nodes[u.node].devices[u.instance] == device]
+            for device in devices}
+
+
+def _charts(graph: Graph, costs: Costs, devices: list[str]) -> list[list[str]]:
+    """Bar charts of the device table's memory and parameters columns, one unit
+    for all devices, chosen by the largest (``MiB``, ``millions``)."""
+    units = _units_by_device(graph, costs, devices)
+    memory = [sum(u.memory for u in us) for us in units.values()]
+    params = [sum(u.params for u in us) for us in units.values()]
+    exponent = 0
+    while exponent < len(BYTE_UNITS) - 1 and max(memory) >= 1024 ** (exponent + 1):
+        exponent += 1
+    scale, name = next(((s, n) for s, n in COUNT_UNITS if max(params) >= s), (1, ""))
+    return [
+        _bar_chart(f"Estimated training memory per device in {BYTE_UNITS[exponent]}",
+                   BYTE_UNITS[exponent], devices, memory, 1024 ** exponent, 1 if exponent else 0),
+        _bar_chart(f"Parameters per device{f' in {name}' if name else ''}", name or "parameters",
+                   devices, params, scale, 2 if name else 0),
+    ]
+
+
+#: Units of the charts: bytes as ``human_bytes`` writes them; counts by thousands.
+BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB")
+COUNT_UNITS = ((10 ** 9, "billions"), (10 ** 6, "millions"), (10 ** 3, "thousands"))
+
+
+def _bar_chart(title: str, axis: str, devices: list[str], amounts: list[int], scale: int,
+               digits: int) -> list[str]:
+    values = [f"{a / scale:.{digits}f}" for a in amounts]
+    labels = ", ".join(f'"{mermaid_text(d)}"' for d in devices)
+    return [
+        "xychart-beta",
+        f'  title "{mermaid_text(title)}"',
+        f"  x-axis [{labels}]",
+        f'  y-axis "{mermaid_text(axis)}" 0 --> {_axis_top(max(float(v) for v in values))}',
+        f"  bar [{', '.join(values)}]",
+    ]
+
+
+def _axis_top(value: float) -> str:
+    """A round upper bound of a bar chart's axis: 1, 1.2, 1.5, 2, 2.5, 3, 4, 5,
+    6 or 8 times a power of ten, the smallest at least ``value`` (1 for 0)."""
+    if value <= 0:
+        return "1"
+    power = 10.0 ** math.floor(math.log10(value))
+    top = next(m * power for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10)
+               if m * power >= value * (1 - 1e-12))
+    return f"{top:.12g}"
 
 
 def _transfer_table(graph: Graph, costs: Costs) -> Table:

@@ -6,6 +6,21 @@ shapes fit) is the compiler's job. Alternative spellings the language allows
 (``x: [batch, 10]`` vs ``x: {shape: [...]}``, ``outputs: head`` vs ``[head]``)
 are normalised by ``mode="before"`` validators, so a validation error's
 ``loc`` always follows the YAML and can be mapped to a line and column.
+
+# NOTE: [The JSON Schema of the input language]
+# ``mpgen schema`` (``json_schema.py``) derives the JSON Schema of what a
+# spec may say from these models, and ``docs/spec-reference.md`` from that
+# schema: every key's description is its ``Field(description=...)``, every
+# section's its model's docstring. Where the Python type of a field is not
+# the form it is written in (``Annotated[Any, AfterValidator(...)]``, a
+# short form a ``mode="before"`` validator normalises), the models give that
+# form here, beside the validator: ``WithJsonSchema`` on a type,
+# ``__get_pydantic_json_schema__`` on a model with several forms. A form
+# made by :func:`form` is named: the schema defines it once (``$defs``) and
+# the reference lists it under "Types". A form may be looser than its
+# validator (a regular expression cannot check everything), never stricter:
+# ``tests/test_json_schema.py`` checks that the schema accepts every spec the
+# models accept.
 """
 
 from __future__ import annotations
@@ -23,14 +38,16 @@ from pydantic import (
     ConfigDict,
     Discriminator,
     Field,
+    GetJsonSchemaHandler,
     StrictBool,
     StrictInt,
     StrictStr,
     Tag,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic_core import PydanticCustomError, core_schema
 
 from mpgen.errors import did_you_mean, shown
 
@@ -188,17 +205,51 @@ def _mapping_of(what: str, example: str):
     return BeforeValidator(check)
 
 
+#: The key of a named form in a JSON Schema (NOTE [The JSON Schema of the
+#: input language]); ``json_schema.py`` turns it into a ``$ref``.
+FORM = "x-mpgen-form"
+
+
+def form(name: str, description: str, schema: dict) -> dict:
+    """The JSON Schema of a named form of value: a definition of its own."""
+    return {FORM: {"name": name, "schema": {**schema, "description": description}}}
+
+
+_SCALAR = {"type": ["null", "boolean", "number", "string"]}
+#: A keyword argument's name (:func:`kwarg_problem`) as a regular expression.
+KWARG_PATTERN = ("^(?!(?:" + "|".join(keyword.kwlist) + ")$)(?!__)[A-Za-z_][A-Za-z0-9_]*$")
+
+DEVICE_FORM = form("Device", "A device: `cpu` or `cuda:N` (N from 0 to 999).",
+                   {"type": "string", "pattern": _DEVICE.pattern})
+VALUE_FORM = form(
+    "Value",
+    "An argument value: a scalar (number, string, `true`/`false`, `null`) or a list of them, "
+    "nested at most two deep. In a block, `$name` is the block parameter `name`; a string "
+    "starting with `=` is an expression (`\"=3 * $dim\"`, `\"=size(idx, 1)\"`).",
+    {"anyOf": [_SCALAR, {"type": "array", "items": {
+        "anyOf": [_SCALAR, {"type": "array", "items": _SCALAR}]}}]})
+DIM_FORM = form(
+    "Dim", f"A dim of an input shape: a size from 1 to {MAX_DIM:,}, or a symbolic dim by "
+    "name (`batch` is the batch dim; `seq`, `h`, `w`...).",
+    # A name: an identifier, which a pattern can only approximate (no space,
+    # not starting with a digit: looser, never stricter).
+    {"anyOf": [{"type": "integer", "minimum": 1, "maximum": MAX_DIM},
+               {"type": "string", "pattern": r"^[^\s\d]\S*$"}]})
+KWARG_FORM = form(
+    "Keyword", "The name of a keyword argument: an ASCII identifier, not a Python keyword, "
+    "not starting with `__`.", {"type": "string", "pattern": KWARG_PATTERN})
+
 #: A device string, ``cpu`` or ``cuda:N``.
-Device = Annotated[Any, AfterValidator(check_device)]
+Device = Annotated[Any, AfterValidator(check_device), WithJsonSchema(DEVICE_FORM)]
 
 #: An argument value: a YAML scalar or a (nested) list of scalars.
-Value = Annotated[Any, AfterValidator(_check_value)]
+Value = Annotated[Any, AfterValidator(_check_value), WithJsonSchema(VALUE_FORM)]
 
 #: A dim of an input shape: a positive size or a symbolic name.
-Dim = Annotated[Any, AfterValidator(_check_dim)]
+Dim = Annotated[Any, AfterValidator(_check_dim), WithJsonSchema(DIM_FORM)]
 
 #: The name of a keyword argument, pasted into generated code: an identifier.
-KwargName = Annotated[str, AfterValidator(_check_kwarg_name)]
+KwargName = Annotated[str, AfterValidator(_check_kwarg_name), WithJsonSchema(KWARG_FORM)]
 
 
 def _one_or_many(value: Any) -> Any:
@@ -252,6 +303,28 @@ def _check_out_items(items: list, depth: int = 0) -> list:
     return items
 
 
+_NAME = {"type": "string"}
+
+
+def _names(depth: int) -> dict:
+    """JSON Schema: a non-empty list of names and lists of names, nested
+    ``depth`` levels below it (``_check_in_item``, ``_check_out_items``)."""
+    item = _NAME if depth == 0 else {"anyOf": [_NAME, _names(depth - 1)]}
+    return {"type": "array", "minItems": 1, "items": item}
+
+
+TUPLE_FORM = form("Tuple", "A tuple of names: a non-empty list of names and tuples, "
+                  "nested at most three deep (`[h, c]`, `[out, [h, c]]`).", _names(2))
+#: A name, or a non-empty list of them (:func:`_one_or_many`).
+_ONE_OR_MANY = {"anyOf": [_NAME, {"type": "array", "minItems": 1, "items": _NAME}]}
+#: A layer's ``in:``: a name, or a list of names, tuples and a last mapping.
+_IN_FORM = {"anyOf": [_NAME, {
+    "type": "array",
+    "items": {"anyOf": [_NAME, TUPLE_FORM, {
+        "type": "object", "propertyNames": KWARG_FORM, "additionalProperties": _NAME}]},
+    # At most one mapping (that it is the last item, the models check).
+    "contains": {"type": "object"}, "minContains": 0, "maxContains": 1}]}
+
 _INIT_FORM = ("an initializer like zeros, ones, {constant: 0.5}, {normal: {std: 0.02}} or "
               "{uniform: {a: -0.1, b: 0.1}}")
 
@@ -280,6 +353,18 @@ def _check_init_map(value: Any) -> Any:
     return value
 
 
+INITIALIZER_FORM = form(
+    "Initializer", "A `torch.nn.init` function, by its name without the trailing `_`, alone "
+    "or with its keyword arguments: `zeros`, `ones`, `{constant: 0.5}`, `{normal: {std: 0.02}}`, "
+    "`{uniform: {a: -0.1, b: 0.1}}`, `{kaiming_normal: {mode: fan_out, nonlinearity: relu}}`.",
+    {"anyOf": [_NAME, {"type": "object", "minProperties": 1, "maxProperties": 1,
+                       "additionalProperties": {"anyOf": [VALUE_FORM, {
+                           "type": "object", "additionalProperties": VALUE_FORM}]}}]})
+INITIALIZERS_FORM = form(
+    "Initializers", "Parameter -> initializer: `{weight: {normal: {std: 0.02}}, bias: zeros}`.",
+    {"type": "object", "propertyNames": KWARG_FORM, "additionalProperties": INITIALIZER_FORM})
+
+
 def _check_import(value: Any) -> Any:
     """An ``imports:`` entry: the top-level name of an installed package that
     dotted ops may import (``docs/spec.md``, "User modules")."""
@@ -303,18 +388,38 @@ def _check_import(value: Any) -> Any:
 #: A layer's ``init:``: parameter -> initializer; a plain value is instead the
 #: constructor's own ``init`` argument (``nn.PReLU(init=0.25)``).
 LayerInit = Annotated[Any, AfterValidator(
-    lambda v: v if _is_value(v) and not isinstance(v, list) else _check_init_map(v))]
+    lambda v: v if _is_value(v) and not isinstance(v, list) else _check_init_map(v)),
+    WithJsonSchema({"anyOf": [{"type": ["boolean", "number", "string"]}, INITIALIZERS_FORM]})]
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
 
 
-class InputSpec(_Model):
-    """A model input: its shape (ints and symbolic dims) and dtype."""
+def _json_forms(handler: GetJsonSchemaHandler, schema: core_schema.CoreSchema,
+                *others: dict) -> dict:
+    """The JSON Schema of a model written as a mapping of its fields or in one
+    of the ``others`` forms (which its ``mode="before"`` validator normalises)."""
+    json_schema = handler(schema)
+    model = handler.resolve_ref_schema(json_schema)
+    about = {key: model.pop(key) for key in ("title", "description") if key in model}
+    mapping = dict(model)
+    model.clear()
+    model.update(about, anyOf=[*others, mapping])
+    return json_schema
 
-    shape: list[Dim] = Field(min_length=1)
-    dtype: Dtype = "float32"
+
+class InputSpec(_Model):
+    """An entry of ``inputs``: a model input, its shape alone (``x: [batch, 10]``)
+    or its shape and dtype (``ids: {shape: [batch, seq], dtype: int64}``)."""
+
+    shape: list[Dim] = Field(min_length=1, description="The sizes and symbolic dims, in order.")
+    dtype: Dtype = Field("float32", description="The input's dtype.")
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema, handler):
+        return _json_forms(handler, schema, {"type": "array", "minItems": 1, "items": DIM_FORM,
+                                             "description": "The shape alone."})
 
     @model_validator(mode="before")
     @classmethod
@@ -328,32 +433,57 @@ class InputSpec(_Model):
 
 
 class LayerSpec(_Model):
-    """One entry of ``layers``; keys other than the five below are kwargs."""
+    """An entry of ``layers`` (of the model or of a block): ``{op: Linear,
+    args: [10, 20]}``. Keys other than those below are keyword arguments of
+    the op, checked against its real signature."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     # Extra keys are keyword arguments: names become code, values literals.
     __pydantic_extra__: dict[KwargName, Value]
 
-    op: StrictStr
+    op: StrictStr = Field(description=(
+        "What the layer is: a `torch.nn` class (`Linear`), a block, `torch.NAME` or `F.NAME` "
+        "(a tensor function), or the dotted path of your own `nn.Module` class."))
     # Names, nested lists (tuple arguments) and a last mapping (keywords);
     # ``in: []`` marks a factory.
     in_: Optional[Annotated[list[Annotated[Any, AfterValidator(_check_in_item)]],
-                            AfterValidator(_check_in_order)]] = Field(default=None, alias="in")
-    args: list[Value] = Field(default_factory=list)
-    repeat: Optional[StrictInt] = Field(default=None, ge=1, le=100_000)
+                            AfterValidator(_check_in_order), WithJsonSchema(_IN_FORM)]] = Field(
+        default=None, alias="in", description=(
+            "The input(s): a name or a list of names of model inputs, earlier layers' values "
+            "or (in a block) the block's inputs; a nested list passes a tuple, a last mapping "
+            "`{keyword: name}` passes tensors by keyword, `[]` marks a factory. Default: the "
+            "previous layer of the same mapping; for the first layer, the first input."))
+    args: list[Value] = Field(default_factory=list,
+                              description="Positional arguments of the op.")
+    repeat: Optional[StrictInt] = Field(default=None, ge=1, le=100_000, description=(
+        "N fresh copies applied one after another: `h` with `repeat: 12` has instances `h.0` "
+        "... `h.11`."))
     # mpgen extension: the element of a returned tuple that is the layer's
     # output (LSTM, MultiheadAttention return tuples): ``output: 0``.
-    output: Optional[StrictInt] = Field(default=None, ge=-100, le=100)
+    output: Optional[StrictInt] = Field(default=None, ge=-100, le=100, description=(
+        "The one element of the tuple the op returns that is the layer's output: `output: 0` "
+        "(mpgen)."))
     # The elements of a returned tuple, by name: ``outputs: [q, k, v]``.
-    outputs: Optional[Annotated[list[Any], AfterValidator(_check_out_items)]] = Field(
-        default=None, min_length=1)
+    outputs: Optional[Annotated[
+        list[Any], AfterValidator(_check_out_items),
+        WithJsonSchema({"type": "array", "minItems": 1, "items": {"anyOf": [_NAME, TUPLE_FORM]}}),
+    ]] = Field(default=None, min_length=1, description=(
+        "Names for the elements of the tuple the op returns: `[q, k, v]`; a nested list "
+        "names a nested tuple, `_` drops an element."))
     # Literal keyword arguments of a module's forward: ``call: {is_causal: true}``.
-    call: Optional[dict[KwargName, Value]] = None
+    call: Optional[dict[KwargName, Value]] = Field(default=None, description=(
+        "Literal keyword arguments (or expressions) of a module's `forward`: "
+        "`{is_causal: true}`."))
     # Shared parameters: ``tie: {weight: wte.weight}``.
-    tie: Optional[dict[KwargName, StrictStr]] = Field(default=None, min_length=1)
-    init_: Optional[LayerInit] = Field(default=None, alias="init")
+    tie: Optional[dict[KwargName, StrictStr]] = Field(default=None, min_length=1, description=(
+        "Parameters shared with an earlier layer: `{weight: wte.weight}`."))
+    init_: Optional[LayerInit] = Field(default=None, alias="init", description=(
+        "The layer's own initializers, applied after the top-level `init`; a plain value is "
+        "instead the constructor's `init` argument (`{op: PReLU, init: 0.25}`)."))
     # mpgen extension: recompute the layer in backward (torch.utils.checkpoint).
-    checkpoint: Optional[StrictBool] = None
+    checkpoint: Optional[StrictBool] = Field(default=None, description=(
+        "`true`: recompute the layer in backward instead of keeping its activations "
+        "(`torch.utils.checkpoint`; mpgen); each instance of a repeated layer."))
 
     _one_input = field_validator("in_", mode="before")(_one_or_many)
 
@@ -379,15 +509,22 @@ class LayerSpec(_Model):
 
 
 class BlockSpec(_Model):
-    """A reusable sub-graph, generated as its own ``nn.Module`` class."""
+    """An entry of ``blocks``: a reusable sub-graph, generated as its own
+    ``nn.Module`` class and used as a layer's ``op``. A block may use blocks
+    defined before it; an instance is placed whole."""
 
-    params: list[StrictStr] = Field(default_factory=list)
-    inputs: list[StrictStr] = Field(default_factory=lambda: ["x"], min_length=1)
+    params: list[StrictStr] = Field(default_factory=list, description=(
+        "The block's `__init__` arguments, read in its layers as `$name`."))
+    inputs: Annotated[list[StrictStr], WithJsonSchema(_ONE_OR_MANY)] = Field(
+        default_factory=lambda: ["x"], min_length=1, description="The block's input names.")
     layers: Annotated[
         dict[str, LayerSpec],
         _mapping_of("a mapping of layer name -> layer", "{fc: {op: Linear, args: [8, 8]}}"),
-    ] = Field(min_length=1)
-    outputs: Optional[list[StrictStr]] = Field(default=None, min_length=1)
+    ] = Field(min_length=1, description="The block's layers, in order: name -> layer.")
+    outputs: Optional[Annotated[list[StrictStr], WithJsonSchema(_ONE_OR_MANY)]] = Field(
+        default=None, min_length=1, description=(
+            "The block's output(s), returned as a tuple when there are several. Default: the "
+            "last layer."))
 
     @model_validator(mode="before")
     @classmethod
@@ -400,17 +537,33 @@ class BlockSpec(_Model):
     _one_input = field_validator("inputs", mode="before")(_one_or_many)
 
 
-class AutoPlacementSpec(_Model):
-    """``placement: {auto: ...}``: the compiler chooses a contiguous split."""
+#: A memory size, as :func:`parse_size` reads it.
+SIZE_FORM = form(
+    "MemorySize", "A memory size: `40GiB`, `512MB`, `1.5TB` (K, M, G, T: powers of 1000; "
+    "Ki, Mi, Gi, Ti: of 1024) or a number of bytes.",
+    {"anyOf": [{"type": "number", "exclusiveMinimum": 0}, {
+        "type": "string",
+        "pattern": r"^\s*[0-9]+(\.[0-9]+)?\s*([KkMmGgTt][Ii]?[Bb]|[Bb])?\s*$"}]})
 
-    devices: list[Device] = Field(min_length=1)
-    balance: Literal["params", "memory", "flops"] = "params"
-    capacity: dict[Device, Annotated[Any, AfterValidator(parse_size)]] = Field(
-        default_factory=dict
-    )
-    speed: dict[Device, Annotated[Any, AfterValidator(_check_speed)]] = Field(
-        default_factory=dict
-    )
+
+class AutoPlacementSpec(_Model):
+    """``placement: {auto: ...}``: mpgen chooses the layout, one contiguous
+    stage of layers per device, the exact optimum of ``balance``
+    (``docs/partition.md``)."""
+
+    devices: list[Device] = Field(min_length=1, json_schema_extra={"uniqueItems": True},
+                                  description="The devices, in stage order.")
+    balance: Literal["params", "memory", "flops"] = Field("params", description=(
+        "What a device's load counts: parameters, memory (the estimated training memory) or "
+        "flops."))
+    capacity: dict[Device, Annotated[Any, AfterValidator(parse_size), WithJsonSchema(SIZE_FORM)]] \
+        = Field(default_factory=dict, description=(
+            "The most estimated training memory a device may hold, whatever the balance: "
+            "`{cuda:0: 40GiB}`; no limit for a device not listed."))
+    speed: dict[Device, Annotated[Any, AfterValidator(_check_speed), WithJsonSchema(
+        {"type": "number", "exclusiveMinimum": 0})]] = Field(default_factory=dict, description=(
+            "Relative speeds (default 1): a device's load is its stage's cost divided by its "
+            "speed."))
 
     @field_validator("devices", mode="after")
     @classmethod
@@ -422,10 +575,28 @@ class AutoPlacementSpec(_Model):
 
 
 class PlacementSpec(_Model):
-    """Either ``explicit`` (layer key -> device) or ``auto``."""
+    """``placement``: the device layout, explicit or automatic. Explicit: layer
+    -> device, where a key is a layer, ``name.i`` or ``name.i-j`` (inclusive)
+    of a repeated layer; entries are bookmarks: a layer not named stays on the
+    device of the one before it, those before the first entry go to its
+    device. Automatic: ``{auto: {...}}``. Default: everything on cuda:0."""
 
+    # ``placement: {layer: device}``, as the models hold it (not a key of the YAML).
     explicit: dict[str, Device] = Field(default_factory=dict)
-    auto: Optional[AutoPlacementSpec] = None
+    auto: Optional[AutoPlacementSpec] = Field(default=None, description=(
+        "mpgen chooses the layout (`docs/partition.md`)."))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema, handler):
+        # The YAML's two forms (the validator ``_forms`` below): the explicit
+        # mapping itself, or ``{auto: ...}`` alone; ``explicit`` is not a key.
+        explicit = {"type": "object", "additionalProperties": DEVICE_FORM,
+                    "description": "Explicit: layer -> device."}
+        json_schema = _json_forms(handler, schema, explicit)
+        auto_form = handler.resolve_ref_schema(json_schema)["anyOf"][-1]
+        del auto_form["properties"]["explicit"]
+        auto_form["required"] = ["auto"]
+        return json_schema
 
     @model_validator(mode="before")
     @classmethod
@@ -439,14 +610,21 @@ class PlacementSpec(_Model):
 
 
 class PipelineSpec(_Model):
-    """``pipeline:``: the micro-batched forward and ``pp_<name>.py``'s defaults.
-    The schedule's name and the devices' use are the front end's to check."""
+    """``pipeline``: the micro-batched forward and the defaults of
+    ``pp_<name>.py`` (``docs/pipelining.md``)."""
 
-    microbatches: StrictInt = Field(ge=1, le=100_000)
+    # The schedule's name and the devices' use are the front end's to check.
+    microbatches: StrictInt = Field(ge=1, le=100_000, description=(
+        "M: `forward` splits every input with a `batch` dim into M micro-batches along it and "
+        "runs the stages over them; at most `train.batch_size`."))
     # mpgen extension: pp_<name>.py's default --schedule.
-    schedule: StrictStr = "1f1b"
+    schedule: StrictStr = Field("1f1b", description=(
+        "The default `--schedule` of `pp_<name>.py`: `gpipe`, `1f1b` or `interleaved` "
+        "(mpgen)."))
     # mpgen extension: every layer placed on these devices is checkpointed.
-    checkpoint: list[Device] = Field(default_factory=list)
+    checkpoint: list[Device] = Field(default_factory=list, description=(
+        "Devices whose module layers are all checkpointed (the spec's devices, before "
+        "`--device-map`; mpgen)."))
 
 
 class CallSpec(_Model):
@@ -454,7 +632,9 @@ class CallSpec(_Model):
 
     model_config = ConfigDict(extra="allow", strict=True)
     __pydantic_extra__: dict[KwargName, Value]
-    op: StrictStr
+    op: StrictStr = Field(description=(
+        "The class (or built-in schedule) by name, or your own loss or optimizer class by its "
+        "dotted path."))
 
     #: How the value is written, for the message when it is neither form.
     example: ClassVar[str] = "'Name' or {op: Name, ...}"
@@ -468,34 +648,49 @@ class CallSpec(_Model):
             raise _error("call", f"expected {cls.example}, got {shown(data)}")
         return data
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema, handler):
+        return _json_forms(handler, schema, {"type": "string", "description": "The name alone."})
+
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
 
 
 class LossSpec(CallSpec):
-    """``train.loss``: a ``torch.nn`` loss name, or ``{op: Name, **kwargs}``.
-    ``class_dim`` (class-index losses) is mpgen's: which dim of the output
-    holds the classes; it is not passed to the loss."""
+    """``train.loss``: a ``torch.nn`` loss, or your own loss class by its dotted
+    path, by name (``MSELoss``) or as ``{op: Name, ...}`` whose other keys are
+    the loss's keyword arguments."""
 
-    class_dim: Optional[StrictInt] = None
+    class_dim: Optional[StrictInt] = Field(default=None, description=(
+        "Which dim of the output holds the classes, for a class-index loss "
+        "(`CrossEntropyLoss`, `NLLLoss`, `MultiMarginLoss`); negative counts from the end "
+        "(mpgen; not passed to the loss). Default: dim 1, or the last when dim 1 is symbolic "
+        "and the last a number."))
 
     example: ClassVar[str] = "a loss like 'MSELoss' or {op: CrossEntropyLoss, label_smoothing: 0.1}"
 
 
 class OptimizerSpec(CallSpec):
-    """``train.optimizer``: a ``torch.optim`` class name, or ``{op: Name, **kwargs}``."""
+    """``train.optimizer``: a ``torch.optim`` optimizer, or your own
+    ``torch.optim.Optimizer`` subclass by its dotted path, by name (``SGD``) or
+    as ``{op: Name, ...}`` whose other keys are its keyword arguments (without
+    ``lr``, the optimizer's own default)."""
 
     example: ClassVar[str] = "an optimizer like 'SGD' or {op: AdamW, lr: 3.0e-4}"
 
 
 class SchedulerSpec(CallSpec):
-    """``train.scheduler``: a built-in schedule (``cosine``, ``linear``,
-    ``constant``) or a ``torch.optim.lr_scheduler`` class, by name or as
-    ``{op: Name, warmup: STEPS, **kwargs}``; the front end checks the keys
-    against the schedule."""
+    """``train.scheduler``: the learning rate's schedule, changed once per
+    optimizer step: a built-in schedule (``cosine``, ``linear``,
+    ``constant``, from the base learning rate to ``min_lr``, default 0) or a
+    ``torch.optim.lr_scheduler`` class, by name or as ``{op: Name, warmup:
+    STEPS, ...}`` whose other keys are its keyword arguments."""
 
-    warmup: StrictInt = Field(default=0, ge=0)
+    # The front end checks the other keys against the schedule.
+    warmup: StrictInt = Field(default=0, ge=0, description=(
+        "Steps over which the learning rate first rises linearly from 0 (not with "
+        "`ReduceLROnPlateau`)."))
 
     example: ClassVar[str] = ("a schedule like 'cosine', {op: cosine, warmup: 100} or "
                               "{op: StepLR, step_size: 30}")
@@ -525,17 +720,37 @@ def _check_data_path(text: str) -> str:
     return text
 
 
-class DataSpec(_Model):
-    """``train.data``/``train.eval_data``: a path, ``package.module:function``,
-    or ``{factory: ..., **kwargs}`` / ``{path: ...}``. Only the text is
-    checked: a factory's module is never imported at build time. Which of
-    ``factory``/``path`` is given, and that only a factory takes keyword
-    arguments, the front end checks (at the keys)."""
+_FACTORY_FORM = {"type": "string", "pattern": FACTORY.pattern}
+_DATA_PATH_FORM = {"type": "string", "pattern": r"^[^\x00\n\r]*("
+                   + "|".join(re.escape(suffix) for suffix in DATA_SUFFIXES) + ")$"}
 
+
+class DataSpec(_Model):
+    """``train.data``/``train.eval_data``: a file of tensors (``data/train.npz``,
+    or ``{path: ...}``) holding one tensor per model input, by name, plus
+    ``target``; or a factory ``package.module:function`` returning a
+    ``Dataset`` or ``DataLoader`` (or ``{factory: ..., KEYWORD: VALUE}``: the
+    other keys are its keyword arguments). A mapping gives exactly one of
+    ``factory`` and ``path``. The build checks the text only: it never imports
+    the factory's module."""
+
+    # Which of ``factory``/``path`` is given, and that only a factory takes
+    # keyword arguments, the front end checks (at the keys).
     model_config = ConfigDict(extra="allow", strict=True)
     __pydantic_extra__: dict[KwargName, Value]
-    factory: Optional[Annotated[StrictStr, AfterValidator(_check_factory)]] = None
-    path: Optional[Annotated[StrictStr, AfterValidator(_check_data_path)]] = None
+    factory: Optional[Annotated[StrictStr, AfterValidator(_check_factory),
+                                WithJsonSchema(_FACTORY_FORM)]] = Field(default=None, description=(
+        "`package.module:function`, called with the other keys as keyword arguments."))
+    path: Optional[Annotated[StrictStr, AfterValidator(_check_data_path),
+                             WithJsonSchema(_DATA_PATH_FORM)]] = Field(default=None, description=(
+        "A file ending in " + ", ".join(f"`{suffix}`" for suffix in DATA_SUFFIXES)
+        + ", relative to the working directory of the training script."))
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema, handler):
+        return _json_forms(handler, schema,
+                           {**_DATA_PATH_FORM, "description": "A file of tensors."},
+                           {**_FACTORY_FORM, "description": "A factory."})
 
     @model_validator(mode="before")
     @classmethod
@@ -604,62 +819,123 @@ def _loss_form(value: Any) -> str:
     return "one"
 
 
+def _loss_per_output(schema: dict) -> None:
+    """JSON Schema: the mapping of output -> loss is a mapping without ``op``
+    (:func:`_loss_form`), so that exactly one form of ``train.loss`` matches."""
+    next(form for form in schema["oneOf"] if form.get("type") == "object")["not"] = {
+        "required": ["op"]}
+
+
 class TrainSpec(_Model):
-    """Settings of the generated training script."""
+    """``train``: settings of the generated training script; every key is
+    optional, and each is also a flag of the script, whose default it sets."""
 
     loss: Annotated[
         Union[Annotated[LossSpec, Tag("one")], Annotated[dict[str, LossSpec], Tag("each")]],
         Discriminator(_loss_form),
-    ] = Field(default_factory=lambda: LossSpec(op="MSELoss"))
-    optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(op="SGD", lr=0.01))
-    batch_size: StrictInt = Field(default=32, ge=1)
-    steps: StrictInt = Field(default=100, ge=1)
-    seed: StrictInt = 0
-    log_every: StrictInt = Field(default=1, ge=1)
-    dims: dict[str, Annotated[StrictInt, Field(ge=1)]] = Field(default_factory=dict)
-    epochs: Optional[StrictInt] = Field(default=None, ge=1)
-    scheduler: Optional[SchedulerSpec] = None
-    grad_clip: Optional[Annotated[Any, AfterValidator(_check_grad_clip)]] = None
-    accumulate: StrictInt = Field(default=1, ge=1)
-    amp: Annotated[Any, AfterValidator(_check_amp)] = "off"
+    ] = Field(default_factory=lambda: LossSpec(op="MSELoss"), json_schema_extra=_loss_per_output,
+              description=("The loss; with several outputs, one loss applied to each, or a "
+                           "mapping of output name -> loss (mpgen)."))
+    optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(op="SGD", lr=0.01),
+                                     description="The optimizer.")
+    batch_size: StrictInt = Field(default=32, ge=1, description=(
+        "Samples per (micro-)batch, at most 2,147,483,647."))
+    steps: StrictInt = Field(default=100, ge=1, description=(
+        "Optimizer steps (each of `accumulate` micro-batches)."))
+    seed: StrictInt = Field(0, description=(
+        "The script's default seed: the model, the data order and every RNG; in "
+        "`[-2**63, 2**64 - 1]`."))
+    log_every: StrictInt = Field(default=1, ge=1, description="Print the loss every N steps.")
+    dims: dict[str, Annotated[StrictInt, Field(ge=1)]] = Field(default_factory=dict, description=(
+        "Sizes of symbolic dims (`seq: 128`) for synthetic data and the build's cost "
+        "estimates (default 16; at most 2,147,483,647)."))
+    epochs: Optional[StrictInt] = Field(default=None, ge=1, description=(
+        "Passes over the data; with `steps` too, whichever ends first."))
+    scheduler: Optional[SchedulerSpec] = Field(default=None, description=(
+        "The learning rate's schedule. Default: none (constant)."))
+    grad_clip: Optional[Annotated[Any, AfterValidator(_check_grad_clip), WithJsonSchema(
+        {"type": "number", "exclusiveMinimum": 0})]] = Field(default=None, description=(
+            "Clip the gradients' total norm to this before each step (`clip_grad_norm_`). "
+            "Default: no clipping."))
+    accumulate: StrictInt = Field(default=1, ge=1, description=(
+        "Micro-batches of `batch_size` whose gradients add up before each optimizer step."))
+    amp: Annotated[Any, AfterValidator(_check_amp), WithJsonSchema({"enum": [*AMP, False]})] = \
+        Field("off", description=(
+            "Autocast the forward and the loss to bfloat16, or to float16 with a `GradScaler`; "
+            "a bare `off` (which YAML reads as `false`) and `false` both mean off."))
     no_decay: Annotated[list[Annotated[Any, AfterValidator(_check_no_decay_kind)]],
-                        AfterValidator(_check_distinct)] = Field(default_factory=list)
-    data: Optional[DataSpec] = None
-    eval_data: Optional[DataSpec] = None
-    eval_every: StrictInt = Field(default=0, ge=0)
-    eval_split: Annotated[Any, AfterValidator(_check_fraction)] = 0.0
-    samples: StrictInt = Field(default=1024, ge=1)
-    workers: StrictInt = Field(default=0, ge=0, le=256)
+                        AfterValidator(_check_distinct),
+                        WithJsonSchema({"type": "array", "uniqueItems": True,
+                                        "items": {"enum": list(NO_DECAY)}})] = Field(
+        default_factory=list, description=(
+            "Parameters without weight decay (nanoGPT's two parameter groups); needs an "
+            "optimizer with a non-zero `weight_decay`."))
+    data: Optional[DataSpec] = Field(default=None, description=(
+        "The training data. Default: synthetic data shaped from the spec."))
+    eval_data: Optional[DataSpec] = Field(default=None, description=(
+        "The evaluation data. Default: none."))
+    eval_every: StrictInt = Field(default=0, ge=0, description=(
+        "Evaluate every N steps; 0: after the last step only, when there is evaluation data."))
+    eval_split: Annotated[Any, AfterValidator(_check_fraction), WithJsonSchema(
+        {"type": "number", "minimum": 0, "exclusiveMaximum": 1})] = Field(0.0, description=(
+            "Hold this fraction of the data out for evaluation; not with `eval_data`."))
+    samples: StrictInt = Field(default=1024, ge=1, description=(
+        "Samples in one epoch of synthetic data, at most 2,147,483,647."))
+    workers: StrictInt = Field(default=0, ge=0, le=256, description=(
+        "`DataLoader` worker processes."))
 
 
 class Spec(_Model):
-    """A whole spec file."""
+    """An mpgen spec, format version 1: a model, its device layout and its
+    training settings (``docs/spec.md``). Unknown keys are errors."""
 
-    mpgen: Annotated[Literal[1], BeforeValidator(_check_version)]
-    name: StrictStr
+    mpgen: Annotated[Literal[1], BeforeValidator(_check_version)] = Field(
+        description="The spec format version: the integer 1.")
+    name: StrictStr = Field(description=(
+        "The class name of the generated `nn.Module`; the generated files are named after it "
+        "in snake case (`SimpleModel` -> `simple_model.py`)."))
     inputs: Annotated[
         dict[str, InputSpec],
         _mapping_of("a mapping of input name -> shape", "{x: [batch, 10]}"),
-    ] = Field(min_length=1)
+    ] = Field(min_length=1, description=(
+        "The model's inputs, in order (forward's arguments): name -> shape."))
     blocks: Annotated[
         dict[str, BlockSpec],
         _mapping_of("a mapping of block name -> block", "{MLP: {params: [dim], layers: ...}}"),
-    ] = Field(default_factory=dict)
+    ] = Field(default_factory=dict, description=(
+        "Reusable sub-graphs, each a generated `nn.Module` class: name -> block."))
     layers: Annotated[
         dict[str, LayerSpec],
         _mapping_of("a mapping of layer name -> layer", "{fc: {op: Linear, args: [10, 20]}}"),
-    ] = Field(min_length=1)
-    outputs: Optional[list[StrictStr]] = Field(default=None, min_length=1)
-    placement: Optional[PlacementSpec] = None
+    ] = Field(min_length=1, description=(
+        "The layers, in order: name -> layer. A name is a Python identifier, not starting "
+        "with `__` and not an `nn.Module` attribute (`train`, `to`, `forward`...)."))
+    outputs: Optional[Annotated[list[StrictStr], WithJsonSchema(_ONE_OR_MANY)]] = Field(
+        default=None, min_length=1, description=(
+            "The model's output(s): layer or element names, returned as a tuple in this order "
+            "when there are several. Default: the last layer."))
+    placement: Optional[PlacementSpec] = Field(default=None, description="The device layout.")
     pipeline: Annotated[
         Optional[PipelineSpec],
         _mapping_of("the pipeline settings", "{microbatches: 4, schedule: 1f1b}"),
-    ] = None
-    train: Optional[TrainSpec] = None
+    ] = Field(default=None, description=(
+        "The micro-batched forward and the defaults of `pp_<name>.py`."))
+    train: Optional[TrainSpec] = Field(default=None, description=(
+        "Settings of the generated training script."))
     # module class -> parameter -> initializer
-    init: Optional[dict[StrictStr, Annotated[Any, AfterValidator(_check_init_map)]]] = None
+    init: Optional[dict[StrictStr, Annotated[
+        Any, AfterValidator(_check_init_map), WithJsonSchema(INITIALIZERS_FORM)]]] = Field(
+        default=None, description=(
+            "Parameter initialization by `torch.nn` class: class -> parameter -> initializer, "
+            "for every module of the class (and its subclasses) in module order, bias only "
+            "where the module has one; a layer's own init applies after."))
     # installed packages (top-level names) dotted ops may import
-    imports: Optional[list[Annotated[Any, AfterValidator(_check_import)]]] = None
+    imports: Optional[list[Annotated[Any, AfterValidator(_check_import), WithJsonSchema(
+        {"type": "string", "pattern": "^[^._][^.]*$", "not": {"enum": ["mpgen", "torch"]}})]]] \
+        = Field(default=None, description=(
+            "Installed packages, by top-level name, that dotted ops may import from besides the "
+            "spec's project: not dotted, not private, not torch, mpgen or the standard "
+            "library."))
 
     _one_output = field_validator("outputs", mode="before")(_one_or_many)
 

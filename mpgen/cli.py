@@ -120,16 +120,55 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--force", action="store_true",
                        help="overwrite files in DIR that mpgen did not generate")
     _compile_options(train)
-    schema = sub.add_parser(
-        "schema", help="print the JSON Schema of the spec language",
-        description="Print the JSON Schema of a spec (draft 2020-12; "
-                    "docs/mpgen-spec.schema.json), which editors complete and check specs with, "
-                    "or with --markdown the spec reference (docs/spec-reference.md); both are "
-                    "generated from mpgen's models.")
-    schema.add_argument("-o", "--out", metavar="FILE", help="write to FILE instead of printing")
-    schema.add_argument("--markdown", action="store_true",
-                        help="the reference of every key (docs/spec-reference.md) instead")
+    _import_command(sub)
     return parser
+
+
+def _import_command(sub) -> None:
+    """``mpgen import``: a spec from an existing nn.Module (docs/import.md)."""
+    cmd = sub.add_parser(
+        "import", help="write the spec of an existing nn.Module, traced with torch.fx",
+        description="Build CLASS from MODULE (the working directory on sys.path), trace it "
+                    "with torch.fx and print the equivalent spec (docs/import.md).")
+    cmd.add_argument("target", metavar="MODULE:CLASS")
+    cmd.add_argument("--args", metavar="JSON",
+                     help="the constructor's arguments: a JSON object (keywords) or list")
+    cmd.add_argument("--input", action="append", required=True, metavar="NAME=D0,D1,...",
+                     help="a forward argument's shape, dims as sizes or names (batch), "
+                          "optionally :DTYPE (idx=batch,seq:int64); once per argument")
+    cmd.add_argument("-o", "--out", metavar="SPEC", help="write the spec to SPEC, not stdout")
+    cmd.add_argument("--force", action="store_true", help="overwrite SPEC if it exists")
+    cmd.add_argument("--devices", type=int, metavar="N",
+                     help="an automatic placement over cuda:0 ... cuda:N-1")
+    cmd.add_argument("--time-limit", metavar="SECONDS", type=_seconds,
+                     help="seconds the check that the spec builds may take (0: no limit)")
+    cmd.set_defaults(device_map=None, root=None)
+
+
+def _import(args: argparse.Namespace) -> int:
+    from mpgen.commands import importer
+
+    inputs = [importer.parse_input(text) for text in args.input]
+    if args.devices is not None and args.devices < 1:
+        raise MpgenError(None, f"--devices {args.devices}: expected a number of GPUs >= 1")
+    root = importer.load_module(args.target, args.args)
+    command = ["mpgen", "import", args.target]
+    if args.args is not None:
+        command += ["--args", args.args]
+    for text in args.input:
+        command += ["--input", text]
+    if args.devices:
+        command += ["--devices", str(args.devices)]
+    imported = importer.import_module(root, inputs, shlex.join(command), args.devices,
+                                      args.time_limit)
+    for note in imported.notes:
+        _say(f"mpgen import: note: {note}", sys.stderr)
+    if args.out is None:
+        _say(imported.text.rstrip("\n"))
+    else:
+        importer.write_spec(imported.text, args.out, args.force)
+        _say(f"wrote {args.out} ({imported.name}, {imported.layers} layers)", sys.stderr)
+    return Exit.OK
 
 
 def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -255,19 +294,6 @@ def _run_script(command: list[str], env: dict[str, str]) -> int:
     return 128 - code if code < 0 else code
 
 
-def _schema(args: argparse.Namespace) -> int:
-    """``mpgen schema``: the JSON Schema of a spec, or the reference page."""
-    from mpgen.spec_schema import json_schema, reference
-
-    text = reference.reference_markdown() if args.markdown else json_schema.schema_text()
-    if args.out is None:
-        _say(text.rstrip("\n"))
-        return Exit.OK
-    Path(args.out).write_text(text, encoding="utf-8")
-    _say(f"wrote {args.out}")
-    return Exit.OK
-
-
 def _run(args: argparse.Namespace) -> int:
     from mpgen.compiler import pipeline
     from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
@@ -281,6 +307,8 @@ def _run(args: argparse.Namespace) -> int:
         return _check(args, device_map)
     if args.command == "train":
         return _train(args, device_map)
+    if args.command == "import":
+        return _import(args)
     if args.command == "show":
         from mpgen.commands import show as summary
 
@@ -322,8 +350,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     args.script_args = script_args
     try:
-        # schema: no spec, no options of a build, and no torch to import
-        return _schema(args) if args.command == "schema" else _run(args)
+        return _run(args)
     except MpgenError as exc:
         _say(str(exc), sys.stderr)
     except OSError as exc:  # the environment (a deleted working folder...), not the spec

@@ -1,0 +1,335 @@
+"""``mpgen import``: a module traced with torch.fx becomes a spec that builds
+into a model with the same parameters, in the same order, and the same
+outputs.
+
+Each model is written to a file in the test's folder (the working
+directory, where ``MODULE:CLASS`` is imported from), imported with the CLI,
+the spec built for the CPU, and the generated model given the original's
+parameters by position (``zip(original.parameters(), generated.parameters())``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import build_to, import_generated, mpgen
+from test_references import let_torchvision_import
+
+CPU = {"*": "cpu"}
+
+MODELS = '''
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ResidualCNN(nn.Module):
+    """conv-bn-relu, a residual add, pooling, flatten, a linear head."""
+
+    def __init__(self, classes=10):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 16, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU()
+        self.conv2 = nn.Conv2d(16, 16, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(16, eps=1e-3, momentum=0.2)
+        self.pool = nn.MaxPool2d(2)
+        self.head = nn.Linear(16 * 8 * 8, classes)
+
+    def forward(self, x):
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.relu(x + self.bn2(self.conv2(x)))
+        x = self.pool(x)
+        x = F.max_pool2d(x, 2)
+        x = x.view(x.size(0), -1)
+        return self.head(x)
+
+
+class MLP(nn.Module):
+    """A stack of identical layers in an nn.Sequential: one repeated layer."""
+
+    def __init__(self, dim=32, depth=4):
+        super().__init__()
+        self.inp = nn.Linear(8, dim)
+        self.blocks = nn.Sequential(*[nn.Linear(dim, dim) for _ in range(depth)])
+        self.act = nn.GELU(approximate="tanh")
+        self.out = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        return self.out(self.act(self.blocks(self.inp(x))))
+
+
+class TinyLM(nn.Module):
+    """Token and position embeddings, the head tied to the token embedding."""
+
+    def __init__(self, vocab=50, dim=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(32, dim)
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        pos = torch.arange(idx.size(1), device=idx.device)
+        h = self.wte(idx) + self.wpe(pos)
+        h = F.dropout(h, 0.1, self.training)
+        q, k = h.chunk(2, dim=-1)
+        h = torch.cat([k, q], dim=-1) * 0.5
+        return self.head(self.ln(h))
+
+
+class Branches(nn.Module):
+    """Registered in the opposite order of their use: the spec follows the
+    registration, so parameters pair by position."""
+
+    def __init__(self):
+        super().__init__()
+        self.second = nn.Linear(4, 4)
+        self.first = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.first(x) - self.second(x).transpose(0, 1).transpose(0, 1)
+
+
+class HeadFirst(nn.Module):
+    """The head registered before the layer it reads: no order can match."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 2)
+        self.body = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+class Shared(nn.Module):
+    """One module called twice: the second call shares its parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(6)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.fc(self.norm(x))))
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:
+            return self.fc(x)
+        return x
+
+
+class ToHalf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x).half()
+
+
+class RawParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+'''
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    (tmp_path / "importmodels.py").write_text(MODELS, encoding="utf-8")
+    return tmp_path
+
+
+def imported(project: Path, cls: str, *inputs: str, extra=()) -> str:
+    ran = mpgen("import", f"importmodels:{cls}", *[a for i in inputs for a in ("--input", i)],
+                *extra, cwd=project)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout
+
+
+def same_model(project: Path, spec_text: str, original: torch.nn.Module, *sample):
+    """Build ``spec_text``, copy ``original``'s parameters in order, compare."""
+    spec = project / "imported.yaml"
+    spec.write_text(spec_text, encoding="utf-8")
+    result = build_to(spec, project / "out", CPU)
+    (path,) = [project / "out" / n for n in result.files if n.endswith(".py")
+               and not n.startswith(("train_", "test_", "pp_"))]
+    generated = getattr(import_generated(path), result.graph.name)()
+    mine, theirs = list(original.parameters()), list(generated.parameters())
+    assert [p.shape for p in theirs] == [p.shape for p in mine]
+    with torch.no_grad():
+        for target, source in zip(theirs, mine):
+            target.copy_(source)
+    original.eval()
+    generated.eval()
+    torch.testing.assert_close(generated(*sample), original(*sample))
+    return generated
+
+
+def model(project: Path, cls: str, **kwargs) -> torch.nn.Module:
+    import sys
+    sys.path.insert(0, str(project))
+    torch.manual_seed(0)
+    return getattr(importlib.import_module("importmodels"), cls)(**kwargs)
+
+
+def test_residual_cnn(project):
+    text = imported(project, "ResidualCNN", "x=batch,3,32,32")
+    assert "conv1: {op: Conv2d, args: [3, 16, 3], padding: 1, bias: false}" in text
+    assert "bn2: {op: BatchNorm2d, args: [16], eps: 0.001, momentum: 0.2}" in text
+    assert 'view: {op: torch.reshape, shape: ["=size(max_pool2d, 0)", -1]}' in text
+    assert text.startswith("# Made by `mpgen import importmodels:ResidualCNN --input "
+                           "x=batch,3,32,32`")
+    same_model(project, text, model(project, "ResidualCNN"), torch.randn(3, 3, 32, 32))
+
+
+def test_identical_layers_in_a_sequential_are_one_repeated_layer(project):
+    text = imported(project, "MLP", "x=batch,8")
+    assert "  blocks: {op: Linear, args: [32, 32], repeat: 4}" in text
+    generated = same_model(project, text, model(project, "MLP"), torch.randn(5, 8))
+    # Named after the container: the state dicts have the same keys.
+    assert list(generated.state_dict()) == list(model(project, "MLP").state_dict())
+
+
+def test_a_shared_parameter_is_a_tie(project):
+    text = imported(project, "TinyLM", "idx=batch,seq:int64")
+    assert "tie: {weight: wte.weight}" in text
+    assert 'arange: {op: torch.arange, in: [], end: "=size(idx, 1)"}' in text
+    assert "dropout: {op: F.dropout, p: 0.1}" in text  # training follows the model's mode
+    assert "outputs: [getitem, getitem_1]" in text
+    original = model(project, "TinyLM")
+    generated = same_model(project, text, original, torch.randint(0, 50, (2, 12)))
+    assert sum(p.numel() for p in generated.parameters()) == sum(
+        p.numel() for p in original.parameters())
+
+
+def test_a_module_called_twice_shares_its_parameters(project):
+    text = imported(project, "Shared", "x=batch,6")
+    assert "fc_1: {op: Linear, args: [6, 6], tie: {weight: fc.weight, bias: fc.bias}}" in text
+    same_model(project, text, model(project, "Shared"), torch.randn(3, 6))
+
+
+def test_layers_follow_the_registration_order(project):
+    text = imported(project, "Branches", "x=batch,4")
+    assert text.index("second:") < text.index("first:")
+    same_model(project, text, model(project, "Branches"), torch.randn(3, 4))
+
+
+def test_an_order_that_cannot_match_is_noted(project):
+    ran = mpgen("import", "importmodels:HeadFirst", "--input", "x=batch,4", cwd=project)
+    assert ran.returncode == 0
+    assert "note: no order of the layers gives HeadFirst's parameter order" in ran.stderr
+
+
+def test_torchvision_resnet18(project):
+    pytest.importorskip("torchvision")
+    let_torchvision_import()
+    (project / "tvresnet.py").write_text(textwrap.dedent('''
+        from torchvision.models.resnet import BasicBlock, ResNet
+
+        class ResNet18(ResNet):
+            def __init__(self):
+                super().__init__(BasicBlock, [2, 2, 2, 2], num_classes=20)
+    '''), encoding="utf-8")
+    ran = mpgen("import", "tvresnet:ResNet18", "--input", "x=batch,3,64,64", cwd=project)
+    assert ran.returncode == 0, ran.stderr
+    assert "layer2_0_downsample_0: {op: Conv2d, in: layer1_1_relu_1" in ran.stdout
+    import sys
+    sys.path.insert(0, str(project))
+    torch.manual_seed(0)
+    original = importlib.import_module("tvresnet").ResNet18()
+    with torch.no_grad():  # running statistics away from their start, as trained
+        for module in original.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.weight.uniform_(0.5, 1.5)
+                module.bias.uniform_(-0.1, 0.1)
+    same_model(project, ran.stdout, original, torch.randn(2, 3, 64, 64))
+
+
+def test_output_file_and_devices(project):
+    ran = mpgen("import", "importmodels:MLP", "--input", "x=batch,8", "--devices", "2",
+                "-o", "mlp.yaml", cwd=project)
+    assert ran.returncode == 0, ran.stderr
+    text = (project / "mlp.yaml").read_text()
+    assert "placement:\n  auto:\n    devices: [cuda:0, cuda:1]\n" in text
+    again = mpgen("import", "importmodels:MLP", "--input", "x=batch,8", "-o", "mlp.yaml",
+                  cwd=project)
+    assert again.returncode == 2
+    assert "mlp.yaml: exists; refusing to overwrite it (pass --force)" in again.stderr
+    assert (project / "mlp.yaml").read_text() == text
+    forced = mpgen("import", "importmodels:MLP", "--input", "x=batch,8", "-o", "mlp.yaml",
+                   "--force", cwd=project)
+    assert forced.returncode == 0 and "placement" not in (project / "mlp.yaml").read_text()
+
+
+def test_constructor_arguments(project):
+    text = imported(project, "MLP", "x=batch,8", extra=("--args", '{"dim": 16, "depth": 2}'))
+    assert "blocks: {op: Linear, args: [16, 16], repeat: 2}" in text
+    assert "act: {op: GELU, approximate: tanh}" in text
+    positional = imported(project, "MLP", "x=batch,8", extra=("--args", "[16, 2]"))
+    assert positional.split("\n", 1)[1] == text.split("\n", 1)[1]
+
+
+@pytest.mark.parametrize("cls, expected", [
+    ("Branchy", "importmodels.py:{line}:{col}: torch.fx cannot trace Branchy.forward: "
+                "TraceError: symbolically traced variables cannot be used as inputs to "
+                "control flow"),
+    ("ToHalf", "importmodels.py:{line}:{col}: fx node 'half' (call_method half): the tensor "
+               "method 'half' has no torch function a spec can apply (torch.NAME)"),
+    ("RawParameter", "importmodels.py:{line}:{col}: fx node 'scale' (get_attr scale): forward "
+                     "reads a parameter of the module as a tensor (self.scale)"),
+])
+def test_what_cannot_be_expressed_is_an_error_at_its_line(project, cls, expected):
+    ran = mpgen("import", f"importmodels:{cls}", "--input", "x=batch,4", "-o", "out.yaml",
+                cwd=project)
+    assert ran.returncode == 2
+    assert "Traceback" not in ran.stderr
+    source = MODELS.splitlines()
+    start = source.index(f"class {cls}(nn.Module):")
+    line = next(i for i in range(start, len(source))
+                if "if x.sum()" in source[i] or "half()" in source[i] or "self.scale\n" in
+                source[i] + "\n")
+    col = len(source[line]) - len(source[line].lstrip()) + 1
+    if cls == "Branchy":
+        col = source[line].index("x.sum()") + 1
+    assert ran.stderr.startswith(expected.format(line=line + 1, col=col)), ran.stderr
+    assert not (project / "out.yaml").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (("importmodels:MLP", "--input", "y=batch,8"),
+     "--input y: MLP.forward has no argument 'y'; its arguments: x"),
+    (("importmodels:MLP", "--input", "x=batch,0"),
+     "--input 'x=batch,0': '0' is not a size"),
+    (("importmodels:MLP", "--input", "x=batch,8:float"),
+     "--input 'x=batch,8:float': unknown dtype 'float'"),
+    (("importmodels:Mlp", "--input", "x=batch,8"),
+     "importmodels:Mlp: importmodels has no nn.Module class 'Mlp' (did you mean 'MLP'?)"),
+    (("importmodels:MLP", "--input", "x=batch,8", "--args", '{"width": 3}'),
+     "MLP(width=3) failed: TypeError"),
+    (("importmodels:MLP", "--input", "x=batch,4"),
+     "fx node 'inp' (call_module inp): fails on sample inputs of the --input shapes"),
+])
+def test_bad_command_lines(project, args, message):
+    ran = mpgen("import", *args, cwd=project)
+    assert ran.returncode == 2
+    assert message in ran.stderr, ran.stderr
+    assert "Traceback" not in ran.stderr

@@ -120,6 +120,15 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--force", action="store_true",
                        help="overwrite files in DIR that mpgen did not generate")
     _compile_options(train)
+    schema = sub.add_parser(
+        "schema", help="print the JSON Schema of the spec language",
+        description="Print the JSON Schema of a spec (draft 2020-12; "
+                    "docs/mpgen-spec.schema.json), which editors complete and check specs with, "
+                    "or with --markdown the spec reference (docs/spec-reference.md); both are "
+                    "generated from mpgen's models.")
+    schema.add_argument("-o", "--out", metavar="FILE", help="write to FILE instead of printing")
+    schema.add_argument("--markdown", action="store_true",
+                        help="the reference of every key (docs/spec-reference.md) instead")
     _import_command(sub)
     return parser
 
@@ -294,6 +303,19 @@ def _run_script(command: list[str], env: dict[str, str]) -> int:
     return 128 - code if code < 0 else code
 
 
+def _schema(args: argparse.Namespace) -> int:
+    """``mpgen schema``: the JSON Schema of a spec, or the reference page."""
+    from mpgen.spec_schema import json_schema, reference
+
+    text = reference.reference_markdown() if args.markdown else json_schema.schema_text()
+    if args.out is None:
+        _say(text.rstrip("\n"))
+        return Exit.OK
+    Path(args.out).write_text(text, encoding="utf-8")
+    _say(f"wrote {args.out}")
+    return Exit.OK
+
+
 def _run(args: argparse.Namespace) -> int:
     from mpgen.compiler import pipeline
     from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
@@ -350,7 +372,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     args.script_args = script_args
     try:
-        return _run(args)
+        # schema: no spec, no options of a build, and no torch to import
+        return _schema(args) if args.command == "schema" else _run(args)
     except MpgenError as exc:
         _say(str(exc), sys.stderr)
     except OSError as exc:  # the environment (a deleted working folder...), not the spec

@@ -59,12 +59,43 @@ def _compile_options(command: argparse.ArgumentParser) -> None:
                               "budget in docs/spec.md, 'Limits'; 0: no limit)")
 
 
+def _project_commands(sub) -> None:
+    """``init``, ``ci-summary`` and ``completion``: starting and running a project."""
+    init = sub.add_parser("init", help="write a commented starter spec",
+                          description="Write NAME.yaml (default model.yaml), a commented "
+                                      "starter spec: the two-GPU model of PyTorch's "
+                                      "model-parallel tutorial. An existing file is never "
+                                      "replaced.")
+    init.add_argument("name", nargs="?", default="model", metavar="NAME",
+                      help="the spec's file name without .yaml; the class is named after it "
+                           "(default: model, class Model)")
+    init.set_defaults(device_map=None, root=None, time_limit=None)
+    summary = sub.add_parser(
+        "ci-summary", help="the layout changes of a pull request, in Markdown",
+        description="Print, as Markdown, the layout changes of the specs that differ between "
+                    "the merge base of REV and HEAD and the working tree: mpgen diff "
+                    "BASE:path path for each (docs/ci.md). Without SPECs: the changed "
+                    "*.yaml/*.yml files with a top-level 'mpgen:' key. Exit 2 when a spec "
+                    "does not compile (it is shown with its errors).")
+    summary.add_argument("--base", required=True, metavar="REV",
+                         help="what the pull request merges into, e.g. origin/main")
+    summary.add_argument("specs", nargs="*", metavar="SPEC", help="only these specs")
+    _compile_options(summary)
+    summary.set_defaults(device_map=None)
+    completion = sub.add_parser("completion", help="print a shell completion script",
+                                description="Print the completion script of bash or zsh "
+                                            "(needs shtab: pip install 'mpgen[completion]'); "
+                                            "e.g. mpgen completion bash > "
+                                            "~/.local/share/bash-completion/completions/mpgen")
+    completion.add_argument("shell", choices=("bash", "zsh"))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpgen",
         description="Compile a YAML model spec into standalone model-parallel PyTorch code.",
     )
-    parser.add_argument("--version", action="version", version=f"mpgen {__version__}")
+    parser.add_argument("-V", "--version", action="version", version=f"mpgen {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in (
         ("build", "generate the model, training script and tests"),
@@ -129,6 +160,7 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("-o", "--out", metavar="FILE", help="write to FILE instead of printing")
     schema.add_argument("--markdown", action="store_true",
                         help="the reference of every key (docs/spec-reference.md) instead")
+    _project_commands(sub)
     _import_command(sub)
     return parser
 
@@ -316,7 +348,50 @@ def _schema(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _init(args: argparse.Namespace) -> int:
+    from mpgen.commands import init
+
+    starter = init.starter(args.name)
+    init.write(starter)
+    _say(f"wrote {starter.path}: the {starter.class_name} starter spec; next:")
+    for line in starter.next_steps():
+        _say(line)
+    return Exit.OK
+
+
+def _ci_summary(args: argparse.Namespace) -> int:
+    from mpgen.commands import ci_summary
+
+    result = ci_summary.summarize(args.base, args.specs or None, args.root, args.time_limit)
+    _say(result.markdown.rstrip("\n"))
+    if result.failed:
+        _say(f"mpgen ci-summary: does not compile: {', '.join(result.failed)}", sys.stderr)
+        return Exit.ERROR
+    return Exit.OK
+
+
+def _completion(args: argparse.Namespace) -> int:
+    """A completion script from the parser itself (shtab, an optional extra)."""
+    try:
+        import shtab
+    except ImportError:
+        raise MpgenError(None, "mpgen completion needs shtab: pip install shtab "
+                               "(or mpgen[completion])") from None
+    parser = _parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command in commands.choices.values():
+        for action in command._actions:
+            if action.dest in ("spec", "specs", "old", "new"):
+                action.complete = shtab.FILE
+            elif action.dest in ("out", "root"):
+                action.complete = shtab.DIRECTORY
+    _say(shtab.complete(parser, shell=args.shell).rstrip("\n"))
+    return Exit.OK
+
+
 def _run(args: argparse.Namespace) -> int:
+    if args.command == "completion":  # no spec, no torch
+        return _completion(args)
     from mpgen.compiler import pipeline
     from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 
@@ -329,6 +404,10 @@ def _run(args: argparse.Namespace) -> int:
         return _check(args, device_map)
     if args.command == "train":
         return _train(args, device_map)
+    if args.command == "init":
+        return _init(args)
+    if args.command == "ci-summary":
+        return _ci_summary(args)
     if args.command == "import":
         return _import(args)
     if args.command == "show":

@@ -1,0 +1,338 @@
+"""mpgen in a project's tooling: the pre-commit hooks, the CI workflow and its
+pull-request summary (``mpgen ci-summary``), ``.gitattributes``, completion.
+
+pre-commit runs for real (the test extra installs it): a hook defined by
+``.pre-commit-hooks.yaml`` runs as a ``repo: local`` hook with
+``language: system``, i.e. the installed mpgen; what ``language: python``
+adds, a virtualenv with mpgen installed from its repository, needs the
+network and torch's download, and is not exercised here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from helpers import EXAMPLES, ROOT, mpgen, write_spec
+
+BIN = Path(sys.executable).parent  # the environment's mpgen, pre-commit
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                          cwd=repo, check=True, capture_output=True, text=True).stdout
+
+
+def new_repo(path: Path) -> Path:
+    path.mkdir(exist_ok=True)
+    git(path, "init", "-q", "-b", "main")
+    return path
+
+
+def spec_text(name: str, second_device: str = "cuda:1", width: int = 20) -> str:
+    return textwrap.dedent(f"""\
+        mpgen: 1
+        name: {name}
+        inputs:
+          x: [batch, 10]
+        layers:
+          layer1: {{op: Linear, args: [10, {width}]}}
+          layer2: {{op: Linear, args: [{width}, 10]}}
+        placement:
+          layer1: cuda:0
+          layer2: {second_device}
+        """)
+
+
+def hooks() -> dict[str, dict]:
+    loaded = yaml.safe_load((ROOT / ".pre-commit-hooks.yaml").read_text())
+    return {hook["id"]: hook for hook in loaded}
+
+
+# -- pre-commit ------------------------------------------------------------
+
+def test_the_hooks_file_declares_check_and_a_manual_build():
+    found = hooks()
+    check, build = found["mpgen-check"], found["mpgen-build"]
+    assert check["entry"] == "mpgen check" and build["entry"] == "mpgen build"
+    for hook in (check, build):
+        assert hook["language"] == "python"
+        assert hook["pass_filenames"] is False  # every spec, or those of [tool.mpgen]
+        files = re.compile(hook["files"])
+        for name in ("model.yaml", "specs/gpt.yml", "generated/model.py", "pyproject.toml",
+                     "sub/pyproject.toml"):
+            assert files.search(name), name
+        for name in ("README.md", "model.yaml.bak", "notpyproject.toml"):
+            assert not files.search(name), name
+    assert "stages" not in check and build["stages"] == ["manual"]
+
+
+@pytest.mark.parametrize("hook", ["mpgen-check", "mpgen-build"])
+def test_each_hook_entry_runs(hook):
+    entry = hooks()[hook]["entry"].split()
+    done = subprocess.run([str(BIN / entry[0]), *entry[1:], "--help"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith(f"usage: mpgen {entry[1]}")
+
+
+def pre_commit(repo: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}",
+           "PRE_COMMIT_HOME": str(tmp_path / "pre-commit-home")}
+    return subprocess.run([str(BIN / "pre-commit"), "run", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def local_config(repo: Path, hook_id: str, args: list[str] | None = None) -> None:
+    """``.pre-commit-config.yaml`` running our hook as installed: its definition,
+    with ``language: system`` (no virtualenv to build) and ``args``."""
+    hook = {**hooks()[hook_id], "language": "system", **({"args": args} if args else {})}
+    config = {"repos": [{"repo": "local", "hooks": [hook]}]}
+    (repo / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+def test_pre_commit_runs_the_check_hook_with_specs_as_args(tmp_path):
+    repo = new_repo(tmp_path / "repo")
+    write_spec(repo, spec_text("SimpleModel"), "model.yaml")
+    assert mpgen("build", "model.yaml", cwd=repo).returncode == 0
+    local_config(repo, "mpgen-check", ["model.yaml"])
+    git(repo, "add", ".")
+
+    done = pre_commit(repo, tmp_path, "--all-files")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"mpgen check\.+Passed", done.stdout)
+
+    # A hand edit of the generated code fails the hook, with the diff and the fix.
+    model = repo / "generated" / "simple_model.py"
+    model.write_text(model.read_text().replace("nn.Linear(10, 20)", "nn.Linear(10, 21)"))
+    done = pre_commit(repo, tmp_path, "--all-files")
+    assert done.returncode == 1
+    assert re.search(r"mpgen check\.+Failed", done.stdout)
+    assert "+        self.layer1 = nn.Linear(10, 20)" in done.stdout
+    assert "run: mpgen build model.yaml" in done.stdout
+
+    # Only a staged spec, generated file or pyproject.toml starts it.
+    (repo / "notes.md").write_text("notes\n")
+    git(repo, "add", "notes.md")
+    done = pre_commit(repo, tmp_path, "--files", "notes.md")
+    assert done.returncode == 0 and re.search(r"mpgen check\.+\(no files to check\)Skipped",
+                                              done.stdout), done.stdout
+
+
+# -- mpgen ci-summary ----------------------------------------------------------
+
+@pytest.fixture
+def pull_request(tmp_path) -> Path:
+    """A repository whose branch ``pr`` moves a layer of one spec, adds a spec,
+    deletes another and edits a YAML file that is no spec, after ``main``."""
+    repo = new_repo(tmp_path / "repo")
+    write_spec(repo, spec_text("Moved"), "moved.yaml")
+    (repo / "models").mkdir()
+    write_spec(repo / "models", spec_text("Gone", width=30), "gone.yml")
+    (repo / "settings.yaml").write_text("lr: 1\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "base")
+    git(repo, "checkout", "-q", "-b", "pr")
+    write_spec(repo, spec_text("Moved", "cuda:0"), "moved.yaml")
+    git(repo, "rm", "-q", "models/gone.yml")  # and its folder
+    (repo / "models").mkdir()
+    write_spec(repo / "models", spec_text("Added", "cpu", width=7), "added.yaml")
+    (repo / "settings.yaml").write_text("lr: 2\n")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "the pull request")
+    return repo
+
+
+def test_ci_summary_of_a_pull_request(pull_request):
+    base = git(pull_request, "rev-parse", "--short=12", "main").strip()
+    ran = mpgen("ci-summary", "--base", "main", cwd=pull_request)
+    assert ran.returncode == 0, ran.stderr
+    text = ran.stdout
+    assert text.startswith("## mpgen: layout changes\n\n"
+                           f"3 specs changed since `main` (merge base `{base}`):\n\n"
+                           "| spec | change |\n|---|---|\n"
+                           "| `models/added.yaml` | new |\n"
+                           "| `models/gone.yml` | deleted |\n"
+                           "| `moved.yaml` | changed |\n")
+    assert "settings.yaml" not in text  # no top-level mpgen: key on either side
+    sections = dict(re.findall(r"^### ([^\n]+)\n\n```text\n(.*?)\n```$", text, re.S | re.M))
+    assert set(sections) == {"`models/added.yaml` (new)", "`moved.yaml` (changed)"}
+    moved = sections["`moved.yaml` (changed)"]
+    assert moved.startswith(f"--- {base}:moved.yaml\n+++ moved.yaml\n")
+    assert "  layer2: cuda:1 -> cuda:0" in moved
+    assert "  - layer1 [batch, 20]: cuda:0 -> cuda:1 (2,560 bytes)" in moved  # 32 x 20 x 4
+    added = sections["`models/added.yaml` (new)"]
+    assert re.search(r"^layer1 +Linear +cuda:0 +\[batch, 7\] +77$", added, re.M)
+    assert re.search(r"^layer2 +Linear +cpu +\[batch, 10\] +80$", added, re.M)
+
+
+def test_ci_summary_of_named_specs_and_uncommitted_changes(pull_request):
+    # The working tree is the new side, from a subfolder too; SPECs choose.
+    write_spec(pull_request, spec_text("Moved", "cuda:2"), "moved.yaml")
+    ran = mpgen("ci-summary", "--base", "main", "../moved.yaml", cwd=pull_request / "models")
+    assert ran.returncode == 0, ran.stderr
+    assert "1 spec changed" in ran.stdout and "added.yaml" not in ran.stdout
+    assert "  layer2: cuda:1 -> cuda:2" in ran.stdout
+    ran = mpgen("ci-summary", "--base", "pr", cwd=pull_request)
+    assert "  layer2: cuda:0 -> cuda:2" in ran.stdout
+
+
+def test_ci_summary_of_a_renamed_spec(pull_request):
+    git(pull_request, "mv", "moved.yaml", "renamed.yaml")
+    ran = mpgen("ci-summary", "--base", "main", "renamed.yaml", cwd=pull_request)
+    assert "| `renamed.yaml` | renamed from `moved.yaml` |" in ran.stdout
+    assert "+++ renamed.yaml" in ran.stdout and "  layer2: cuda:1 -> cuda:0" in ran.stdout
+
+
+def test_ci_summary_when_nothing_changed(pull_request):
+    ran = mpgen("ci-summary", "--base", "HEAD", cwd=pull_request)
+    assert ran.returncode == 0
+    head = git(pull_request, "rev-parse", "--short=12", "HEAD").strip()
+    assert ran.stdout == ("## mpgen: layout changes\n\n"
+                          f"No spec changed since `HEAD` (merge base `{head}`).\n")
+
+
+def test_ci_summary_shows_a_spec_that_does_not_compile_and_exits_2(pull_request):
+    text = spec_text("Moved").replace("layer2: cuda:1", "layer2: cuda1")
+    write_spec(pull_request, text, "moved.yaml")
+    ran = mpgen("ci-summary", "--base", "main", cwd=pull_request)
+    assert ran.returncode == 2
+    assert ("### `moved.yaml` (changed)\n\n```text\ndoes not compile:\n"
+            "moved.yaml:10:11: placement of 'layer2': invalid device 'cuda1'") in ran.stdout
+    assert "### `models/added.yaml` (new)" in ran.stdout  # the others still shown
+    assert ran.stderr == "mpgen ci-summary: does not compile: moved.yaml\n"
+
+
+def test_ci_summary_refuses_a_base_it_cannot_find(pull_request, tmp_path):
+    ran = mpgen("ci-summary", "--base", "origin/main", cwd=pull_request)
+    assert ran.returncode == 2 and ran.stdout == ""
+    assert ran.stderr.startswith("mpgen ci-summary: git merge-base failed: ")
+    assert "fetch-depth: 0" in ran.stderr
+    ran = mpgen("ci-summary", "--base=--output=x", cwd=pull_request)
+    assert ran.returncode == 2
+    assert "'--output=x' is not a revision" in ran.stderr and not (pull_request / "x").exists()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    ran = mpgen("ci-summary", "--base", "main", cwd=outside)
+    assert ran.returncode == 2 and "git rev-parse failed" in ran.stderr
+
+
+# -- the GitHub Actions workflow -----------------------------------------------
+
+WORKFLOW = ROOT / "docs" / "examples" / "mpgen.yml"
+
+
+def workflow_steps() -> dict[str, dict]:
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    return {step.get("name", step.get("uses")): step
+            for step in workflow["jobs"]["mpgen"]["steps"]}
+
+
+def test_the_workflow_is_the_one_docs_ci_shows():
+    shown = (ROOT / "docs" / "ci.md").read_text()
+    assert f"```yaml\n{WORKFLOW.read_text()}```" in shown
+    steps = workflow_steps()
+    assert steps["actions/checkout@v4"]["with"]["fetch-depth"] == 0  # the merge base
+    assert steps["Generated code is current"]["run"].startswith("mpgen check")
+
+
+def test_the_workflow_summary_step_runs(pull_request, tmp_path):
+    # The step's own script, as the runner gives it: origin/$BASE fetched,
+    # $GITHUB_STEP_SUMMARY a file it appends to.
+    step = workflow_steps()["Layout changes"]
+    assert step["env"] == {"BASE": "${{ github.base_ref }}"}
+    git(pull_request, "update-ref", "refs/remotes/origin/main", "main")
+    summary = tmp_path / "step_summary.md"
+    summary.write_text("earlier step\n")
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "BASE": "main",
+           "GITHUB_STEP_SUMMARY": str(summary)}
+    done = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=pull_request, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    text = summary.read_text()
+    assert text.startswith("earlier step\n## mpgen: layout changes\n")
+    assert "3 specs changed since `origin/main`" in text
+    assert "  layer2: cuda:1 -> cuda:0" in text
+
+
+# -- installing mpgen elsewhere -------------------------------------------------
+
+def test_a_wheel_holds_the_templates_and_the_command(tmp_path):
+    # README, "Installing mpgen in your project": a wheel built from the
+    # sources (a copy, so that no build folder lands in the tree).
+    source = tmp_path / "mpgen-src"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "mpgen", source / "mpgen",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
+                           "--no-build-isolation", "-q", "-w", str(tmp_path / "dist"),
+                           str(source)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("mpgen-*-py3-none-any.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    templates = {f"mpgen/templates/{t.name}"
+                 for t in (ROOT / "mpgen" / "templates").glob("*.jinja")}
+    assert "mpgen/templates/starter.yaml.jinja" in templates and templates <= names
+    assert "mpgen/commands/ci_summary.py" in names
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    assert "mpgen = mpgen.cli:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
+
+
+# -- .gitattributes, version, completion ---------------------------------------
+
+def test_generated_code_is_marked_generated_but_not_the_reports():
+    out = git(ROOT, "check-attr", "linguist-generated", "generated/simple_model.py",
+              "generated/train_simple_model.py", "generated/simple_model.placement.md")
+    assert out.splitlines() == [
+        "generated/simple_model.py: linguist-generated: true",
+        "generated/train_simple_model.py: linguist-generated: true",
+        "generated/simple_model.placement.md: linguist-generated: unset",
+    ]
+
+
+@pytest.mark.parametrize("flag", ["-V", "--version"])
+def test_version(flag):
+    from mpgen import __version__
+
+    ran = mpgen(flag)
+    assert (ran.returncode, ran.stdout) == (0, f"mpgen {__version__}\n")
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_script_completes_commands_and_files(shell, tmp_path):
+    ran = mpgen("completion", shell)
+    assert ran.returncode == 0, ran.stderr
+    for command in ("build", "check", "ci-summary", "init", "place", "diff", "train"):
+        assert command in ran.stdout
+    if shell == "bash":  # sourced, it completes a command and a spec file
+        (tmp_path / "seed.yaml").write_text((EXAMPLES / "seed.yaml").read_text())
+        script = tmp_path / "mpgen.bash"
+        script.write_text(ran.stdout)
+        probe = (f"source {script}; COMP_WORDS=(mpgen ci-s); COMP_CWORD=1; _shtab_mpgen; "
+                 "echo ${COMPREPLY[@]}; COMP_WORDS=(mpgen build se); COMP_CWORD=2; "
+                 "_shtab_mpgen; echo ${COMPREPLY[@]}")
+        done = subprocess.run(["bash", "-c", probe], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+        assert done.stdout.split("\n")[:2] == ["ci-summary", "seed.yaml"], done.stderr
+
+
+def test_the_documented_local_hook_is_the_hook_on_the_installed_mpgen():
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "ci.md").read_text(), re.S)
+    configs = [yaml.safe_load(b) for b in blocks if b.startswith("repos:")]
+    local = next(c for c in configs if c["repos"][0]["repo"] == "local")["repos"][0]["hooks"][0]
+    hook = hooks()["mpgen-check"]
+    assert local == {**{k: hook[k] for k in local}, "language": "system"}
+    assert set(hook) - set(local) == {"description"}
+    remote = next(c for c in configs if c["repos"][0]["repo"] != "local")["repos"][0]
+    assert remote["hooks"] == [{"id": "mpgen-check"}]

@@ -84,6 +84,34 @@ class TinyLM(nn.Module):
         return self.head(self.ln(h))
 
 
+class Residual(nn.Module):
+    def __init__(self, width, scale=1.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, width)
+        self.scale = scale
+
+    def forward(self, x):
+        return x + self.fc(F.gelu(self.norm(x))) * self.scale
+
+
+class Stack(nn.Module):
+    """Alike residual blocks of a user module, then one that differs."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(5, 12)
+        self.blocks = nn.ModuleList([Residual(12) for _ in range(3)])
+        self.last = Residual(12, scale=0.5)
+        self.head = nn.Linear(12, 2)
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.last(x))
+
+
 class Branches(nn.Module):
     """Registered in the opposite order of their use: the spec follows the
     registration, so parameters pair by position."""
@@ -221,6 +249,21 @@ def test_a_shared_parameter_is_a_tie(project):
         p.numel() for p in original.parameters())
 
 
+def test_alike_instances_of_a_user_module_are_a_repeated_block(project):
+    text = imported(project, "Stack", "x=batch,5")
+    assert ("blocks:\n  Residual:\n    layers:\n"
+            "      norm: {op: LayerNorm, args: [12]}\n"
+            "      gelu: {op: F.gelu}\n"
+            "      fc: {op: Linear, args: [12, 12]}\n"
+            "      mul: {op: torch.mul, args: [1.0]}\n"
+            "      add: {op: torch.add, in: [x, mul]}\n") in text
+    assert "  blocks: {op: Residual, repeat: 3}\n  last_norm: {op: LayerNorm" in text
+    assert "  add_3: {op: torch.add, in: [blocks, mul_3]}\n" in text  # alone: unrolled
+    original = model(project, "Stack")
+    generated = same_model(project, text, original, torch.randn(4, 5))
+    assert list(generated.state_dict())[:7] == list(original.state_dict())[:7]
+
+
 def test_a_module_called_twice_shares_its_parameters(project):
     text = imported(project, "Shared", "x=batch,6")
     assert "fc_1: {op: Linear, args: [6, 6], tie: {weight: fc.weight, bias: fc.bias}}" in text
@@ -251,7 +294,8 @@ def test_torchvision_resnet18(project):
     '''), encoding="utf-8")
     ran = mpgen("import", "tvresnet:ResNet18", "--input", "x=batch,3,64,64", cwd=project)
     assert ran.returncode == 0, ran.stderr
-    assert "layer2_0_downsample_0: {op: Conv2d, in: layer1_1_relu_1" in ran.stdout
+    assert "  layer1: {op: BasicBlock, repeat: 2}\n" in ran.stdout  # two alike blocks
+    assert "layer2_0_downsample_0: {op: Conv2d, in: layer1, args: [64, 128, 1]" in ran.stdout
     import sys
     sys.path.insert(0, str(project))
     torch.manual_seed(0)

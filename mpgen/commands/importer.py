@@ -31,6 +31,7 @@ layer of the spec (docs/import.md):
 from __future__ import annotations
 
 import builtins
+import copy
 import importlib
 import inspect
 import json
@@ -560,6 +561,11 @@ class _Importer:
                                     "tuple of tensors")
         self.layers.append(layer)
 
+    def value_of(self, name: str) -> Any:
+        """The sample value of a layer or input (None for a tuple element)."""
+        node = next((n for n in self.refs if self.refs[n] == name), None)
+        return self.values.get(node)
+
     def layer_name(self, node: fx.Node) -> str:
         if hasattr(nn.Module, node.name) or node.name == "training":
             return self.names.fresh(node.name + "_layer")  # it would shadow nn.Module's
@@ -610,22 +616,9 @@ class _Importer:
 
     def rename(self, old: str, new: str) -> None:
         """Every read of the value ``old`` reads ``new`` (a folded repeat)."""
-        def swap(value: Any) -> Any:
-            if isinstance(value, list):
-                return [swap(v) for v in value]
-            if isinstance(value, dict):
-                return {k: swap(v) for k, v in value.items()}
-            if isinstance(value, str) and value.startswith("="):
-                return value.replace(f"size({old},", f"size({new},")
-            return new if value == old else value
-
         for layer in self.layers:
-            layer.inputs = swap(layer.inputs)
-            layer.keyword_inputs = swap(layer.keyword_inputs)
-            layer.reads = swap(layer.reads)
-            layer.args, layer.kwargs, layer.call = (swap(layer.args), swap(layer.kwargs),
-                                                    swap(layer.call))
-        self.outputs = swap(self.outputs)
+            _rename_reads(layer, {old: new})
+        self.outputs = _swap(self.outputs, {old: new})
 
     def function_node(self, node: fx.Node) -> None:
         value = self.values[node]
@@ -805,6 +798,26 @@ class _Importer:
             self.outputs.append(name)
 
 
+def _swap(value: Any, names: dict[str, str]) -> Any:
+    """``value`` with each value name in ``names`` replaced, in expressions too."""
+    if isinstance(value, list):
+        return [_swap(v, names) for v in value]
+    if isinstance(value, dict):
+        return {k: _swap(v, names) for k, v in value.items()}
+    if isinstance(value, str) and value.startswith("="):
+        return re.sub(r"size\((\w+),", lambda m: f"size({names.get(m[1], m[1])},", value)
+    return names.get(value, value) if isinstance(value, str) else value
+
+
+def _rename_reads(layer: Layer, names: dict[str, str]) -> None:
+    layer.inputs = _swap(layer.inputs, names)
+    layer.keyword_inputs = _swap(layer.keyword_inputs, names)
+    layer.reads = _swap(layer.reads, names)
+    layer.args, layer.kwargs, layer.call = (_swap(layer.args, names),
+                                            _swap(layer.kwargs, names),
+                                            _swap(layer.call, names))
+
+
 def _drop_defaults(fn: Any, kwargs: dict) -> None:
     """Leave out keywords a function was given at their defaults (a traced
     ``F.dropout`` passes every argument), where its signature says them."""
@@ -869,26 +882,30 @@ def _fold_repeats(layers: list[Layer], importer: _Importer) -> list[Layer]:
     and read only by the next, become one layer with ``repeat:``."""
     owners = {target.partition(".")[0] for layer in layers for target in layer.tie.values()}
     result: list[Layer] = []
+    runs: list[Layer] = []
     for layer in layers:
         prev = result[-1] if result else None
         if (prev is not None and prev.name not in owners and layer.name not in owners
                 and _continues(prev, layer, importer)):
             prev.repeat += 1
             prev.chain.append(layer)
+            if prev.repeat == 2:
+                runs.append(prev)
             continue
-        layer.chain = [layer]
+        if layer.repeat == 1:  # (a repeated block is already folded)
+            layer.chain = [layer]
         result.append(layer)
-    for layer in result:
-        if layer.repeat > 1:
-            layer.name = _run_name(layer, importer)
-            last = layer.chain[-1]
-            importer.rename(last.name, layer.name)
+    for run in runs:
+        old = run.chain[-1].name
+        run.name = _run_name([m.node.target for m in run.chain], importer) or run.name
+        importer.rename(old, run.name)
     return result
 
 
 def _continues(run: Layer, layer: Layer, importer: _Importer) -> bool:
     last = run.chain[-1]
     if not (run.module is not None and layer.module is not None and run.key() == layer.key()
+            and layer.repeat == 1
             and not run.tie and not layer.tie and run.elements is None
             and layer.elements is None and not layer.keyword_inputs and not last.keyword_inputs
             and layer.inputs == [last.name] and len(run.chain[0].inputs) == 1
@@ -901,18 +918,154 @@ def _continues(run: Layer, layer: Layer, importer: _Importer) -> bool:
     return before.shape == after.shape and before.dtype == after.dtype
 
 
-def _run_name(layer: Layer, importer: _Importer) -> str:
+def _run_name(paths: list[str], importer: _Importer) -> Optional[str]:
     """A run that is a whole ``nn.Sequential``/``ModuleList`` (``blocks.0``
     ... ``blocks.N-1``) takes its name, so state-dict keys match."""
-    targets = [m.node.target for m in layer.chain]
-    parent = targets[0].rpartition(".")[0]
-    if parent and targets == [f"{parent}.{i}" for i in range(len(targets))]:
+    parent = paths[0].rpartition(".")[0]
+    if parent and paths == [f"{parent}.{i}" for i in range(len(paths))]:
         container = importer.gm.get_submodule(parent)
-        if len(list(container.children())) == len(targets):
+        if len(list(container.children())) == len(paths):
             candidate = parent.replace(".", "_")
             if not importer.names.taken(candidate) and not hasattr(nn.Module, candidate):
                 return importer.names.claim(candidate)
-    return layer.name
+    return None
+
+
+# NOTE: [Blocks]
+# A user module traced through leaves its layers contiguous in the layer
+# order (fx records each node's module path in ``nn_module_stack``). Two or
+# more instances in a row that read the same (their layers alike once named
+# relative to the instance, and their outside inputs named ``x``), each
+# reading only the one before, read only by the next and keeping its shape,
+# become one block class and a layer that repeats it; like a leaf run, a
+# run that is a whole Sequential/ModuleList takes its name, so state-dict
+# keys agree (``layer1.0.conv1.weight``). An instance on its own stays
+# unrolled: a block used once would only add a level to read.
+
+@dataclass
+class _Instance:
+    """One instance of a user module as it would be a block."""
+
+    path: str
+    cls: type
+    layers: list[Layer]
+    lines: list[str]  # its layers inside the block
+    input: str  # the value it reads from outside
+    output: str  # its value read outside
+
+
+def _instance_path(layer: Layer) -> Optional[tuple[str, type]]:
+    """The outermost user module (not torch's) the layer's node ran in."""
+    for path, cls in (layer.node.meta.get("nn_module_stack") or {}).values():
+        if (path and path != layer.node.target and isinstance(cls, type)
+                and not cls.__module__.startswith("torch.")):
+            return path, cls
+    return None
+
+
+def _instance(path: str, cls: type, layers: list[Layer], readers: dict[str, int],
+              tied: set[str]) -> Optional[_Instance]:
+    """``layers`` (one instance of ``path``) as a block's layers, or None
+    where a block cannot hold them simply (NOTE [Blocks])."""
+    inside = {l.name for l in layers} | {leaf.name for l in layers
+                                         for leaf in _flat(l.elements or []) if leaf.name}
+    outside = {r for l in layers for r in l.reads if r not in inside}
+    last = layers[-1]
+    read_outside = {n for n in inside if readers.get(n, 0) > sum(
+        1 for l in layers for r in l.reads if r == n)}
+    if (len(outside) != 1 or read_outside != {last.name} or last.elements is not None
+            or any(l.tie or l.name in tied for l in layers)):
+        return None
+    (source,) = outside
+    local = Namespace({"x"})
+    names = {source: "x"}
+    for layer in layers:
+        base = (layer.node.target[len(path) + 1:].replace(".", "_")
+                if layer.module is not None else re.sub(r"_\d+$", "", layer.node.name))
+        if hasattr(nn.Module, base) or base == "training":
+            base += "_layer"
+        names[layer.name] = local.fresh(base)
+        for leaf in _flat(layer.elements or []):
+            if leaf.name:
+                names[leaf.name] = local.fresh(re.sub(r"_\d+$", "", leaf.name))
+    copies = []
+    for layer in layers:
+        twin = copy.copy(layer)
+        _rename_reads(twin, names)
+        twin.name = names[layer.name]
+        copies.append(twin)
+    return _Instance(path, cls, layers, _layer_lines(copies, "x", names), source, last.name)
+
+
+def _fold_blocks(layers: list[Layer], importer: _Importer, model: str
+                 ) -> tuple[list[Layer], dict[str, list[str]]]:
+    """Runs of alike instances of a user module: a block and a repeated layer."""
+    readers: dict[str, int] = {}
+    for layer in layers:
+        for name in layer.reads:
+            readers[name] = readers.get(name, 0) + 1
+    for name in importer.outputs:
+        readers[name] = readers.get(name, 0) + 1
+    tied = {t.partition(".")[0] for layer in layers for t in layer.tie.values()}
+    segments: list[tuple[Optional[tuple[str, type]], list[Layer]]] = []
+    for layer in layers:
+        where = _instance_path(layer)
+        if segments and segments[-1][0] == where:
+            segments[-1][1].append(layer)
+        else:
+            segments.append((where, [layer]))
+    seen = [where for where, _ in segments if where]
+    instances = [_instance(where[0], where[1], group, readers, tied)
+                 if where and seen.count(where) == 1 else None for where, group in segments]
+    result: list[Layer] = []
+    blocks: dict[str, list[str]] = {}
+    k = 0
+    while k < len(segments):
+        run = [instances[k]] if instances[k] else []
+        while run and k + len(run) < len(instances):
+            following = instances[k + len(run)]
+            if not (following and following.cls is run[0].cls and following.lines == run[0].lines
+                    and following.input == run[-1].output
+                    and _same_type(importer, following.input, following.output)
+                    and readers[following.input] == sum(
+                        r == following.input for l in following.layers for r in l.reads)):
+                break
+            run.append(following)
+        if len(run) < 2 or not _same_type(importer, run[0].input, run[0].output):
+            result.extend(segments[k][1])
+            k += 1
+            continue
+        name = next((n for n, lines in blocks.items() if lines == run[0].lines),
+                    None) or _block_name(run[0].cls, blocks, model)
+        blocks[name] = run[0].lines
+        first = run[0].layers[0]
+        layer = Layer(first.name, name, first.node, inputs=[run[0].input], reads=[run[0].input],
+                      repeat=len(run))
+        layer.chain = [instance.layers[-1] for instance in run]
+        layer.name = _run_name([i.path for i in run], importer) or _path_name(run[0].path,
+                                                                               importer)
+        importer.rename(run[-1].output, layer.name)
+        result.append(layer)
+        k += len(run)
+    return result, blocks
+
+
+def _same_type(importer: _Importer, source: str, result: str) -> bool:
+    before, after = importer.value_of(source), importer.value_of(result)
+    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+            and before.shape == after.shape and before.dtype == after.dtype)
+
+
+def _block_name(cls: type, blocks: dict, model: str) -> str:
+    taken = {*blocks, model, *ops.nn_module_names()}
+    name, i = cls.__name__, 2
+    while name in taken or not name.isidentifier():
+        name, i = f"{cls.__name__}{i}", i + 1
+    return name
+
+
+def _path_name(path: str, importer: _Importer) -> str:
+    return importer.names.fresh(path.replace(".", "_"))
 
 
 def _param_order(layers: list[Layer]) -> list[int]:
@@ -979,11 +1132,24 @@ def _scalar(value: Any) -> str:
     return "[" + ", ".join(_scalar(v) for v in value) + "]"
 
 
-def _element_names(elements: list) -> list:
-    return [_element_names(e) if isinstance(e, list) else (e.name or "_") for e in elements]
+def _element_names(elements: list, names: Optional[dict] = None) -> list:
+    names = names or {}
+    return [_element_names(e, names) if isinstance(e, list)
+            else names.get(e.name, e.name) if e.name else "_" for e in elements]
 
 
-def _layer_line(layer: Layer, default_input: Optional[str]) -> str:
+def _layer_lines(layers: list[Layer], first_input: str,
+                 names: Optional[dict] = None) -> list[str]:
+    """The ``layers:`` entries; ``in:`` is left out where it is the default."""
+    lines, previous = [], first_input
+    for layer in layers:
+        lines.append(_layer_line(layer, previous, names))
+        previous = layer.name if layer.elements is None else None
+    return lines
+
+
+def _layer_line(layer: Layer, default_input: Optional[str],
+                names: Optional[dict] = None) -> str:
     fields: dict[str, Any] = {"op": layer.op}
     items: list = list(layer.inputs)
     if layer.keyword_inputs:
@@ -998,7 +1164,7 @@ def _layer_line(layer: Layer, default_input: Optional[str]) -> str:
     if layer.call:
         fields["call"] = layer.call
     if layer.elements is not None:
-        fields["outputs"] = _element_names(layer.elements)
+        fields["outputs"] = _element_names(layer.elements, names)
     if layer.repeat > 1:
         fields["repeat"] = layer.repeat
     if layer.tie:
@@ -1036,14 +1202,15 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
             notes.append(f"no order of the layers gives {type(root).__name__}'s parameter "
                          "order (a module registered before one whose output it reads); "
                          "copy weights by name, not by position")
+    layers, blocks = _fold_blocks(layers, importer, _model_name(type(root)))
     layers = _fold_repeats(layers, importer)
-    text = _render(root, importer, layers, command, devices)
+    text = _render(root, importer, layers, blocks, command, devices)
     _check_builds(text, time_limit)
     return Imported(text, _model_name(type(root)), len(layers), tuple(notes))
 
 
-def _render(root: nn.Module, importer: _Importer, layers: list[Layer], command: str,
-            devices: Optional[int]) -> str:
+def _render(root: nn.Module, importer: _Importer, layers: list[Layer],
+            blocks: dict[str, list[str]], command: str, devices: Optional[int]) -> str:
     cls = type(root)
     lines = [f"# Made by `{command}`:",
              f"# {cls.__module__}.{cls.__qualname__} traced with torch.fx (docs/import.md).",
@@ -1052,11 +1219,11 @@ def _render(root: nn.Module, importer: _Importer, layers: list[Layer], command: 
         shape = _scalar(list(spec.dims))
         lines.append(f"  {spec.name}: " + (shape if spec.dtype == "float32"
                                            else f"{{shape: {shape}, dtype: {spec.dtype}}}"))
-    lines += ["", "layers:"]
-    previous: Optional[str] = importer.inputs[0].name
-    for layer in layers:
-        lines.append(_layer_line(layer, previous))
-        previous = layer.name if layer.elements is None else None
+    if blocks:
+        lines += ["", "blocks:"]
+        for name, block in blocks.items():
+            lines += [f"  {name}:", "    layers:", *(f"    {line}" for line in block)]
+    lines += ["", "layers:", *_layer_lines(layers, importer.inputs[0].name)]
     outputs = importer.outputs
     if outputs != [layers[-1].name] or layers[-1].elements is not None:
         lines += ["", f"outputs: {_scalar(outputs)}"]

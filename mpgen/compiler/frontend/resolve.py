@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import inspect
 import os
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from mpgen.compiler.frontend.namespace import (
 )
 from mpgen.errors import Collector, Position, did_you_mean
 from mpgen.files import is_project_folder
+from mpgen.spec_schema.digest import spec_digest
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec
 
@@ -153,7 +153,7 @@ class _Resolver:
         return Graph(
             name=spec.name,
             spec_path=display_path(self.loaded.path),
-            spec_hash=hashlib.sha256(self.loaded.text.encode("utf-8")).hexdigest(),
+            spec_hash=spec_digest(spec),
             inputs=tuple(inputs),
             nodes=tuple(nodes),
             outputs=tuple(outputs),

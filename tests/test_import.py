@@ -361,6 +361,8 @@ def test_what_cannot_be_expressed_is_an_error_at_its_line(project, cls, expected
 @pytest.mark.parametrize("args, message", [
     (("importmodels:MLP", "--input", "y=batch,8"),
      "--input y: MLP.forward has no argument 'y'; its arguments: x"),
+    (("importmodels:MLP", "--input", "x=batch,8", "--input", "x=batch,8"),
+     "--input x: given more than once"),
     (("importmodels:MLP", "--input", "x=batch,0"),
      "--input 'x=batch,0': '0' is not a size"),
     (("importmodels:MLP", "--input", "x=batch,8:float"),

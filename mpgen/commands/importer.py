@@ -480,6 +480,8 @@ class _Importer:
         wanted = [n.target for n in self.graph.nodes if n.op == "placeholder"]
         given = [spec.name for spec in self.inputs]
         for name in given:
+            if given.count(name) > 1:
+                raise MpgenError(None, f"--input {name}: given more than once")
             if name not in wanted:
                 raise MpgenError(None, f"--input {name}: {type(self.root).__name__}.forward "
                                        f"has no argument {name!r}{did_you_mean(name, wanted)}; "

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from mpgen import __version__
-from mpgen.errors import MpgenError
+from mpgen.errors import MpgenError, Position
 from mpgen.files import reason
 
 
@@ -27,7 +27,8 @@ class Exit(enum.IntEnum):
     ERROR = 2  # a user error (bad spec, bad flag)
 
 
-def _device_map(text: Optional[str]) -> dict[str, str]:
+def _device_map(text: Optional[str], where: Optional[Position] = None) -> dict[str, str]:
+    """``--device-map``, or ``device-map`` of ``[tool.mpgen]`` written at ``where``."""
     from mpgen.compiler.frontend.device_map import parse_device_map
 
     if not text:
@@ -35,7 +36,10 @@ def _device_map(text: Optional[str]) -> dict[str, str]:
     try:
         return parse_device_map(text)
     except ValueError as exc:
-        raise MpgenError(None, str(exc)) from None
+        if where is None:
+            raise MpgenError(None, str(exc)) from None
+        message = str(exc).removeprefix("--device-map: ")
+        raise MpgenError(where, f"[tool.mpgen] device-map: {message}") from None
 
 
 def _seconds(text: str) -> float:
@@ -101,16 +105,22 @@ def _parser() -> argparse.ArgumentParser:
         ("build", "generate the model, training script and tests"),
         ("check", "exit 1 with a diff when the generated code is not current"),
     ):
-        cmd = sub.add_parser(name, help=help_text, description=help_text)
-        cmd.add_argument("specs", nargs="+", metavar="SPEC")
-        cmd.add_argument("-o", "--out", default="generated", metavar="DIR",
-                         help="output directory (default: generated)")
+        cmd = sub.add_parser(name, help=help_text, description=help_text,
+                             epilog="What the command line leaves out comes from [tool.mpgen] "
+                                    "in pyproject.toml (docs/project.md).")
+        cmd.add_argument("specs", nargs="*", metavar="SPEC",
+                         help="spec files (default: specs of [tool.mpgen])")
+        cmd.add_argument("-o", "--out", metavar="DIR",
+                         help="output directory (default: out of [tool.mpgen], else generated)")
         cmd.add_argument("--device-map", metavar="MAP",
                          help="rewrite devices at build time: 'cuda:1=cuda:0,cuda:2=cuda:0', "
                               "or 'cpu' for everything on the CPU")
         if name == "build":
             cmd.add_argument("--force", action="store_true",
                              help="overwrite files in DIR that mpgen did not generate")
+            cmd.add_argument("--prune", action="store_true",
+                             help="also remove files in DIR generated from specs that no "
+                                  "longer exist")
         _compile_options(cmd)
     show = sub.add_parser("show", help="print every layer's device, output shape and parameters",
                           description="print every layer's device, output shape and parameters")
@@ -239,13 +249,17 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
 
     results, changes = build.build(args.specs, args.out, device_map, force=args.force,
-                                   root=args.root, time_limit=args.time_limit)
+                                   root=args.root, time_limit=args.time_limit,
+                                   prune=args.prune)
     for path in changes.written:
         _say(f"wrote {path}")
     for path in changes.removed:
         _say(f"removed {path}")
-    if not changes.written and not changes.removed:
+    if not changes.written and not changes.removed and not changes.kept:
         _say(f"{args.out}: up to date")
+    for orphan in changes.kept:
+        _say(f"{orphan.path}: note: {orphan.why}; left in place (mpgen build --prune "
+             "removes it)", sys.stderr)
     for result in results:
         _say(build.summary_line(result))
     for note in build.path_notes(results, args.out):
@@ -262,14 +276,19 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     if not diffs:
         _say(f"{args.out}: up to date")
         return Exit.OK
-    _say("".join(diffs).rstrip("\n"))
-    command = ["mpgen", "build", *args.specs, "-o", args.out]
-    if args.device_map:
-        command += ["--device-map", args.device_map]
-    if args.root:
-        command += ["--root", args.root]
-    if args.time_limit != DEFAULT_TIME_LIMIT:
+    _say("".join(diffs.texts).rstrip("\n"))
+    typed = args.typed  # the fix repeats what was typed; the rest comes from [tool.mpgen] again
+    command = ["mpgen", "build", *typed.specs]
+    if typed.out:
+        command += ["-o", typed.out]
+    if typed.device_map:
+        command += ["--device-map", typed.device_map]
+    if typed.root:
+        command += ["--root", typed.root]
+    if typed.time_limit is not None and args.time_limit != DEFAULT_TIME_LIMIT:
         command += ["--time-limit", f"{args.time_limit or 0:g}"]
+    if diffs.prune:
+        command += ["--prune"]
     _say(f"\nmpgen check: generated code in {args.out} is not current; "
          f"run: {shlex.join(command)}", sys.stderr)
     return Exit.DIFF
@@ -335,6 +354,33 @@ def _run_script(command: list[str], env: dict[str, str]) -> int:
     return 128 - code if code < 0 else code
 
 
+def _project_options(args: argparse.Namespace) -> Optional[Position]:
+    """``build``/``check``: what the command line leaves out, from
+    ``[tool.mpgen]`` (``mpgen.config``); ``args.typed`` keeps what was typed.
+    Returns where a device map that came from the file is written."""
+    from mpgen import config
+
+    args.typed = argparse.Namespace(**vars(args))
+    project = config.load()
+    settings = project.settings if project is not None else {}
+    if not args.specs:
+        args.specs = project.spec_paths() if project is not None else []
+    if not args.specs:
+        where = (f"no specs in [tool.mpgen] of {project.shown}" if project is not None
+                 else "no [tool.mpgen] specs in a pyproject.toml here or above")
+        raise MpgenError(None, f"mpgen {args.command}: no SPEC given and {where}; pass the "
+                               'spec files, or set specs = ["examples/*.yaml"] under '
+                               "[tool.mpgen] in pyproject.toml (docs/project.md)")
+    args.out = args.out or (project and project.folder_path("out")) or "generated"
+    args.root = args.root or (project and project.folder_path("root"))
+    if args.time_limit is None and "time-limit" in settings:
+        args.time_limit = settings["time-limit"].value
+    if args.device_map is None and "device-map" in settings:
+        args.device_map = settings["device-map"].value
+        return settings["device-map"].pos
+    return None
+
+
 def _schema(args: argparse.Namespace) -> int:
     """``mpgen schema``: the JSON Schema of a spec, or the reference page."""
     from mpgen.spec_schema import json_schema, reference
@@ -395,7 +441,8 @@ def _run(args: argparse.Namespace) -> int:
     from mpgen.compiler import pipeline
     from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 
-    device_map = _device_map(args.device_map)
+    where = _project_options(args) if args.command in ("build", "check") else None
+    device_map = _device_map(args.device_map, where)
     # Unset: the default budget; 0: no limit.
     args.time_limit = DEFAULT_TIME_LIMIT if args.time_limit is None else args.time_limit or None
     if args.command == "build":

@@ -343,14 +343,24 @@ def test_files_of_a_deleted_spec_in_the_project_are_orphans(tmp_path):
     assert mpgen("build", "specs/seed.yaml", "specs/gone.yaml", "-o", "out",
                  cwd=tmp_path).returncode == 0
     gone.unlink()
+    gone_files = ["gone_model.placement.md", "gone_model.py", "pp_gone_model.py",
+                  "test_gone_model.py", "train_gone_model.py"]
     check = mpgen("check", "specs/seed.yaml", "-o", "out", cwd=tmp_path)
     assert check.returncode == 1
     assert check.stdout.splitlines() == [
-        f"out/{name}: generated from specs/gone.yaml, which no longer exists; build would "
-        f"remove it" for name in ["gone_model.placement.md", "gone_model.py",
-                                  "pp_gone_model.py", "test_gone_model.py",
-                                  "train_gone_model.py"]]
-    assert mpgen("build", "specs/seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+        f"out/{name}: generated from specs/gone.yaml, which no longer exists; build --prune "
+        "would remove it" for name in gone_files]
+    assert check.stderr.endswith("run: mpgen build specs/seed.yaml -o out --prune\n")
+    # Without --prune they stay, and build says so.
+    kept = mpgen("build", "specs/seed.yaml", "-o", "out", cwd=tmp_path)
+    assert kept.returncode == 0, kept.stderr
+    assert kept.stderr.splitlines() == [
+        f"out/{name}: note: generated from specs/gone.yaml, which no longer exists; left in "
+        "place (mpgen build --prune removes it)" for name in gone_files]
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(SEED_FILES + gone_files)
+    pruned = mpgen("build", "specs/seed.yaml", "-o", "out", "--prune", cwd=tmp_path)
+    assert pruned.returncode == 0, pruned.stderr
+    assert pruned.stdout.splitlines()[:5] == [f"removed out/{name}" for name in gone_files]
     assert sorted(os.listdir(tmp_path / "out")) == sorted(SEED_FILES)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Optional
 
 from mpgen.compiler.codegen.common import file_names
-from mpgen.compiler.codegen.write import Changes, diff_files, write_files
+from mpgen.compiler.codegen.write import Changes, Differences, diff_files, write_files
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.ir import Graph, Node, OpKind
 from mpgen.compiler.pipeline import Generated, generate_all
@@ -17,15 +17,18 @@ from mpgen.compiler.pipeline import Generated, generate_all
 def build(paths: Iterable[str | Path], out_dir: str | Path,
           device_map: Optional[Mapping[str, str]] = None, force: bool = False,
           root: str | Path | None = None,
-          time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> tuple[list[Generated], Changes]:
+          time_limit: Optional[float] = DEFAULT_TIME_LIMIT,
+          prune: bool = False) -> tuple[list[Generated], Changes]:
     """Generate all specs, then (only if all succeeded) write the files and
-    remove the orphans of these specs, as one unit. ``root`` and
-    ``time_limit``: as for ``pipeline.compile_spec``.
+    remove the orphans of these specs (with ``prune``, also those of specs
+    that no longer exist), as one unit. ``root`` and ``time_limit``: as for
+    ``pipeline.compile_spec``.
 
-    Returns what was generated and what changed on disk.
+    Returns what was generated and what changed on disk (and the orphans
+    left in place).
     """
     results = generate_all(paths, device_map, root, time_limit)
-    return results, write_files(Path(out_dir), _files(results), _specs(results), force)
+    return results, write_files(Path(out_dir), _files(results), _specs(results), force, prune)
 
 
 def _files(results: Iterable[Generated]) -> dict[str, str]:
@@ -49,10 +52,10 @@ def summary_line(result: Generated) -> str:
 def check(paths: Iterable[str | Path], out_dir: str | Path,
           device_map: Optional[Mapping[str, str]] = None,
           root: str | Path | None = None,
-          time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> list[str]:
+          time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Differences:
     """What ``build`` would change: a unified diff for every generated file
     that is stale, missing or edited, and each file it would refuse to
-    overwrite or would remove."""
+    overwrite or would remove (with ``--prune``, for a deleted spec's)."""
     results = generate_all(paths, device_map, root, time_limit)
     return diff_files(Path(out_dir), _files(results), _specs(results))
 

@@ -6,8 +6,10 @@
 # missing, the same, ours and stale, or not ours (no mpgen header on its first
 # line, a symbolic link, a pipe...: refused unless ``--force``); a file with an
 # mpgen header that this build no longer produces is an orphan when its header
-# names a spec being built (a renamed model) or a spec that no longer exists
-# in its project. Then every new file is written to a staging folder inside
+# names a spec being built (a renamed model: always removed, the spec says
+# what it generates now) or a spec that no longer exists in its project
+# (removed only with ``--prune``: the build was not asked about that spec,
+# and a header's path is the only evidence it is gone). Then every new file is written to a staging folder inside
 # the output folder (so each rename stays on one file system) and renamed
 # over its target; each file replaced or removed is kept in the staging folder
 # (a hard link, else a copy) until the end. If any step fails, everything
@@ -61,13 +63,31 @@ class Target:
         return self.current != self.data
 
 
+@dataclass(frozen=True)
+class Orphan:
+    """A file with mpgen's header that the build no longer produces."""
+
+    path: Path
+    spec: str  # as its header names it
+    gone: bool  # the spec no longer exists; else a spec being built no longer generates it
+
+    @property
+    def why(self) -> str:
+        return (f"generated from {self.spec}, which no longer "
+                f"{'exists' if self.gone else 'generates it'}")
+
+    def removed_by(self, prune: bool) -> bool:
+        """Whether a build (with ``--prune`` or not) removes it."""
+        return prune or not self.gone
+
+
 @dataclass
 class Survey:
     """The output folder against a build: targets and orphans."""
 
     out_dir: Path
     targets: list[Target] = field(default_factory=list)
-    orphans: list[tuple[Path, str]] = field(default_factory=list)  # path, whose it was
+    orphans: list[Orphan] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -76,6 +96,18 @@ class Changes:
 
     written: list[Path]
     removed: list[Path]
+    kept: list[Orphan] = field(default_factory=list)  # orphans left in place: no --prune
+
+
+@dataclass(frozen=True)
+class Differences:
+    """What ``check`` found: one text per file that ``build`` would change."""
+
+    texts: list[str]
+    prune: bool = False  # some are orphans only ``build --prune`` removes
+
+    def __bool__(self) -> bool:
+        return bool(self.texts)
 
 
 def _first_line(head: bytes) -> str:
@@ -140,7 +172,7 @@ def _spec_exists(shown: str, roots: list[Path]) -> bool:
 
 
 def _orphans(out_dir: Path, files: Mapping[str, str],
-             specs: Mapping[str, str | Path]) -> list[tuple[Path, str]]:
+             specs: Mapping[str, str | Path]) -> list[Orphan]:
     """Files in ``out_dir`` with an mpgen header that this build does not
     produce, whose header names a spec being built or one that no longer
     exists; files of other specs that exist are never touched."""
@@ -165,9 +197,9 @@ def _orphans(out_dir: Path, files: Mapping[str, str],
         if spec is None:
             continue
         if line in ours:
-            found.append((out_dir / name, f"generated from {spec}, which no longer generates it"))
+            found.append(Orphan(out_dir / name, spec, gone=False))
         elif roots and not _spec_exists(spec, roots):
-            found.append((out_dir / name, f"generated from {spec}, which no longer exists"))
+            found.append(Orphan(out_dir / name, spec, gone=True))
     return found
 
 
@@ -191,12 +223,14 @@ def survey(out_dir: Path, files: Mapping[str, str],
 # -- build -------------------------------------------------------------------
 
 def write_files(out_dir: Path, files: Mapping[str, str],
-                specs: Optional[Mapping[str, str | Path]] = None, force: bool = False) -> Changes:
+                specs: Optional[Mapping[str, str | Path]] = None, force: bool = False,
+                prune: bool = False) -> Changes:
     """Make ``out_dir`` hold ``files`` (name -> text) and none of the orphans
-    of ``specs``, as one unit (NOTE [Writes as one unit]). Files whose content
-    is unchanged are left untouched (their mtime too). A file at a name the
-    build writes that mpgen did not write is an error unless ``force``; OS
-    errors become :class:`MpgenError` and leave the folder as it was.
+    of ``specs`` (with ``prune``, none of the deleted specs' either), as one
+    unit (NOTE [Writes as one unit]). Files whose content is unchanged are
+    left untouched (their mtime too). A file at a name the build writes that
+    mpgen did not write is an error unless ``force``; OS errors become
+    :class:`MpgenError` and leave the folder as it was.
     """
     found = survey(out_dir, files, specs)
     foreign = [t for t in found.targets if t.foreign]
@@ -207,11 +241,11 @@ def write_files(out_dir: Path, files: Mapping[str, str],
                        "away or pass --force")
         errors.raise_if_any()
     changed = {t.path: t.data for t in found.targets if t.changed}
-    removed = [path for path, _ in found.orphans]
+    removed = [o.path for o in found.orphans if o.removed_by(prune)]
     if changed or removed:
         with held_signals():
             _apply(out_dir, changed, removed)
-    return Changes(list(changed), removed)
+    return Changes(list(changed), removed, [o for o in found.orphans if not o.removed_by(prune)])
 
 
 @contextlib.contextmanager
@@ -331,10 +365,11 @@ def _undo(done: list[tuple[Path, Optional[Path]]]) -> list[tuple[Path, Path]]:
 # -- check -------------------------------------------------------------------
 
 def diff_files(out_dir: Path, files: Mapping[str, str],
-               specs: Optional[Mapping[str, str | Path]] = None) -> list[str]:
+               specs: Optional[Mapping[str, str | Path]] = None) -> Differences:
     """What ``build`` would change in ``out_dir``, one text per file: a
     unified diff of each stale file (bytes compared exactly), each missing
-    file, each file in the way that mpgen did not write, each orphan."""
+    file, each file in the way that mpgen did not write, each orphan (and
+    whether removing it takes ``build --prune``)."""
     found = survey(out_dir, files, specs)
     report = []
     for t in found.targets:
@@ -347,9 +382,10 @@ def diff_files(out_dir: Path, files: Mapping[str, str],
             report.append(f"{t.path}: {t.note}\n")
         elif t.changed:
             report.append(_diff(t.path, t.current or b"", t.data))
-    for path, whose in found.orphans:
-        report.append(f"{path}: {whose}; build would remove it\n")
-    return report
+    for orphan in found.orphans:
+        build = "build" if orphan.removed_by(prune=False) else "build --prune"
+        report.append(f"{orphan.path}: {orphan.why}; {build} would remove it\n")
+    return Differences(report, any(not o.removed_by(prune=False) for o in found.orphans))
 
 
 def _diff(path: Path, current: bytes, data: bytes) -> str:

@@ -1,0 +1,237 @@
+"""`mpgen check` catches everything stale, and nothing that is not.
+
+The header records the digest of the spec's meaning (an edit of comments or
+layout leaves every generated file current); a renamed model's or a deleted
+spec's files are orphans that `check` lists and `build` (`--prune` for a
+deleted spec's) removes; files mpgen did not write are never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import EXAMPLES, ROOT, mpgen
+from mpgen.spec_schema.digest import canonical, file_digest, spec_digest
+from mpgen.spec_schema.load import load_text
+from mpgen.spec_schema.validate import validate
+
+SEED = EXAMPLES / "seed.yaml"
+
+
+def files_of(stem: str) -> list[str]:
+    return sorted([f"{stem}.py", f"train_{stem}.py", f"test_{stem}.py", f"pp_{stem}.py",
+                   f"{stem}.placement.md"])
+
+
+def digest(text: str) -> str:
+    return spec_digest(validate(load_text(textwrap.dedent(text).lstrip(), "spec.yaml")))
+
+
+def project(tmp_path: Path) -> Path:
+    """A project with two specs and ``[tool.mpgen]``, built."""
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.mpgen]\nspecs = ["specs/*.yaml"]\nout = "out"\n')
+    (tmp_path / "specs").mkdir()
+    (tmp_path / "specs" / "seed.yaml").write_text(SEED.read_text())
+    (tmp_path / "specs" / "other.yaml").write_text(
+        SEED.read_text().replace("name: SimpleModel", "name: Other"))
+    built = mpgen("build", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    return tmp_path
+
+
+# -- the digest: meaning, not bytes ------------------------------------------------
+
+BLOCK = """\
+    mpgen: 1
+    name: SimpleModel
+    inputs:
+      x: [batch, 10]
+    layers:
+      layer1: {op: Linear, args: [10, 20]}
+      layer2: {op: Linear, args: [20, 10], bias: true}
+    outputs: [layer2]
+    placement:
+      layer1: cuda:0
+      layer2: cuda:1
+    train:
+      loss: MSELoss
+      optimizer: {op: SGD, lr: 0.01}
+      batch_size: 5
+"""
+
+# The same spec: comments, quoting, flow/block style, the order of a model's
+# own keys, short forms, a number's spelling, a default written out.
+SAME = """\
+    # the seed, reformatted
+    name: 'SimpleModel'   # quoted
+    mpgen: 1
+    layers:
+      layer1:
+        args:
+          - 10
+          - 20
+        op: "Linear"
+      layer2: {bias: yes, args: [20, 10], op: Linear}
+    inputs: {x: {shape: [batch, 10], dtype: float32}}
+    outputs: layer2
+    train:
+      batch_size: 5
+      optimizer: {lr: 1.0e-2, op: SGD}
+      loss: {op: MSELoss}
+    placement: {layer1: "cuda:0", layer2: cuda:1}
+"""
+
+
+def test_a_spec_s_layout_does_not_change_its_digest():
+    assert digest(SAME) == digest(BLOCK)
+    assert digest(BLOCK).startswith("sha256:") and len(digest(BLOCK)) == 7 + 64
+
+
+@pytest.mark.parametrize("old, new", [
+    ("lr: 0.01", "lr: 0.02"),                              # a value
+    ("args: [20, 10], bias: true", "args: [20, 10], bias: 1"),  # true is not 1
+    ("lr: 0.01", "lr: 1"),                                 # an int is not a float
+    ("args: [10, 20]}", "args: [10, 20], bias: false}"),   # a keyword argument added
+    ("layer2: cuda:1", "layer2: cuda:0"),                  # placement
+    ("name: SimpleModel", "name: Simple"),
+], ids=["value", "bool-int", "int-float", "kwarg", "device", "name"])
+def test_every_change_of_meaning_changes_the_digest(old, new):
+    assert old in BLOCK
+    assert digest(BLOCK.replace(old, new)) != digest(BLOCK)
+
+
+def test_the_order_of_layers_and_keyword_arguments_is_meaning():
+    """Layers run in spec order and keyword arguments are written in spec
+    order: those mappings are not sorted."""
+    swapped = BLOCK.replace(
+        "  layer1: {op: Linear, args: [10, 20]}\n      layer2: {op: Linear, args: [20, 10], "
+        "bias: true}\n",
+        "  layer2: {op: Linear, args: [20, 10], bias: true}\n      layer1: {op: Linear, "
+        "args: [10, 20]}\n")
+    assert swapped != BLOCK
+    assert digest(swapped) != digest(BLOCK)
+    kwargs = BLOCK.replace("bias: true}", "bias: true, dtype: float32}")
+    reordered = BLOCK.replace("bias: true}", "dtype: float32, bias: true}")
+    assert digest(kwargs) != digest(reordered)
+
+
+def test_infinity_and_null_differ():
+    """pydantic's JSON mode writes inf as null; the digest keeps them apart."""
+    infinite = BLOCK.replace("bias: true", "bias: true, eps: .inf")
+    assert digest(infinite) != digest(BLOCK.replace("bias: true", "bias: true, eps: null"))
+    spec = validate(load_text(textwrap.dedent(infinite), "spec.yaml"))
+    assert b'"eps":Infinity' in canonical(spec)
+
+
+def test_the_digest_needs_neither_torch_nor_the_compiler():
+    code = ("import sys; from mpgen.spec_schema.digest import file_digest; "
+            f"print(file_digest({str(SEED)!r})); "
+            "print(sorted(m for m in sys.modules if m == 'torch' or "
+            "m.startswith('mpgen.compiler')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [file_digest(SEED), "[]"]
+
+
+# -- check: a layout edit is current, a meaning edit is not ----------------------
+
+def test_a_comment_or_layout_edit_keeps_check_green(tmp_path):
+    root = project(tmp_path)
+    spec = root / "specs" / "seed.yaml"
+    spec.write_text("# reviewed\n" + spec.read_text().replace(
+        "layer1: {op: Linear, args: [10, 20]}",
+        "layer1:  # the first layer\n    op: Linear\n    args:\n      - 10\n      - 20"))
+    check = mpgen("check", cwd=root)
+    assert (check.returncode, check.stdout) == (0, "out: up to date\n"), check.stderr
+    build = mpgen("build", cwd=root)
+    assert build.stdout.splitlines()[0] == "out: up to date"
+
+
+def test_a_meaning_edit_makes_check_fail_on_the_digest_too(tmp_path):
+    root = project(tmp_path)
+    spec = root / "specs" / "seed.yaml"
+    before = file_digest(spec)
+    spec.write_text(spec.read_text().replace("lr: 0.01", "lr: 0.02"))
+    check = mpgen("check", cwd=root)
+    assert check.returncode == 1
+    assert f"-# spec digest: {before}" in check.stdout.splitlines()
+    assert f"+# spec digest: {file_digest(spec)}" in check.stdout.splitlines()
+    assert check.stderr.endswith("run: mpgen build\n")
+    assert mpgen("build", cwd=root).returncode == 0
+    assert mpgen("check", cwd=root).returncode == 0
+
+
+# -- orphans -------------------------------------------------------------------
+
+def test_a_renamed_model_s_files_are_listed_and_removed_by_build(tmp_path):
+    root = project(tmp_path)
+    spec = root / "specs" / "seed.yaml"
+    spec.write_text(spec.read_text().replace("name: SimpleModel", "name: Renamed"))
+    check = mpgen("check", cwd=root)
+    assert check.returncode == 1
+    assert [line for line in check.stdout.splitlines() if "no longer" in line] == [
+        f"out/{name}: generated from specs/seed.yaml, which no longer generates it; build "
+        "would remove it" for name in files_of("simple_model")]
+    assert check.stderr.endswith("run: mpgen build\n")  # no --prune needed
+    build = mpgen("build", cwd=root)
+    assert [line for line in build.stdout.splitlines() if line.startswith("removed")] == [
+        f"removed out/{name}" for name in files_of("simple_model")]
+    assert sorted(os.listdir(root / "out")) == sorted(files_of("renamed") + files_of("other"))
+    assert mpgen("check", cwd=root).returncode == 0
+
+
+def test_a_deleted_spec_s_files_take_prune(tmp_path):
+    root = project(tmp_path)
+    (root / "specs" / "other.yaml").unlink()
+    check = mpgen("check", cwd=root)
+    assert check.returncode == 1
+    assert check.stdout.splitlines() == [
+        f"out/{name}: generated from specs/other.yaml, which no longer exists; build --prune "
+        "would remove it" for name in files_of("other")]
+    assert check.stderr.endswith("run: mpgen build --prune\n")
+    build = mpgen("build", cwd=root)
+    assert build.returncode == 0
+    assert "up to date" not in build.stdout
+    assert build.stderr.splitlines() == [
+        f"out/{name}: note: generated from specs/other.yaml, which no longer exists; left in "
+        "place (mpgen build --prune removes it)" for name in files_of("other")]
+    assert mpgen("check", cwd=root).returncode == 1  # build and check agree
+    pruned = mpgen("build", "--prune", cwd=root)
+    assert pruned.stdout.splitlines()[:5] == [f"removed out/{name}" for name in files_of("other")]
+    assert sorted(os.listdir(root / "out")) == files_of("simple_model")
+    assert mpgen("check", cwd=root).returncode == 0
+
+
+def test_prune_keeps_foreign_files_and_the_files_of_specs_that_exist(tmp_path):
+    root = project(tmp_path)
+    out = root / "out"
+    (out / "notes.md").write_text("# my notes\n")
+    (out / "helper.py").write_text("# Code generated by hand\n")
+    (out / "other.py").write_text("# my own, in the way\n")  # not mpgen's: foreign
+    (root / "specs" / "other.yaml").unlink()
+    pruned = mpgen("build", "specs/seed.yaml", "--prune", cwd=root)
+    assert pruned.returncode == 0, pruned.stderr
+    assert [line for line in pruned.stdout.splitlines() if line.startswith("removed")] == [
+        f"removed out/{name}" for name in files_of("other") if name != "other.py"]
+    assert sorted(os.listdir(out)) == sorted(
+        files_of("simple_model") + ["notes.md", "helper.py", "other.py"])
+    assert (out / "other.py").read_text() == "# my own, in the way\n"
+
+
+def test_files_of_a_spec_not_built_are_left_alone(tmp_path):
+    """`build SPEC` touches only SPEC's files and the orphans of deleted specs."""
+    root = project(tmp_path)
+    spec = root / "specs" / "other.yaml"
+    spec.write_text(spec.read_text().replace("name: Other", "name: Another"))
+    build = mpgen("build", "specs/seed.yaml", "--prune", cwd=root)
+    assert (build.returncode, build.stdout.splitlines()[0]) == (0, "out: up to date")
+    assert sorted(os.listdir(root / "out")) == sorted(files_of("simple_model")
+                                                      + files_of("other"))

@@ -81,6 +81,7 @@ class TinyLM(nn.Module):
         h = F.dropout(h, 0.1, self.training)
         q, k = h.chunk(2, dim=-1)
         h = torch.cat([k, q], dim=-1) * 0.5
+        h = torch.cat([h[:, :1], h[:, 1:]], dim=1) + h[:, -1].unsqueeze(1)
         return self.head(self.ln(h))
 
 
@@ -243,6 +244,8 @@ def test_a_shared_parameter_is_a_tie(project):
     assert 'arange: {op: torch.arange, in: [], end: "=size(idx, 1)"}' in text
     assert "dropout: {op: F.dropout, p: 0.1}" in text  # training follows the model's mode
     assert "outputs: [getitem, getitem_1]" in text
+    assert 'getitem_3: {op: torch.narrow, in: mul, args: [1, 1, "=size(mul, 1) - 1"]}' in text
+    assert "getitem_4: {op: torch.select, in: mul, dim: 1, index: -1}" in text
     original = model(project, "TinyLM")
     generated = same_model(project, text, original, torch.randint(0, 50, (2, 12)))
     assert sum(p.numel() for p in generated.parameters()) == sum(

@@ -697,12 +697,13 @@ class _Importer:
             return
         if isinstance(item, slice) and item.step in (None, 1) and all(
                 v is None or (isinstance(v, int) and v >= 0) for v in (item.start, item.stop)):
-            start = item.start or 0
-            size = self.values[source].shape[dim]
-            stop = min(item.stop, size) if item.stop is not None else None
-            length = stop - start if stop is not None else _Expr(f"size(SOURCE, {dim}) - {start}"
-                                                                  if start else
-                                                                  f"size(SOURCE, {dim})")
+            start, size = item.start or 0, self.values[source].shape[dim]
+            if item.stop is not None and item.stop > size:
+                raise _node_error(node, f"the slice ends past the sample's size {size} "
+                                        "of that dim: a spec cannot write min(stop, size)")
+            name = self.ref_name(self.refs[source])
+            length = (item.stop - start if item.stop is not None
+                      else _Expr(f"size({name}, {dim})" + (f" - {start}" if start else ""), name))
             self.function_layer(node, "torch.narrow", [source, dim, start, length], {})
             return
         raise _node_error(node, "indexing a spec cannot write (a step, a negative bound or "
@@ -781,9 +782,8 @@ class _Importer:
 
     def literal(self, arg: Any, node: fx.Node, layer: Layer) -> Any:
         if isinstance(arg, _Expr):
-            text = arg.text.replace("SOURCE", layer.inputs[0])
-            layer.reads.append(layer.inputs[0])
-            return f"={text}"
+            layer.reads.append(arg.read)
+            return f"={arg.text}"
         return self.value(arg, node, layer.reads)
 
     def model_outputs(self, node: fx.Node) -> None:
@@ -837,11 +837,12 @@ def _grouped(expression: str) -> str:
     return f"({expression})" if " " in expression.replace(", ", ",") else expression
 
 
+@dataclass(frozen=True)
 class _Expr:
-    """An expression over the tensor a layer reads first (``SOURCE``)."""
+    """An expression computed in ``forward`` from the size of ``read``."""
 
-    def __init__(self, text: str) -> None:
-        self.text = text
+    text: str
+    read: str
 
 
 def _leaves(value: tuple) -> list:

@@ -128,6 +128,28 @@ def test_pre_commit_runs_the_check_hook_with_specs_as_args(tmp_path):
                                               done.stdout), done.stdout
 
 
+def test_pre_commit_hooks_with_the_project_configuration(tmp_path):
+    # [tool.mpgen] names the specs: neither hook needs arguments.
+    repo = new_repo(tmp_path / "repo")
+    (repo / "specs").mkdir()
+    write_spec(repo / "specs", spec_text("SimpleModel"), "model.yaml")
+    (repo / "pyproject.toml").write_text('[tool.mpgen]\nspecs = ["specs/*.yaml"]\n'
+                                         'out = "src/generated"\n')
+    local_config(repo, "mpgen-build")
+    git(repo, "add", ".")
+    done = pre_commit(repo, tmp_path, "--hook-stage", "manual", "mpgen-build", "--all-files")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (repo / "src" / "generated" / "simple_model.py").is_file()
+
+    local_config(repo, "mpgen-check")
+    git(repo, "add", ".")
+    done = pre_commit(repo, tmp_path, "--all-files")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (repo / "specs" / "model.yaml").write_text(spec_text("SimpleModel", "cuda:0"))
+    done = pre_commit(repo, tmp_path, "--all-files")
+    assert done.returncode == 1 and "src/generated/simple_model.py" in done.stdout
+
+
 # -- mpgen ci-summary ----------------------------------------------------------
 
 @pytest.fixture

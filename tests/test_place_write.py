@@ -180,3 +180,34 @@ def test_a_spec_without_placement_on_the_default_is_left_alone(tmp_path, capsys)
     assert main(["place", str(path), "--write"]) == 0
     assert capsys.readouterr().out.startswith(f"unchanged: {path}")
     assert path.read_text() == original
+
+
+def test_the_comments_of_an_explicit_block_stay_with_the_keys_kept(tmp_path):
+    path = tmp_path / "stack.yaml"
+    path.write_text(STACK.format(placement=(
+        "  # the embedding\n"
+        "  a: cuda:0   # small\n"
+        "  # the stack, in two\n"
+        "  h.2: cuda:1   # second part\n"
+        "  # redundant\n"
+        "  h.4: cuda:1   # goes\n"
+        "  # the end\n")).replace("placement:\n", "placement:   # by hand\n"))
+    mapped = devices(path, {"cuda:1": "cuda:2"})
+    assert main(["place", str(path), "--write", "--device-map", "cuda:1=cuda:2"]) == 0
+    written = (
+        "placement:   # by hand\n"
+        "  # mpgen place --write: explicit (devices renamed by --device-map cuda:1=cuda:2),\n"
+        "  # shortest form: 2 bookmarks, one per device run, keeping 2 keys of the old block\n"
+        "  # the embedding\n"
+        "  a: cuda:0   # small\n"
+        "  # the stack, in two\n"
+        "  h.2: cuda:2   # second part\n"
+        "  # redundant\n"
+        "  # the end\n"
+        "\ntrain:")
+    assert written in path.read_text()
+    assert devices(path) == mapped
+    # Written again, mpgen's own two lines are replaced, not repeated.
+    assert main(["place", str(path), "--write", "--device-map", "cuda:2=cuda:1"]) == 0
+    assert written.replace("cuda:1=cuda:2", "cuda:2=cuda:1").replace(
+        "h.2: cuda:2", "h.2: cuda:1") in path.read_text()

@@ -27,8 +27,11 @@
 # lines, flow mappings, quoting, line endings), which a YAML round trip
 # (ruamel.yaml included) does not promise for reflowed flow mappings. An
 # automatic block is kept above the new entries as comments, so the settings
-# it was chosen from stay in the file; a first comment line says how the
-# layout was chosen and how the form was.
+# it was chosen from stay in the file. In an explicit block the comments of a
+# kept key stay with it (the lines above its entry and the comment after it);
+# those above an entry that goes move down to the next one kept. Two comment
+# lines say how the layout was chosen and how the form was (a later --write
+# replaces them).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import contextlib
 import os
 import stat
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -238,7 +241,7 @@ def rewrite_text(text: str, placed: Placed, name: str = "spec.yaml") -> str:
     if found is None:
         if not placed.shortest:  # the default: no block is the shortest form
             return text
-        block = newline.join(["placement:", *_written_lines(placed, indent, [])])
+        block = newline.join(["placement:", *_written_lines(placed, indent, [], _Comments())])
         sep = "" if not text or text.endswith("\n") else newline
         return f"{text}{sep}{newline}{block}{newline}"
     key, value = found
@@ -261,16 +264,60 @@ def rewrite_text(text: str, placed: Placed, name: str = "spec.yaml") -> str:
         first = colon
         old = text[value.start_mark.index:end]
     old_lines = _dedent(old.splitlines()) if placed.auto else []
-    block = newline.join([first, *_written_lines(placed, indent, old_lines)])
+    comments = _Comments() if placed.auto else _old_comments(text, key, value, content_end)
+    block = newline.join([first, *_written_lines(placed, indent, old_lines, comments)])
     return text[:start] + block + text[end:]
+
+
+#: The first words of the two comment lines ``--write`` puts above the entries.
+_OUR_COMMENTS = ("# mpgen place --write:", "# shortest form:")
+
+
+@dataclass(frozen=True)
+class _Comments:
+    """The comments of an explicit block: the lines above each entry (by its
+    key, in the block's order) and the comment after it on its line. Those
+    below the last entry are outside the block, and stay where they are."""
+
+    above: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    after: Mapping[str, str] = field(default_factory=dict)
+
+
+def _old_comments(text: str, key, value, content_end: int) -> _Comments:
+    """The comments of a block-style explicit placement, to keep with the keys
+    ``--write`` keeps; a comment above an entry whose key goes moves down to
+    the next one kept (``--write``'s own two lines are written afresh)."""
+    if not isinstance(value, yaml.MappingNode) or value.flow_style:
+        return _Comments()
+    entries = {k.start_mark.line: (k.value, v) for k, v in value.value}
+    lines = text.splitlines()
+    last = text.count("\n", 0, content_end)
+    above: dict[str, tuple[str, ...]] = {}
+    after: dict[str, str] = {}
+    pending: list[str] = []
+    for number in range(key.start_mark.line + 1, last + 1):
+        line = lines[number].strip()
+        if number in entries:
+            name, node = entries[number]
+            above[name] = tuple(pending)
+            pending = []
+            if node.end_mark.line == number:
+                rest = text[node.end_mark.index:_line_end(text, node.end_mark.index)]
+                if rest.strip().startswith("#"):
+                    after[name] = rest.rstrip()
+        elif line.startswith("#") and not line.startswith(_OUR_COMMENTS):
+            pending.append(line)
+    return _Comments(above, after)
 
 
 def _entry_lines(entries: Sequence[tuple[str, str]], indent: str) -> list[str]:
     return [f"{indent}{_yaml_key(key)}: {device}" for key, device in entries]
 
 
-def _written_lines(placed: Placed, indent: str, old_lines: list[str]) -> list[str]:
-    """The comment saying how the layout and its form were chosen, then the entries."""
+def _written_lines(placed: Placed, indent: str, old_lines: list[str],
+                   comments: _Comments) -> list[str]:
+    """The comment saying how the layout and its form were chosen, then the
+    entries with the old block's comments of the keys kept."""
     origin = placed.graph.layout.method
     notes = [n for n in (placed.bottleneck, placed.renamed) if n]
     if placed.auto:
@@ -284,12 +331,22 @@ def _written_lines(placed: Placed, indent: str, old_lines: list[str]) -> list[st
         if placed.kept:
             form += f", keeping {placed.kept} key{'s' if placed.kept > 1 else ''} of the old block"
     replaced = placed.auto and old_lines
-    lines = [f"{indent}# mpgen place --write: {origin}"
-             + (f" ({'; '.join(notes)})" if notes else "") + ",",
-             f"{indent}# shortest form: {form}" + ("; it replaced:" if replaced else "")]
+    lines = [f"{_OUR_COMMENTS[0]} {origin}" + (f" ({'; '.join(notes)})" if notes else "") + ",",
+             f"{_OUR_COMMENTS[1]} {form}" + ("; it replaced:" if replaced else "")]
     if replaced:
-        lines.extend(f"{indent}#   {line}".rstrip() for line in old_lines)
-    return lines + _entry_lines(placed.shortest, indent)
+        lines.extend(f"#   {line}".rstrip() for line in old_lines)
+    kept = {key for key, _ in placed.shortest}
+    above: dict[str, list[str]] = {}
+    carried: list[str] = []  # the comments above entries that go, for the next one kept
+    for key, comment_lines in comments.above.items():
+        carried.extend(comment_lines)
+        if key in kept:
+            above[key], carried = carried, []
+    for (key, _), entry in zip(placed.shortest, _entry_lines(placed.shortest, "")):
+        lines.extend(above.get(key, ()))
+        lines.append(entry + comments.after.get(key, ""))
+    lines.extend(carried)
+    return [f"{indent}{line}" for line in lines]
 
 
 def _yaml_key(key: str) -> str:

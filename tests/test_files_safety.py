@@ -490,7 +490,7 @@ def test_place_write_writes_through_a_symlink_and_keeps_the_mode(tmp_path):
     result = mpgen("place", "link.yaml", "--write", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert link.is_symlink() and os.readlink(link) == "specs/auto.yaml"
-    assert "# Written by `mpgen place --write`" in real.read_text()
+    assert "# mpgen place --write: auto (" in real.read_text()
     assert stat.S_IMODE(real.stat().st_mode) == 0o640
     assert sorted(os.listdir(tmp_path / "specs")) == ["auto.yaml"]
 

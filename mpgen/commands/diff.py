@@ -173,13 +173,12 @@ def _cwd_hint(rev: str, path: str) -> str:
     ``REV:path`` from the root, which surprises a user in a subfolder."""
     if path.startswith(("./", "../", "/")):
         return ""
+    prefix = (_git_quiet("rev-parse", "--show-prefix") or "").strip()
     here = f"{rev}:./{path}"
-    if _git_quiet("cat-file", "-e", here) is None:
-        return ""
-    prefix = _git_quiet("rev-parse", "--show-prefix")
-    rooted = f" or {rev + ':' + prefix.strip() + path!r}" if prefix and prefix.strip() else ""
+    if not prefix or (_git_quiet("cat-file", "-t", here) or "").strip() != "blob":
+        return ""  # at the root, or no file there either
     return (f"; a REV:path is relative to the repository root, and {rev} has {path!r} in the "
-            f"current directory: did you mean {here!r}{rooted}?")
+            f"current directory: did you mean {here!r} or {rev + ':' + prefix + path!r}?")
 
 
 def _git_quiet(*args: str) -> Optional[str]:

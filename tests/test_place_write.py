@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from helpers import EXAMPLES, write_spec
 from mpgen.cli import main
 from mpgen.commands.place import place, shortest_entries
@@ -211,3 +217,35 @@ def test_the_comments_of_an_explicit_block_stay_with_the_keys_kept(tmp_path):
     assert main(["place", str(path), "--write", "--device-map", "cuda:2=cuda:1"]) == 0
     assert written.replace("cuda:1=cuda:2", "cuda:2=cuda:1").replace(
         "h.2: cuda:2", "h.2: cuda:1") in path.read_text()
+
+
+@pytest.fixture(scope="module")
+def two_stacks(tmp_path_factory):
+    """A graph with plain layers around two repeated ones, to give layouts to."""
+    path = tmp_path_factory.mktemp("stacks") / "stacks.yaml"
+    path.write_text(STACK.format(placement="  a: cuda:0").replace(
+        "  z: {op: Linear, args: [8, 8]}\n",
+        "  m: {op: Linear, args: [8, 8]}\n  g: {op: Linear, args: [8, 8], repeat: 3}\n"
+        "  z: {op: Linear, args: [8, 8]}\n"))
+    return compile_spec(path)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_any_layout_gets_one_entry_per_run_and_resolves_to_itself(two_stacks, data):
+    graph = two_stacks
+    devices_ = ["cuda:0", "cuda:1", "cuda:2"]
+    layout = [tuple(data.draw(st.sampled_from(devices_)) for _ in range(node.instances))
+              for node in graph.nodes]
+    graph = dataclasses.replace(graph, nodes=tuple(
+        dataclasses.replace(node, devices=ds) for node, ds in zip(graph.nodes, layout)))
+    flat = [d for ds in layout for d in ds]
+    runs = 1 + sum(a != b for a, b in zip(flat, flat[1:]))
+    # Any keys as the "current" block: they only choose among the shortest forms.
+    keys = [f"{n.name}.{k}" if n.repeat else n.name
+            for n in graph.nodes for k in range(n.instances)]
+    current = data.draw(st.lists(st.tuples(st.sampled_from(keys + ["h", "h.1-4", "g.0-1"]),
+                                           st.sampled_from(devices_)), max_size=6))
+    entries = shortest_entries(graph, current)  # raises if they do not resolve to the layout
+    assert len(entries) == (0 if set(flat) == {"cuda:0"} else runs)

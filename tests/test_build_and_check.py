@@ -127,13 +127,14 @@ def test_unchanged_files_are_not_rewritten(tmp_path, capsys):
 
 def test_nothing_is_written_when_any_spec_fails(tmp_path):
     good = write_spec(tmp_path, SEED.read_text(), "good.yaml")
-    bad = write_spec(tmp_path, SEED.read_text().replace("Linear, args: [20", "Linaer, args: [20"),
-                     "bad.yaml")
+    text = SEED.read_text().replace("Linear, args: [20", "Linaer, args: [20")
+    bad = write_spec(tmp_path, text, "bad.yaml")
+    line = next(n for n, ln in enumerate(text.splitlines(), 1) if "Linaer" in ln)
     out = tmp_path / "out"
     result = mpgen("build", str(good), str(bad), "-o", str(out))
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    assert "bad.yaml:11:" in result.stderr and "did you mean 'Linear'" in result.stderr
+    assert f"bad.yaml:{line}:" in result.stderr and "did you mean 'Linear'" in result.stderr
     assert not out.exists()
 
 

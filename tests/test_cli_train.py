@@ -99,11 +99,13 @@ def test_out_refuses_a_file_mpgen_did_not_write_unless_forced(tmp_path, capfd):
 
 def test_a_spec_error_exits_2_at_its_position_runs_nothing_and_leaves_no_folder(
         tmp_path, capfd, temp_root):
-    write_spec(tmp_path, Path(SEED).read_text().replace("args: [20, 10]", "args: [30, 10]"))
+    text = Path(SEED).read_text().replace("args: [20, 10]", "args: [30, 10]")
+    write_spec(tmp_path, text)
+    line = next(n for n, ln in enumerate(text.splitlines(), 1) if "[30, 10]" in ln)
     for out in ([], ["-o", "out"]):
         ran = mpgen("train", "spec.yaml", *out, "--", "--steps", "1", cwd=tmp_path)
         assert ran.returncode == 2
-        assert ran.stderr == ("spec.yaml:11:3: layer 'layer2': Linear(30, 10) expects input "
+        assert ran.stderr == (f"spec.yaml:{line}:3: layer 'layer2': Linear(30, 10) expects input "
                               "[..., 30] but layer1 gives [batch, 20]\n")
         assert ran.stdout == ""
         assert capfd.readouterr() == ("", "")

@@ -166,10 +166,11 @@ def examples(shapes: list, microbatches: int) -> list[tuple[tuple, tuple]]:
     for k, stage in enumerate(STAGES):
         with torch.device("meta"):
             module = stage()
-        if k:
+        if (
+            k
+        ):  # received: a gradient goes back exactly for what needed one where it was sent from
             inputs = tuple(
-                x.detach().contiguous().requires_grad_(x.is_floating_point())
-                for x in inputs
+                x.detach().contiguous().requires_grad_(x.requires_grad) for x in inputs
             )
         outputs = tuple(
             x.contiguous() for x in module(*inputs)

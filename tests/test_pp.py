@@ -127,6 +127,63 @@ def test_losses_equal_the_single_process_script(pipe, schedule, ranks):
     assert not torch.equal(state["l3.weight"], torch.load(pipe / "init.pt")["l3.weight"])
 
 
+RECURRENT = """
+mpgen: 1
+name: StateNet
+
+inputs:
+  tokens: {shape: [seq, batch], dtype: int64}
+  h0: [1, batch, 8]
+  c0: [1, batch, 8]
+
+layers:
+  emb: {op: Embedding, args: [12, 6], in: tokens}
+  rnn: {op: LSTM, args: [6, 8], in: [emb, [h0, c0]], outputs: [seq_out, [hn, cn]]}
+  head: {op: Linear, args: [8, 12], in: seq_out}
+
+outputs: [head, hn, cn]
+
+placement:
+  emb: cuda:0
+  rnn: cuda:1
+  head: cuda:0
+
+train:
+  loss: {head: CrossEntropyLoss, hn: MSELoss, cn: MSELoss}
+  optimizer: {op: SGD, lr: 0.5}
+  batch_size: 4
+  dims: {seq: 5}
+"""
+
+
+@pytest.fixture(scope="module")
+def recurrent(tmp_path_factory) -> Path:
+    """StateNet: three stages on two devices (cuda:0, cuda:1, cuda:0); the first
+    passes the float inputs h0, c0 on unchanged (they need no gradient), the
+    last passes hn, cn on; batch on dim 1."""
+    out = tmp_path_factory.mktemp("recurrent")
+    build_to(write_spec(out, RECURRENT), out, CPU)
+    model = import_generated(out / "state_net.py")
+    torch.manual_seed(0)
+    torch.save(model.StateNet().state_dict(), out / "init.pt")
+    single = subprocess.run(
+        [sys.executable, "train_state_net.py", "--seed", "0", "--steps", "2", "--batch-size", "4",
+         "--log-dir", "single"], cwd=out, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    return out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_stages_passing_on_inputs_that_need_no_gradient(recurrent, schedule):
+    # Each end must agree on which gradients cross: h0 and c0 get none (this hung before).
+    run = torchrun(3, recurrent / "pp_state_net.py", "--schedule", schedule, "--steps", "2",
+                   "--batch-size", "4", "--microbatches", "4", "--init", "init.pt",
+                   "--log-dir", schedule, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = losses(recurrent / "single" / "log.csv")
+    assert losses(recurrent / schedule / "log.csv") == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
 @pytest.mark.parametrize("example, script", [("seed", "pp_simple_model.py"),
                                              ("resnet18", "pp_res_net18.py")])
 def test_examples_run_under_torchrun(tmp_path, example, script):

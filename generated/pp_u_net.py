@@ -134,18 +134,25 @@ def stage_loss(
     return loss
 
 
-def sendable(module: nn.Module, inputs: tuple, outputs: tuple) -> tuple:
-    """A stage's outputs as they can be sent: contiguous (gloo and NCCL send no
-    other; a micro-batch cut on dim 1 is not), and a value the stage passes on
-    as it received it copied (its receive buffer takes the next micro-batch)."""
-    return tuple(
-        (
-            x.clone(memory_format=torch.contiguous_format)
-            if any(x is i for i in inputs)
-            else x.contiguous()
+def sendable(dtypes: tuple) -> object:
+    """The forward hook that makes a stage's outputs sendable: contiguous (gloo
+    and NCCL send no other; a micro-batch cut on dim 1 is not), a value the
+    stage passes on as it received it copied (its receive buffer takes the next
+    micro-batch), and each in the dtype the next stage receives (``dtypes``, the
+    model's own: under --amp bf16 autocast gives some outputs in bfloat16, and
+    the receiver's buffers are those of the model without it)."""
+
+    def hook(module: nn.Module, inputs: tuple, outputs: tuple) -> tuple:
+        return tuple(
+            (
+                x.clone(memory_format=torch.contiguous_format)
+                if any(x is i for i in inputs)
+                else x.contiguous()
+            ).to(dtype)
+            for x, dtype in zip(outputs, dtypes)
         )
-        for x in outputs
-    )
+
+    return hook
 
 
 def examples(shapes: list, microbatches: int) -> list[tuple[tuple, tuple]]:
@@ -330,8 +337,6 @@ def run(args: argparse.Namespace, ranks: list[int], device: torch.device) -> Non
     for k in mine:
         torch.manual_seed(args.seed * 1_000_003 + k)  # a stage's own initialisation
         modules[k] = STAGES[k]().to(device)
-        if k < len(STAGES) - 1:
-            modules[k].register_forward_hook(sendable)
     if args.init:
         full = torch.load(args.init, map_location="cpu", weights_only=True)
         for k in mine:
@@ -415,6 +420,11 @@ def run(args: argparse.Namespace, ranks: list[int], device: torch.device) -> Non
         shapes = [[(tuple(x.shape), x.dtype) for x in batch[:N_INPUTS]]]
     dist.broadcast_object_list(shapes, src=ranks[0])
     found = examples(shapes[0], args.microbatches)
+    for k in mine:
+        if k < len(STAGES) - 1:
+            modules[k].register_forward_hook(
+                sendable(tuple(x.dtype for x in found[k][1]))
+            )
     pipeline = [
         PipelineStage(
             modules[k],

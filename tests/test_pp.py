@@ -127,6 +127,41 @@ def test_losses_equal_the_single_process_script(pipe, schedule, ranks):
     assert not torch.equal(state["l3.weight"], torch.load(pipe / "init.pt")["l3.weight"])
 
 
+def test_bf16_autocast_crosses_stages_in_the_models_dtype(pipe):
+    # Under autocast the stages compute in bfloat16 and send what the next stage
+    # expects (float32, the model's dtype): losses as the single-process script's
+    # under the same autocast, within bfloat16's precision (before, the bytes of
+    # bfloat16 outputs were read as float32 and the loss blew up).
+    single = subprocess.run(
+        [sys.executable, "train_pipe_net.py", "--seed", "0", "--data", "data.pt", "--steps", "3",
+         "--batch-size", "8", "--amp", "bf16", "--log-dir", "single_bf16"],
+        cwd=pipe, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    run = torchrun(4, pipe / "pp_pipe_net.py", "--schedule", "gpipe", "--steps", "3",
+                   "--batch-size", "8", "--microbatches", "4", "--data", "data.pt",
+                   "--init", "init.pt", "--amp", "bf16", "--log-dir", "bf16")
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = losses(pipe / "single_bf16" / "log.csv")
+    assert losses(pipe / "bf16" / "log.csv") == pytest.approx(expected, rel=3e-2)
+    fp32 = losses(pipe / "single" / "log.csv")
+    assert losses(pipe / "bf16" / "log.csv") != pytest.approx(fp32, rel=1e-6, abs=0)  # bf16 ran
+
+
+def test_resume_continues_as_one_run(pipe):
+    first = torchrun(4, pipe / "pp_pipe_net.py", "--schedule", "1f1b", "--steps", "2",
+                     "--batch-size", "8", "--microbatches", "4", "--data", "data.pt",
+                     "--init", "init.pt", "--checkpoint", "resumed")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = torchrun(4, pipe / "pp_pipe_net.py", "--schedule", "1f1b", "--steps", "3",
+                    "--batch-size", "8", "--microbatches", "4", "--data", "data.pt",
+                    "--checkpoint", "resumed", "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "resumed from resumed at step 2" in rest.stdout
+    assert "step 3/3  loss" in rest.stdout and "step 1/3" not in rest.stdout
+    expected = losses(pipe / "single" / "log.csv")
+    assert losses(pipe / "resumed" / "log.csv") == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
 RECURRENT = """
 mpgen: 1
 name: StateNet

@@ -116,3 +116,33 @@ def test_a_loss_class_outside_the_project_is_refused_by_the_import_policy(tmp_pa
     ran = mpgen("build", "focal.yaml", "-o", "out", cwd=tmp_path)
     assert ran.returncode == 2
     assert "train.loss: 'os.path.join' is in the standard library" in ran.stderr
+
+
+def test_the_pipeline_program_imports_the_users_loss_and_optimizer(tmp_path):
+    project(tmp_path)
+    write_spec(tmp_path, """
+        mpgen: 1
+        name: FocalPipe
+        inputs:
+          x: [batch, 8]
+        layers:
+          fc: {op: Linear, args: [8, 16]}
+          act: {op: ReLU}
+          out: {op: Linear, args: [16, 3]}
+        placement:
+          fc: cuda:0
+          out: cuda:1
+        train:
+          loss: {op: mytraining.losses.FocalLoss, gamma: 1.5, class_dim: 1}
+          optimizer: {op: mytraining.losses.SignSGD, lr: 0.001}
+          batch_size: 4
+        """, "focal_pipe.yaml")
+    built = mpgen("build", "focal_pipe.yaml", "-o", "out", "--device-map", "cpu", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    script = (tmp_path / "out" / "pp_focal_pipe.py").read_text()
+    assert "import mytraining.losses\n" in script
+    ran = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "pp_focal_pipe.py", "--steps", "2", "--batch-size", "4"],
+              tmp_path / "out", str(tmp_path))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert "step 2/2  loss " in ran.stdout

@@ -86,6 +86,7 @@ class PPContext:
     problem: str  # why the model cannot run as a pipeline; "" when it can
     problem_literal: str
     imports: list[str]  # torch, nn, F, user modules: what the stage classes use
+    train_modules: tuple[str, ...]  # user modules of the loss and optimizer classes
     pipelining: list[str]  # the imports from torch.distributed.pipelining
     blocks: str  # the model module's block classes the stages build, "" for none
     classes: str  # Elsewhere (when needed) and the stage classes
@@ -322,6 +323,7 @@ def _pipelining_imports(n: dict[str, str], replicate: bool) -> list[str]:
 def _scaffold_names(graph: Graph) -> dict[str, str]:
     blocks = {b.name for b in graph.blocks}
     users = {n.op.module.split(".")[0] for n in graph.nodes if n.op.kind is OpKind.USER}
+    users |= {m.split(".")[0] for m in graph.train.modules}  # import mypkg.losses binds mypkg
     ns = Namespace(GLOBALS | blocks | users | {"argparse", "csv", "math", "sys", "time"})
     return {name: ns.fresh(name) for name in _SCAFFOLD_GLOBALS + _SCAFFOLD_LOCALS}
 
@@ -354,6 +356,7 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
         header=header(graph), model=graph.name, spec_path=graph.spec_path,
         file=names["pp"], train_module=names["train"][:-3], model_module=names["model"][:-3],
         problem=problem, problem_literal=literal(problem), imports=_imports(graph),
+        train_modules=tuple(m for m in train.modules if f"import {m}" not in _imports(graph)),
         pipelining=_pipelining_imports(n, any(d is None for d in dims)), blocks=", ".join(used_blocks),
         classes=_classes(graph, all_stages, n, stage_names) if not problem else "",
         stage_names=_tuple(stage_names), stage_devices=_tuple([literal(s.device)

@@ -258,6 +258,31 @@ def tie_groups(ranks: list[int], mine: list[int]) -> list[tuple]:
     return groups
 
 
+def follow_owners(
+    groups: list[tuple], modules: dict, optimizers: dict, device: torch.device
+) -> None:
+    """Put every tied copy in its owner's weight-decay group. In the model the
+    copies are one parameter, grouped by the layer that owns it (the first to
+    hold it: an embedding's weight is exempt under no_decay [embeddings]); a
+    copy grouped by its own layer (a Linear head) would decay apart from the others."""
+    for group, owner, copies in groups:
+        if not copies:
+            continue
+        k, key = copies[0]  # the owner, where this rank holds it (it comes first)
+        param = modules[k].get_parameter(key)
+        exempt = torch.tensor(
+            float(any(p is param for p in optimizers[k].param_groups[1]["params"])),
+            device=device,
+        )
+        if group is not None:
+            dist.broadcast(exempt, src=owner, group=group)
+        for k, key in copies:
+            param = modules[k].get_parameter(key)
+            for kept in optimizers[k].param_groups:
+                kept["params"] = [p for p in kept["params"] if p is not param]
+            optimizers[k].param_groups[int(exempt.item())]["params"].append(param)
+
+
 def sync_ties(groups: list[tuple], modules: dict, gradients: bool) -> None:
     """Keep each tied parameter's copies equal, as Megatron does: at the start,
     the owner's value; after a backward, every copy's gradient becomes their sum."""
@@ -407,6 +432,7 @@ def run(args: argparse.Namespace, ranks: list[int], device: torch.device) -> Non
             ),
         )
         optimizers[k], schedulers[k] = optimizer, scheduler
+    follow_owners(groups, modules, optimizers, device)
     done = 0
     if args.resume:
         for k in mine:

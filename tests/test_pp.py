@@ -272,3 +272,53 @@ def test_a_model_that_cannot_be_a_pipeline_says_why(tmp_path):
     assert run.stderr.strip() == ("pp_no_params.py: NoParams cannot run as a pipeline: NoParams "
                                   "has no parameters, so there is nothing to train. Train it "
                                   "with train_no_params.py")
+
+
+TIED_LM = """
+mpgen: 1
+name: TiedLM
+
+inputs:
+  tokens: {shape: [batch, seq], dtype: int64}
+
+layers:
+  emb: {op: Embedding, args: [10, 8]}
+  fc: {op: Linear, args: [8, 8]}
+  act: {op: Tanh}
+  head: {op: Linear, args: [8, 10], bias: false, tie: {weight: emb.weight}}
+
+placement:
+  emb: cuda:0
+  head: cuda:1
+
+train:
+  loss: CrossEntropyLoss
+  optimizer: {op: AdamW, lr: 0.05, weight_decay: 0.5}
+  no_decay: [embeddings]
+  batch_size: 4
+  dims: {seq: 3}
+"""
+
+
+def test_a_tied_copy_takes_its_owners_weight_decay_group(tmp_path):
+    # The embedding owns the weight the head shares: exempt from decay in the
+    # model, so the head's copy on the other stage is exempt too. Grouped by its
+    # own layer (a Linear), it decayed apart from the embedding's.
+    build_to(write_spec(tmp_path, TIED_LM), tmp_path, CPU)
+    torch.manual_seed(0)
+    torch.save(import_generated(tmp_path / "tied_lm.py").TiedLM().state_dict(), tmp_path / "init.pt")
+    single = subprocess.run(
+        [sys.executable, "train_tied_lm.py", "--seed", "0", "--steps", "3", "--batch-size", "4",
+         "--log-dir", "single", "--checkpoint", "single"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    run = torchrun(2, tmp_path / "pp_tied_lm.py", "--steps", "3", "--batch-size", "4",
+                   "--microbatches", "2", "--init", "init.pt", "--checkpoint", "pp")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert losses(tmp_path / "pp" / "log.csv") == pytest.approx(
+        losses(tmp_path / "single" / "log.csv"), rel=1e-5, abs=1e-7)
+    head = torch.load(tmp_path / "pp" / "stage_1.pt", weights_only=True)
+    emb = torch.load(tmp_path / "pp" / "stage_0.pt", weights_only=True)
+    assert torch.equal(head["model"]["head.weight"], emb["model"]["emb.weight"])
+    expected = torch.load(tmp_path / "single" / "last.pt", weights_only=True)["model"]["emb.weight"]
+    torch.testing.assert_close(emb["model"]["emb.weight"], expected, rtol=1e-5, atol=1e-6)

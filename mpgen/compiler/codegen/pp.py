@@ -63,7 +63,7 @@ _SCAFFOLD_GLOBALS = (
     "ScheduleInterleaved1F1B", "TensorChunkSpec", "_Replicate", "single", "Elsewhere",
     "STAGES", "STAGE_DEVICES", "DEVICE_TYPE", "SCHEDULES", "N_INPUTS", "INPUT_DIMS",
     "TARGET_DIMS", "TIES", "PROBLEM", "stage_loss", "pick", "sendable", "examples", "placement", "stop", "merge",
-    "tie_groups", "sync_ties", "clip_gradients", "Log", "run", "main",
+    "tie_groups", "follow_owners", "sync_ties", "clip_gradients", "Log", "run", "main",
 )
 _SCAFFOLD_LOCALS = (
     "parser", "args", "world", "rank", "ranks", "device", "mine", "modules", "full", "k",
@@ -101,6 +101,7 @@ class PPContext:
     target_dims: str
     replicate: bool  # some input has no batch dim: each micro-batch gets it whole
     ties: str
+    follow_owners: bool  # no_decay's two groups and a tie across stages: copies follow the owner
     loss_lines: list[str]
     loss_fns: str
     optimizer: str
@@ -368,6 +369,7 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
         target_dims=_tuple([literal(loss.target_type.batch_dim)
                             for loss in train.losses]),
         replicate=any(d is None for d in dims), ties=_ties(graph, all_stages),
+        follow_owners=bool(train.no_decay) and _ties(graph, all_stages) != "()",
         loss_lines=_loss_lines(graph, n, reserved) if not problem else [],
         loss_fns=_tuple([call(loss.callee, [], loss.kwargs) for loss in train.losses]),
         optimizer=optimizer, scheduler=scheduler, steps=tctx.steps, decay_steps=tctx.decay_steps, epochs=tctx.epochs,

@@ -362,9 +362,7 @@ def run(args: argparse.Namespace, ranks: list[int], device: torch.device) -> Non
     per_epoch = [None]
     if feeds:
         if args.data:
-            data = single.load_data(
-                args.data, {} if args.data == None else {}, "--data"
-            )
+            data = single.load_data(args.data, {}, "--data")
         else:
             data = single.SyntheticData(args.samples, args.seed)
         per_epoch = [single.epoch_batches(data, args.batch_size)]

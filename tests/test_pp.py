@@ -322,3 +322,21 @@ def test_a_tied_copy_takes_its_owners_weight_decay_group(tmp_path):
     assert torch.equal(head["model"]["head.weight"], emb["model"]["emb.weight"])
     expected = torch.load(tmp_path / "single" / "last.pt", weights_only=True)["model"]["emb.weight"]
     torch.testing.assert_close(emb["model"]["emb.weight"], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_epochs_end_the_run_as_in_the_single_process_script(pipe):
+    # 32 samples in batches of 8: an epoch is 4 steps, whichever --steps says.
+    single = subprocess.run(
+        [sys.executable, "train_pipe_net.py", "--seed", "0", "--data", "data.pt", "--epochs", "2",
+         "--steps", "100", "--batch-size", "8", "--log-dir", "single_epochs"],
+        cwd=pipe, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    run = torchrun(4, pipe / "pp_pipe_net.py", "--schedule", "gpipe", "--epochs", "2",
+                   "--steps", "100", "--batch-size", "8", "--microbatches", "4",
+                   "--data", "data.pt", "--init", "init.pt", "--log-dir", "epochs")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 8/8  loss" in run.stdout
+    with (pipe / "epochs" / "log.csv").open() as f:
+        assert [row["epoch"] for row in csv.DictReader(f)] == ["0"] * 4 + ["1"] * 4
+    assert losses(pipe / "epochs" / "log.csv") == pytest.approx(
+        losses(pipe / "single_epochs" / "log.csv"), rel=1e-5, abs=1e-7)

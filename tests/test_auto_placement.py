@@ -162,6 +162,20 @@ def test_capacity_for_an_unlisted_device_is_an_error(tmp_path):
         compile_spec(path)
 
 
+def test_a_size_with_a_non_ascii_letter_is_invalid_not_a_crash(tmp_path):
+    # 'ı' (dotless i) matches 'i' case-insensitively outside ASCII; its unit is no unit.
+    path = chain(tmp_path, "devices: [cuda:0, cuda:1]\ncapacity: {cuda:0: 1K\u0131B}")
+    with pytest.raises(MpgenError, match=r"invalid memory size '1K\u0131B'"):
+        compile_spec(path)
+
+
+def test_explicit_beside_auto_is_an_error_not_ignored(tmp_path):
+    path = chain(tmp_path, "devices: [cuda:0, cuda:1]")
+    path.write_text(path.read_text().replace("train:", "  explicit: {a: cuda:1}\ntrain:"))
+    with pytest.raises(MpgenError, match=r"placement: \{auto: \.\.\.\} stands alone"):
+        compile_spec(path)
+
+
 def test_fewer_units_than_devices_leaves_the_last_ones_empty(tmp_path):
     path = write_spec(tmp_path, """
         mpgen: 1

@@ -56,7 +56,7 @@ Dtype = Literal["float32", "float16", "bfloat16", "int64", "int32", "bool"]
 
 
 _DEVICE = re.compile(r"^(cpu|cuda:(0|[1-9][0-9]{0,2}))$")
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE | re.ASCII)
 _UNITS = {
     "": 1, "b": 1,
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -602,6 +602,9 @@ class PlacementSpec(_Model):
     @classmethod
     def _forms(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("auto"), (dict, list)):
+            if "explicit" in data:  # a field, not a key of the YAML: it would be ignored
+                raise _error("placement", "{auto: ...} stands alone; write the "
+                             "explicit layout as the mapping itself, without 'explicit:'")
             return data
         if isinstance(data, dict):
             return {"explicit": data}

@@ -16,6 +16,7 @@ from mpgen.compiler.analysis import costs, shapes, targets
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.codegen import common, model, pp, report, tests, train
 from mpgen.compiler.codegen.format import format_source
+from mpgen.compiler.frontend.eager_torch import eager_torch
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.ir import Graph
 from mpgen.errors import Collector, MpgenError
@@ -40,12 +41,13 @@ def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = Non
     spec's repository; see ``docs/spec.md``, "User modules"). ``time_limit``:
     seconds the analysis may take (None: no limit; ``docs/spec.md``, "Limits")."""
     loaded = load_file(path)
-    graph = frontend.lower(validate(loaded), loaded, root)
-    budget = Budget(time_limit)
-    graph = shapes.infer(graph, budget)
-    graph = targets.infer_targets(graph)
-    graph = costs.measure_graph(graph, budget)
-    return placement.place(graph, device_map)
+    with eager_torch():  # NOTE [No dynamo at build time]
+        graph = frontend.lower(validate(loaded), loaded, root)
+        budget = Budget(time_limit)
+        graph = shapes.infer(graph, budget)
+        graph = targets.infer_targets(graph)
+        graph = costs.measure_graph(graph, budget)
+        return placement.place(graph, device_map)
 
 
 def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,

@@ -29,10 +29,10 @@ class Exit(enum.IntEnum):
 
 def _device_map(text: Optional[str], where: Optional[Position] = None) -> dict[str, str]:
     """``--device-map``, or ``device-map`` of ``[tool.mpgen]`` written at ``where``."""
-    from mpgen.compiler.frontend.device_map import parse_device_map
-
     if not text:
         return {}
+    from mpgen.spec_schema.device_map import parse_device_map  # no torch: check's fast path
+
     try:
         return parse_device_map(text)
     except ValueError as exc:
@@ -248,9 +248,8 @@ def _say(text: str, stream=None) -> None:
 def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
 
-    results, changes = build.build(args.specs, args.out, device_map, force=args.force,
-                                   root=args.root, time_limit=args.time_limit,
-                                   prune=args.prune)
+    built, changes = build.update(args.specs, args.out, device_map, force=args.force,
+                                  root=args.root, time_limit=args.time_limit, prune=args.prune)
     for path in changes.written:
         _say(f"wrote {path}")
     for path in changes.removed:
@@ -260,16 +259,16 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     for orphan in changes.kept:
         _say(f"{orphan.path}: note: {orphan.why}; left in place (mpgen build --prune "
              "removes it)", sys.stderr)
-    for result in results:
-        _say(build.summary_line(result))
-    for note in build.path_notes(results, args.out):
+    for spec in built:
+        _say(spec.line)
+    compiled = [spec.result for spec in built if spec.result is not None]
+    for note in build.path_notes(compiled, args.out):
         _say(note, sys.stderr)
     return Exit.OK
 
 
 def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
-    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 
     diffs = build.check(args.specs, args.out, device_map, root=args.root,
                         time_limit=args.time_limit)
@@ -285,7 +284,7 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
         command += ["--device-map", typed.device_map]
     if typed.root:
         command += ["--root", typed.root]
-    if typed.time_limit is not None and args.time_limit != DEFAULT_TIME_LIMIT:
+    if typed.time_limit is not None and args.time_limit != _default_time_limit():
         command += ["--time-limit", f"{args.time_limit or 0:g}"]
     if diffs.prune:
         command += ["--prune"]
@@ -435,16 +434,21 @@ def _completion(args: argparse.Namespace) -> int:
     return Exit.OK
 
 
+def _default_time_limit() -> float:
+    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
+
+    return DEFAULT_TIME_LIMIT
+
+
 def _run(args: argparse.Namespace) -> int:
     if args.command == "completion":  # no spec, no torch
         return _completion(args)
-    from mpgen.compiler import pipeline
-    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
-
     where = _project_options(args) if args.command in ("build", "check") else None
     device_map = _device_map(args.device_map, where)
-    # Unset: the default budget; 0: no limit.
-    args.time_limit = DEFAULT_TIME_LIMIT if args.time_limit is None else args.time_limit or None
+    # Unset: the default budget; 0: no limit. build and check take ``...`` for
+    # the default: a check of current specs imports no compiler (and no torch).
+    default = ... if args.command in ("build", "check") else _default_time_limit()
+    args.time_limit = default if args.time_limit is None else args.time_limit or None
     if args.command == "build":
         return _build(args, device_map)
     if args.command == "check":
@@ -459,6 +463,7 @@ def _run(args: argparse.Namespace) -> int:
         return _import(args)
     if args.command == "show":
         from mpgen.commands import show as summary
+        from mpgen.compiler import pipeline
 
         graph = pipeline.compile_spec(args.spec, device_map, args.root, args.time_limit)
         _say(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))

@@ -23,6 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
+def listing(folder: Path) -> list[str]:
+    """The names in an output folder, sorted, but the build's manifest (a
+    dot file every build writes beside the generated files)."""
+    from mpgen.compiler.codegen.manifest import FILE_NAME
+
+    return sorted(name for name in os.listdir(folder) if name != FILE_NAME)
+
+
 def write_spec(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text).lstrip(), encoding="utf-8")

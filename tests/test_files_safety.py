@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, ROOT, mpgen, time_limit, write_spec
-from mpgen.compiler.codegen import write
+from helpers import EXAMPLES, ROOT, listing, mpgen, time_limit, write_spec
+from mpgen.compiler.codegen import manifest, write
 from mpgen.spec_schema.load import MAX_BYTES
 
 SEED = EXAMPLES / "seed.yaml"
@@ -32,7 +32,9 @@ NEEDS_POSIX = pytest.mark.skipif(os.name != "posix", reason="FIFOs and /dev/zero
 
 
 def contents(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    """Every file in ``folder`` by name (staging files too) but the manifest."""
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
+            if p.name != manifest.FILE_NAME}
 
 
 def spec_in(folder: Path, text: str, name: str) -> Path:
@@ -80,7 +82,7 @@ def test_a_spec_linked_to_a_regular_file_is_read(tmp_path):
     (tmp_path / "link.yaml").symlink_to(tmp_path / "real" / "seed.yaml")
     result = mpgen("build", "link.yaml", "-o", "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert sorted(os.listdir(tmp_path / "out")) == sorted(SEED_FILES)
+    assert listing(tmp_path / "out") == sorted(SEED_FILES)
 
 
 def test_a_spec_that_grows_past_the_limit_is_refused(tmp_path):
@@ -328,7 +330,7 @@ def test_a_renamed_model_leaves_orphans_that_check_lists_and_build_removes(tmp_p
     assert [line for line in build.stdout.splitlines() if line.startswith("removed")] == [
         f"removed out/{name}" for name in sorted(SEED_FILES)]
     # The other spec's files exist and were not passed: untouched, as are the notes.
-    assert sorted(os.listdir(tmp_path / "out")) == sorted(
+    assert listing(tmp_path / "out") == sorted(
         ["notes.md", "renamed.py", "train_renamed.py", "test_renamed.py", "pp_renamed.py",
          "renamed.placement.md", "other_model.py", "train_other_model.py",
          "test_other_model.py", "pp_other_model.py", "other_model.placement.md"])
@@ -357,11 +359,11 @@ def test_files_of_a_deleted_spec_in_the_project_are_orphans(tmp_path):
     assert kept.stderr.splitlines() == [
         f"out/{name}: note: generated from specs/gone.yaml, which no longer exists; left in "
         "place (mpgen build --prune removes it)" for name in gone_files]
-    assert sorted(os.listdir(tmp_path / "out")) == sorted(SEED_FILES + gone_files)
+    assert listing(tmp_path / "out") == sorted(SEED_FILES + gone_files)
     pruned = mpgen("build", "specs/seed.yaml", "-o", "out", "--prune", cwd=tmp_path)
     assert pruned.returncode == 0, pruned.stderr
     assert pruned.stdout.splitlines()[:5] == [f"removed out/{name}" for name in gone_files]
-    assert sorted(os.listdir(tmp_path / "out")) == sorted(SEED_FILES)
+    assert listing(tmp_path / "out") == sorted(SEED_FILES)
 
 
 # -- writes as one unit --------------------------------------------------------------

@@ -114,3 +114,11 @@ def test_the_checker_sees_a_violation():
     assert _layer("mpgen.compiler.codegen.model") > _layer("mpgen.compiler.placement.auto")
     assert "mpgen.compiler.pipeline" in _imports("mpgen.commands.place")
     assert _layer("mpgen.compiler.pipeline") > _layer("mpgen.compiler.codegen.common")
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if not _within(m, "mpgen.testing")])
+def test_nothing_outside_the_runtime_imports_it(module):
+    # The build manifest's generator hash leaves mpgen/testing out (NOTE [Build
+    # manifest]): sound only while no code that generates files imports it.
+    found = sorted(i for i in _imports(module) if _within(i, "mpgen.testing"))
+    assert not found, f"{module} imports the generated tests' runtime: {found}"

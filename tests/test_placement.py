@@ -6,7 +6,7 @@ import pytest
 
 from helpers import write_spec
 from mpgen.compiler import pipeline as build
-from mpgen.compiler.frontend.device_map import parse_device_map
+from mpgen.spec_schema.device_map import parse_device_map
 from mpgen.errors import MpgenError
 
 STACK = """

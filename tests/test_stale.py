@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, ROOT, mpgen
+from helpers import EXAMPLES, ROOT, listing, mpgen
 from mpgen.spec_schema.digest import canonical, file_digest, spec_digest
 from mpgen.spec_schema.load import load_text
 from mpgen.spec_schema.validate import validate
@@ -184,7 +184,7 @@ def test_a_renamed_model_s_files_are_listed_and_removed_by_build(tmp_path):
     build = mpgen("build", cwd=root)
     assert [line for line in build.stdout.splitlines() if line.startswith("removed")] == [
         f"removed out/{name}" for name in files_of("simple_model")]
-    assert sorted(os.listdir(root / "out")) == sorted(files_of("renamed") + files_of("other"))
+    assert listing(root / "out") == sorted(files_of("renamed") + files_of("other"))
     assert mpgen("check", cwd=root).returncode == 0
 
 
@@ -206,7 +206,7 @@ def test_a_deleted_spec_s_files_take_prune(tmp_path):
     assert mpgen("check", cwd=root).returncode == 1  # build and check agree
     pruned = mpgen("build", "--prune", cwd=root)
     assert pruned.stdout.splitlines()[:5] == [f"removed out/{name}" for name in files_of("other")]
-    assert sorted(os.listdir(root / "out")) == files_of("simple_model")
+    assert listing(root / "out") == files_of("simple_model")
     assert mpgen("check", cwd=root).returncode == 0
 
 
@@ -221,7 +221,7 @@ def test_prune_keeps_foreign_files_and_the_files_of_specs_that_exist(tmp_path):
     assert pruned.returncode == 0, pruned.stderr
     assert [line for line in pruned.stdout.splitlines() if line.startswith("removed")] == [
         f"removed out/{name}" for name in files_of("other") if name != "other.py"]
-    assert sorted(os.listdir(out)) == sorted(
+    assert listing(out) == sorted(
         files_of("simple_model") + ["notes.md", "helper.py", "other.py"])
     assert (out / "other.py").read_text() == "# my own, in the way\n"
 
@@ -233,5 +233,5 @@ def test_files_of_a_spec_not_built_are_left_alone(tmp_path):
     spec.write_text(spec.read_text().replace("name: Other", "name: Another"))
     build = mpgen("build", "specs/seed.yaml", "--prune", cwd=root)
     assert (build.returncode, build.stdout.splitlines()[0]) == (0, "out: up to date")
-    assert sorted(os.listdir(root / "out")) == sorted(files_of("simple_model")
+    assert listing(root / "out") == sorted(files_of("simple_model")
                                                       + files_of("other"))

@@ -1,67 +1,263 @@
-"""``mpgen build`` and ``mpgen check``: generate every spec, then write or compare."""
+"""``mpgen build`` and ``mpgen check``: generate every spec, then write or compare.
+
+A spec whose files the output folder's manifest shows current is not
+compiled (NOTE [Build manifest] in ``compiler/codegen/manifest.py``): this
+module imports the compiler (torch, jinja2, black) only when a spec needs it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import shlex
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from types import EllipsisType
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
-from mpgen.compiler.codegen.common import file_names
+from mpgen.compiler.codegen import manifest
 from mpgen.compiler.codegen.write import Changes, Differences, diff_files, write_files
-from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
-from mpgen.compiler.ir import Graph, Node, OpKind
-from mpgen.compiler.pipeline import Generated, generate_all
+from mpgen.errors import MpgenError
+from mpgen.spec_schema.digest import display_path
+from mpgen.spec_schema.load import read_spec
+
+if TYPE_CHECKING:  # imported where used: a check of current specs needs neither
+    from mpgen.compiler.ir import Graph, Node
+    from mpgen.compiler.pipeline import Generated
+    from mpgen.spec_schema.models import Spec
+
+#: ``time_limit=...``: the default budget (``frontend.limits.DEFAULT_TIME_LIMIT``),
+#: looked up only when a spec is compiled; None: no limit.
+TimeLimit = Optional[float] | EllipsisType
+
+
+@dataclass(frozen=True)
+class Built:
+    """One spec of a build or check: its files, compiled or current on disk."""
+
+    spec_path: str  # as given
+    shown: str  # as the generated headers name it
+    files: dict[str, str]  # name -> text
+    key: str  # the manifest's key of these files (NOTE [Build manifest])
+    summary: str  # what the build says of the model (:func:`summary_line`, after ``SPEC: ``)
+    source: Optional[str]  # sha256 of the spec's text as built; None: not known
+    digest: str  # the spec's digest (NOTE [Spec digest])
+    user_code: bool  # the spec names code of the user's (never current from the manifest)
+    result: Optional[Generated] = None  # None: current, not compiled
+
+    @property
+    def line(self) -> str:
+        """The build's line for this spec: ``SPEC: Model, N parameters on ...``."""
+        return f"{self.spec_path}: {self.summary}"
+
+
+def _generate_all(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
+                  root: str | Path | None, time_limit: TimeLimit) -> list[Generated]:
+    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
+    from mpgen.compiler.pipeline import generate_all
+
+    return generate_all(paths, device_map, root,
+                        DEFAULT_TIME_LIMIT if time_limit is ... else time_limit)
 
 
 def build(paths: Iterable[str | Path], out_dir: str | Path,
           device_map: Optional[Mapping[str, str]] = None, force: bool = False,
-          root: str | Path | None = None,
-          time_limit: Optional[float] = DEFAULT_TIME_LIMIT,
+          root: str | Path | None = None, time_limit: TimeLimit = ...,
           prune: bool = False) -> tuple[list[Generated], Changes]:
     """Generate all specs, then (only if all succeeded) write the files and
     remove the orphans of these specs (with ``prune``, also those of specs
-    that no longer exist), as one unit. ``root`` and ``time_limit``: as for
-    ``pipeline.compile_spec``.
+    that no longer exist), as one unit, with the manifest. ``root`` and
+    ``time_limit``: as for ``pipeline.compile_spec`` (``...``: the default budget).
 
     Returns what was generated and what changed on disk (and the orphans
     left in place).
     """
-    results = generate_all(paths, device_map, root, time_limit)
-    return results, write_files(Path(out_dir), _files(results), _specs(results), force, prune)
+    built = _compile(list(paths), device_map, root, time_limit)
+    return [b.result for b in built], _write(Path(out_dir), built, device_map, force, prune)
 
 
-def _files(results: Iterable[Generated]) -> dict[str, str]:
-    return {n: t for r in results for n, t in r.files.items()}
-
-
-def _specs(results: Iterable[Generated]) -> dict[str, str]:
-    """Each spec as the generated headers name it -> its path."""
-    return {r.graph.spec_path: r.spec_path for r in results}
-
-
-def summary_line(result: Generated) -> str:
-    """``spec: Model, N parameters on cuda:0 (a), cuda:1 (b); T transfers in forward``."""
-    graph = result.graph
-    devices = ", ".join(f"{d} ({n:,})" for d, n in graph.params_by_device().items())
-    moves = len(graph.plan.transfers)
-    return (f"{result.spec_path}: {graph.name}, {graph.total_params:,} parameters on "
-            f"{devices}; {moves} transfer{'s' if moves != 1 else ''} in forward")
+def update(paths: Iterable[str | Path], out_dir: str | Path,
+           device_map: Optional[Mapping[str, str]] = None, force: bool = False,
+           root: str | Path | None = None, time_limit: TimeLimit = ...,
+           prune: bool = False) -> tuple[list[Built], Changes]:
+    """``mpgen build``: as :func:`build`, but a spec that the manifest shows
+    current (NOTE [Build manifest]) is not compiled; its files on disk stand
+    in for the compiled ones. The same files result."""
+    built = _gather(list(paths), Path(out_dir), device_map, root, time_limit)
+    return built, _write(Path(out_dir), built, device_map, force, prune)
 
 
 def check(paths: Iterable[str | Path], out_dir: str | Path,
           device_map: Optional[Mapping[str, str]] = None,
-          root: str | Path | None = None,
-          time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Differences:
+          root: str | Path | None = None, time_limit: TimeLimit = ...) -> Differences:
     """What ``build`` would change: a unified diff for every generated file
     that is stale, missing or edited, and each file it would refuse to
-    overwrite or would remove (with ``--prune``, for a deleted spec's)."""
-    results = generate_all(paths, device_map, root, time_limit)
-    return diff_files(Path(out_dir), _files(results), _specs(results))
+    overwrite or would remove (with ``--prune``, for a deleted spec's). Specs
+    the manifest shows current are not compiled (NOTE [Build manifest])."""
+    built = _gather(list(paths), Path(out_dir), device_map, root, time_limit)
+    return diff_files(Path(out_dir), _files(built), _specs(built))
+
+
+def _write(out_dir: Path, built: list[Built], device_map: Optional[Mapping[str, str]],
+           force: bool, prune: bool) -> Changes:
+    entries = [manifest.entry(b.shown, b.key, b.files, b.summary, b.source, b.digest,
+                              b.user_code) for b in built]
+    return write_files(out_dir, _files(built), _specs(built), force, prune, entries)
+
+
+def _key(digest: str, device_map: Optional[Mapping[str, str]]) -> str:
+    # In the map's order: the header lists it so.
+    return manifest.build_key(digest, list((device_map or {}).items()))
+
+
+def _files(built: Iterable[Built]) -> dict[str, str]:
+    return {n: t for b in built for n, t in b.files.items()}
+
+
+def _specs(built: Iterable[Built]) -> dict[str, str]:
+    """Each spec as the generated headers name it -> its path."""
+    return {b.shown: b.spec_path for b in built}
+
+
+def _spec_text(path: str | Path) -> Optional[str]:
+    try:
+        return read_spec(path)
+    except MpgenError:
+        return None
+
+
+def _compiled(result: Generated, device_map: Optional[Mapping[str, str]],
+              before: Optional[str] = None) -> Built:
+    """``result`` as the manifest records it. ``before``: the spec's text read
+    before the compile; its hash is recorded only when the file still holds
+    it (a spec edited during the build is never taken as built)."""
+    from mpgen.spec_schema.load import load_text
+    from mpgen.spec_schema.validate import validate
+
+    text = _spec_text(result.spec_path)
+    source = manifest.sha256(text.encode("utf-8")) if text is not None and text == before else None
+    user_code = True  # unless the spec as built shows otherwise
+    if text is not None:
+        with contextlib.suppress(MpgenError):
+            user_code = names_user_code(validate(load_text(text, str(result.spec_path))))
+    digest = result.graph.spec_hash
+    return Built(result.spec_path, result.graph.spec_path, result.files,
+                 _key(digest, device_map), _summary(result.graph), source, digest, user_code,
+                 result)
+
+
+#: How a spec names torch's own functions: a dotted op with another prefix is
+#: a class or function of the user's code.
+_TORCH_SPELLINGS = ("torch.", "F.", "nn.")
+
+
+def _ops(spec: Spec) -> Iterable[str]:
+    """Every name a spec resolves to code: layer ops (of the model and of its
+    blocks), the losses, the optimizer and the schedule."""
+    for layers in (spec.layers, *(block.layers for block in spec.blocks.values())):
+        yield from (layer.op for layer in layers.values())
+    train = spec.train
+    if train is None:
+        return
+    losses = train.loss.values() if isinstance(train.loss, dict) else [train.loss]
+    yield from (loss.op for loss in losses)
+    yield train.optimizer.op
+    if train.scheduler is not None:
+        yield train.scheduler.op
+
+
+def names_user_code(spec: Spec) -> bool:
+    """Whether the spec imports code of the user's (``imports:``, or a dotted
+    op, loss, optimizer or schedule that is not torch's), whose changes the
+    spec's digest cannot see. A data factory does not count: the build never
+    imports it (the generated script does, at run time)."""
+    return bool(spec.imports) or any(
+        "." in op and not op.startswith(_TORCH_SPELLINGS) for op in _ops(spec))
+
+
+def _current(path: str | Path, out_dir: Path, entries: Mapping[str, manifest.Entry],
+             device_map: Optional[Mapping[str, str]]) -> Optional[Built]:
+    """The spec at ``path`` as its files in ``out_dir`` hold it, when the
+    manifest shows them current; None when it must be compiled (anything
+    wrong with the spec is then reported by the compile). A spec whose text
+    is the one built is not even parsed; another text is current when its
+    meaning is (NOTE [Build manifest])."""
+    found = entries.get(display_path(path))
+    if found is None or found.user_code:
+        return None
+    text = _spec_text(path)
+    if text is None:
+        return None
+    source = manifest.sha256(text.encode("utf-8"))
+    if source == found.source:
+        digest = found.digest
+    else:
+        from mpgen.spec_schema.digest import spec_digest
+        from mpgen.spec_schema.load import load_text
+        from mpgen.spec_schema.validate import validate
+
+        try:
+            spec = validate(load_text(text, str(path)))
+        except MpgenError:
+            return None
+        if names_user_code(spec):
+            return None
+        digest = spec_digest(spec)
+    key = _key(digest, device_map)
+    if found.key != key:
+        return None
+    texts = manifest.current_files(out_dir, found)
+    if texts is None:
+        return None
+    return Built(str(path), found.spec, texts, key, found.summary, source, digest, False)
+
+
+def _gather(paths: list[str | Path], out_dir: Path,
+            device_map: Optional[Mapping[str, str]], root: str | Path | None,
+            time_limit: TimeLimit) -> list[Built]:
+    """Every spec, from the manifest where current, else compiled; in order.
+    Two specs whose files share a name are compiled together, so that the
+    compiler reports the clash."""
+    entries = manifest.read(out_dir)
+    current = [_current(p, out_dir, entries, device_map) for p in paths]
+    names = [n for b in current if b is not None for n in b.files]
+    if len(set(names)) < len(names):
+        current = [None] * len(paths)
+    missed = [p for p, b in zip(paths, current) if b is None]
+    if not missed:
+        return current
+    compiled = iter(_compile(missed, device_map, root, time_limit))
+    built = [b if b is not None else next(compiled) for b in current]
+    every = [n for b in built for n in b.files]
+    if len(set(every)) < len(every):  # a compiled spec clashes with a current one
+        return _compile(paths, device_map, root, time_limit)
+    return built
+
+
+def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
+             root: str | Path | None, time_limit: TimeLimit) -> list[Built]:
+    """Every spec compiled (the compiler reports clashes between them)."""
+    texts = {str(p): _spec_text(p) for p in paths}
+    return [_compiled(r, device_map, texts[str(r.spec_path)])
+            for r in _generate_all(paths, device_map, root, time_limit)]
+
+
+def summary_line(result: Generated) -> str:
+    """``spec: Model, N parameters on cuda:0 (a), cuda:1 (b); T transfers in forward``."""
+    return f"{result.spec_path}: {_summary(result.graph)}"
+
+
+def _summary(graph: Graph) -> str:
+    devices = ", ".join(f"{d} ({n:,})" for d, n in graph.params_by_device().items())
+    moves = len(graph.plan.transfers)
+    return (f"{graph.name}, {graph.total_params:,} parameters on "
+            f"{devices}; {moves} transfer{'s' if moves != 1 else ''} in forward")
 
 
 def _user_nodes(graph: Graph) -> Iterable[Node]:
     """Layers of the model and of its blocks whose op is a user module."""
+    from mpgen.compiler.ir import OpKind
+
     for node in [*graph.nodes, *(n for b in graph.blocks for n in b.nodes)]:
         if node.op.kind is OpKind.USER and node.op.module:
             yield node
@@ -118,6 +314,8 @@ def path_notes(results: Iterable[Generated], out_dir: str | Path) -> list[str]:
     the spec or in the working directory at build time): what to put on
     ``PYTHONPATH``. The generated files themselves name no folder, so that
     they stay the same wherever they are built."""
+    from mpgen.compiler.codegen.common import file_names
+
     notes = []
     for result in results:
         for node, root in missing_roots(result, out_dir):

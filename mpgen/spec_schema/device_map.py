@@ -1,4 +1,5 @@
-"""``--device-map``: parsed with the spec language's device syntax."""
+"""``--device-map``: parsed with the spec language's device syntax (no torch:
+``mpgen check`` keys its manifest on the parsed map before compiling anything)."""
 
 from __future__ import annotations
 

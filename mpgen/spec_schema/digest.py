@@ -34,11 +34,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from mpgen.spec_schema.load import load_file
-from mpgen.spec_schema.models import Spec
-from mpgen.spec_schema.validate import validate
+from mpgen.files import is_project_folder
+
+if TYPE_CHECKING:  # imported where used: display_path serves check's fast path (no pydantic)
+    from mpgen.spec_schema.models import Spec
 
 #: The hash function, named in every digest (``sha256:<hex>``).
 ALGORITHM = "sha256"
@@ -58,7 +61,29 @@ def spec_digest(spec: Spec) -> str:
     return f"{ALGORITHM}:{hashlib.new(ALGORITHM, canonical(spec)).hexdigest()}"
 
 
+def display_path(spec_path: str | Path) -> str:
+    """The spec path shown in generated headers: stable across directories.
+
+    Relative to the enclosing project (the nearest folder above the spec with
+    ``.git`` or ``pyproject.toml``), else the file name, so that building from
+    another directory, or with an absolute path, gives the same bytes. Like
+    the digest it needs no torch: ``mpgen check`` matches a spec to its
+    manifest entry and its files' headers by it.
+    """
+    path = Path(os.path.abspath(spec_path))
+    shown = path.name
+    for parent in path.parents:
+        if is_project_folder(parent):
+            shown = path.relative_to(parent).as_posix()
+            break
+    # It lands in comments and docstrings: escape anything unusual.
+    return shown.encode("unicode_escape").decode("ascii").replace('"', '\\"')
+
+
 def file_digest(path: str | Path) -> str:
     """The digest of the spec file at ``path`` (loaded and validated, without
     torch); an :class:`~mpgen.errors.MpgenError` for a spec that is not valid."""
+    from mpgen.spec_schema.load import load_file
+    from mpgen.spec_schema.validate import validate
+
     return spec_digest(validate(load_file(path)))

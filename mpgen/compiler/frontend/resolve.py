@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -50,8 +49,7 @@ from mpgen.compiler.frontend.namespace import (
     model_name_problem,
 )
 from mpgen.errors import Collector, Position, did_you_mean
-from mpgen.files import is_project_folder
-from mpgen.spec_schema.digest import spec_digest
+from mpgen.spec_schema.digest import display_path, spec_digest
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec
 
@@ -63,23 +61,6 @@ CHECKPOINT_OWN = (*(p.name for p in inspect.signature(checkpoint).parameters.val
 
 #: Attributes every nn.Module has; a layer attribute must not shadow them.
 _MODULE_ATTRS = frozenset(dir(nn.Module)) | {"training"}
-
-
-def display_path(spec_path: str) -> str:
-    """The spec path shown in generated headers: stable across directories.
-
-    Relative to the enclosing project (the nearest folder above the spec with
-    ``.git`` or ``pyproject.toml``), else the file name, so that building from
-    another directory, or with an absolute path, gives the same bytes.
-    """
-    path = Path(os.path.abspath(spec_path))
-    shown = path.name
-    for parent in path.parents:
-        if is_project_folder(parent):
-            shown = path.relative_to(parent).as_posix()
-            break
-    # It lands in comments and docstrings: escape anything unusual.
-    return shown.encode("unicode_escape").decode("ascii").replace('"', '\\"')
 
 
 def resolve(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> Graph:

@@ -1,0 +1,185 @@
+"""The build manifest (NOTE [Build manifest]): `check` and `build` of current
+specs compile nothing and import no torch, and never call stale files current."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import EXAMPLES, mpgen, write_spec
+from mpgen.commands import build as build_command
+from mpgen.compiler.codegen import manifest
+
+SEED = EXAMPLES / "seed.yaml"
+
+
+@pytest.fixture
+def compiles(monkeypatch) -> list[list[str]]:
+    """The specs each compile of a build or check was asked for (the real
+    compiler still runs)."""
+    calls: list[list[str]] = []
+    real = build_command._generate_all
+
+    def spy(paths, *args):
+        calls.append([Path(p).name for p in paths])
+        return real(paths, *args)
+
+    monkeypatch.setattr(build_command, "_generate_all", spy)
+    return calls
+
+
+@pytest.fixture
+def built(tmp_path) -> Path:
+    """The seed spec built into out/; returns the spec's path."""
+    spec = write_spec(tmp_path, SEED.read_text(), "seed.yaml")
+    ran = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    return spec
+
+
+def test_a_build_writes_the_manifest_with_its_files(built):
+    out = built.parent / "out"
+    data = json.loads((out / manifest.FILE_NAME).read_text())
+    (entry,) = data["specs"]
+    assert entry["spec"] == "seed.yaml"
+    assert sorted(entry["files"]) == sorted(p.name for p in out.iterdir()
+                                            if p.name != manifest.FILE_NAME)
+    for name, digest in entry["files"].items():
+        assert manifest.sha256((out / name).read_bytes()) == digest
+    assert entry["user_code"] is False
+    assert entry["digest"] in (out / "simple_model.py").read_text()
+
+
+def test_check_and_build_of_a_current_spec_compile_nothing(built, compiles):
+    cwd = built.parent
+    assert mpgen("check", "seed.yaml", "-o", "out", cwd=cwd).returncode == 0
+    again = mpgen("build", "seed.yaml", "-o", "out", cwd=cwd)
+    assert again.returncode == 0
+    # The summary line comes from the manifest, as the compile would print it.
+    assert again.stdout.splitlines() == [
+        "out: up to date",
+        "seed.yaml: SimpleModel, 430 parameters on cuda:0 (220), cuda:1 (210); "
+        "2 transfers in forward"]
+    assert compiles == []
+
+
+def test_a_check_of_current_specs_imports_no_torch(built):
+    code = ("import sys; from mpgen.cli import main; code = main(['check', 'seed.yaml', '-o', "
+            "'out']); heavy = sorted(m for m in ('torch', 'black', 'jinja2', 'pydantic') "
+            "if m in sys.modules); print(code, heavy)")
+    ran = subprocess.run([sys.executable, "-c", code], cwd=built.parent, capture_output=True,
+                         text=True, timeout=300)
+    assert ran.stdout.splitlines()[-1] == "0 []", ran.stdout + ran.stderr
+
+
+def test_a_comment_edit_stays_current_without_a_compile(built, compiles):
+    built.write_text("# a comment the digest does not see\n" + built.read_text())
+    assert mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 0
+    assert compiles == []
+
+
+def test_a_change_of_meaning_compiles_and_check_reports_it(built, compiles):
+    built.write_text(built.read_text().replace("layer2: cuda:1", "layer2: cuda:0"))
+    check = mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent)
+    assert check.returncode == 1
+    assert '-        self.layer2 = nn.Linear(20, 10).to("cuda:1")' in check.stdout
+    assert compiles == [["seed.yaml"]]
+
+
+@pytest.mark.parametrize("damage", ["edit", "delete", "link"])
+def test_a_generated_file_changed_on_disk_is_never_current(built, compiles, damage):
+    out = built.parent / "out"
+    model = out / "simple_model.py"
+    original = model.read_text()
+    if damage == "edit":
+        model.write_text(original.replace('"cuda:1"', '"cuda:0"'))
+    elif damage == "delete":
+        model.unlink()
+    else:  # the same bytes, behind a symbolic link
+        (built.parent / "elsewhere.py").write_text(original)
+        model.unlink()
+        model.symlink_to(built.parent / "elsewhere.py")
+    check = mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent)
+    assert check.returncode == 1
+    assert compiles == [["seed.yaml"]]
+    assert mpgen("build", "seed.yaml", "-o", "out", "--force", cwd=built.parent).returncode == 0
+    assert model.read_text() == original and not model.is_symlink()
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", '{"format": 2, "specs": []}',
+                                  '{"format": 1, "specs": [{"spec": "seed.yaml"}]}'])
+def test_a_manifest_that_cannot_be_trusted_is_ignored(built, compiles, text):
+    (built.parent / "out" / manifest.FILE_NAME).write_text(text)
+    assert mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 0
+    assert compiles == [["seed.yaml"]]  # compiled: the manifest said nothing
+
+
+def test_a_manifest_naming_files_outside_the_folder_is_ignored(built, compiles):
+    path = built.parent / "out" / manifest.FILE_NAME
+    data = json.loads(path.read_text())
+    data["specs"][0]["files"]["../seed.yaml"] = manifest.sha256(built.read_bytes())
+    path.write_text(json.dumps(data))
+    assert mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 0
+    assert compiles == [["seed.yaml"]]
+
+
+def test_another_device_map_is_another_key(built, compiles):
+    check = mpgen("check", "seed.yaml", "-o", "out", "--device-map", "cpu", cwd=built.parent)
+    assert check.returncode == 1
+    assert compiles == [["seed.yaml"]]
+
+
+def test_another_generator_is_another_key(built, compiles, monkeypatch):
+    monkeypatch.setattr(manifest, "generator_fingerprint", lambda: "0.0.0+another")
+    assert mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 0
+    assert compiles == [["seed.yaml"]]
+
+
+def test_a_spec_naming_its_own_code_is_compiled_every_time(tmp_path, compiles):
+    (tmp_path / "mylayers.py").write_text(
+        "from torch import nn\n\n\nclass Gate(nn.Linear):\n    pass\n")
+    text = SEED.read_text().replace("{op: Linear, args: [20, 10]}",
+                                    "{op: mylayers.Gate, args: [20, 10]}")
+    write_spec(tmp_path, text, "seed.yaml")
+    (tmp_path / "pyproject.toml").write_text("")  # the project dotted ops import from
+    assert mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+    entry, = manifest.read(tmp_path / "out").values()
+    assert entry.user_code
+    assert mpgen("check", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+    assert compiles == [["seed.yaml"], ["seed.yaml"]]
+
+
+def test_the_manifest_is_deterministic_and_keeps_the_entries_of_other_specs(tmp_path):
+    write_spec(tmp_path, SEED.read_text(), "seed.yaml")
+    write_spec(tmp_path, SEED.read_text().replace("name: SimpleModel", "name: Other"),
+               "other.yaml")
+    assert mpgen("build", "seed.yaml", "other.yaml", "-o", "a", cwd=tmp_path).returncode == 0
+    assert mpgen("build", "other.yaml", "-o", "b", cwd=tmp_path).returncode == 0
+    assert mpgen("build", "seed.yaml", "-o", "b", cwd=tmp_path).returncode == 0
+    first = (tmp_path / "a" / manifest.FILE_NAME).read_bytes()
+    assert (tmp_path / "b" / manifest.FILE_NAME).read_bytes() == first
+    assert str(tmp_path).encode() not in first  # no absolute paths
+    assert sorted(manifest.read(tmp_path / "a")) == ["other.yaml", "seed.yaml"]
+
+
+def test_a_failed_build_leaves_the_manifest_as_it_was(built):
+    path = built.parent / "out" / manifest.FILE_NAME
+    before = path.read_bytes()
+    built.write_text(built.read_text().replace("args: [20, 10]", "args: [30, 10]"))
+    assert mpgen("build", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 2
+    assert path.read_bytes() == before
+
+
+def test_a_renamed_model_s_entry_goes_with_its_files(built):
+    built.write_text(built.read_text().replace("name: SimpleModel", "name: Renamed"))
+    assert mpgen("build", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 0
+    (entry,) = manifest.read(built.parent / "out").values()
+    assert sorted(entry.files) == sorted(
+        ["renamed.py", "train_renamed.py", "test_renamed.py", "pp_renamed.py",
+         "renamed.placement.md"])
+    assert sorted(os.listdir(built.parent / "out")) == sorted([*entry.files, manifest.FILE_NAME])

@@ -145,8 +145,11 @@ def test_outputs_and_gradients_equal_the_plain_forward(tmp_path, body, batch):
         assert a.shape == b.shape
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert grad_a.keys() == grad_b.keys() and grad_a
+    # A gradient is a sum over the batch: micro-batching adds its terms in
+    # another order (M partial sums, then their sum), so float32 rounding
+    # differs by a few ulps of the sum's terms (seen: 1.6e-6 on a value of 0.017).
     for name in grad_a:
-        torch.testing.assert_close(grad_b[name], grad_a[name], rtol=1e-5, atol=1e-6,
+        torch.testing.assert_close(grad_b[name], grad_a[name], rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{name}: {m}")
 
 

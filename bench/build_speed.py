@@ -1,22 +1,24 @@
-"""How much does compiling cost beyond importing torch?
+"""The specs the build-cost benchmark builds, and a command to measure them.
 
-Builds transformer specs of growing depth, written both with `repeat: N`
-and as N separate layers, and reports each build's time as a ratio to the
-time of `import torch` measured in the same run (shared machines are
-noisy; compare ratios, not seconds). Shape inference should be linear in
-the number of layers: the per-layer column stays flat as depth grows.
+Transformer specs of growing depth (one block of a
+``TransformerEncoderLayer(256, 8, 1024)``, ``repeat: N``, between an
+embedding and a head) and specs of N distinct ``Linear(32, 32)`` layers
+written out one by one, each split over two devices.
 
-    python bench/build_speed.py [--depths 12,48,96]
+    python bench/build_speed.py [--rounds 5] [--quick]
+
+prints the build-cost tables of ``python -m bench --only build``
+(:mod:`bench.build_cost`), which also writes them into docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
+
+BLOCKS = (12, 48, 96, 384)
+LAYERS = (24, 96, 384, 1536)
 
 HEADER = """\
 mpgen: 1
@@ -34,47 +36,31 @@ layers:
 """
 
 
-def spec(depth: int, repeated: bool) -> str:
-    if repeated:
-        body = f"  h: {{op: Block, args: [256, 8], repeat: {depth}}}\n"
-        place = f"placement:\n  embed: cuda:0\n  h.{depth // 2}: cuda:1\n"
-    else:
-        body = "".join(f"  h{i}: {{op: Block, args: [256, 8]}}\n" for i in range(depth))
-        place = f"placement:\n  embed: cuda:0\n  h{depth // 2}: cuda:1\n"
-    return HEADER + body + "  head: {op: Linear, args: [256, 1000]}\n" + place
+def blocks_spec(depth: int) -> str:
+    """A transformer of ``depth`` blocks: one block, ``repeat: depth``
+    (``depth + 2`` layer entries with the embedding and the head)."""
+    return (HEADER + f"  h: {{op: Block, args: [256, 8], repeat: {depth}}}\n"
+            "  head: {op: Linear, args: [256, 1000]}\n"
+            f"placement:\n  embed: cuda:0\n  h.{depth // 2}: cuda:1\n")
 
 
-def timed(code: str) -> float:
-    """Wall time of a fresh interpreter running ``code`` (best of 3)."""
-    best = float("inf")
-    for _ in range(3):
-        start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
-        best = min(best, time.perf_counter() - start)
-    return best
+def layers_spec(count: int) -> str:
+    """``count`` distinct ``Linear(32, 32)`` layers written out one by one,
+    split over two devices."""
+    body = "".join(f"  fc{i}: {{op: Linear, args: [32, 32]}}\n" for i in range(count))
+    return ("mpgen: 1\nname: Wide\ninputs:\n  x: [batch, 32]\nlayers:\n" + body
+            + f"placement:\n  fc0: cuda:0\n  fc{count // 2}: cuda:1\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", default="12,48,96")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="the two smallest of each kind")
     args = parser.parse_args()
-    depths = [int(d) for d in args.depths.split(",")]
-    base = timed("import torch")
-    print(f"import torch: {base:.2f}s (= 1.00)\n")
-    print("| spec | layers | build (s) | build / import torch | extra ms per layer |")
-    print("|---|---:|---:|---:|---:|")
-    with tempfile.TemporaryDirectory() as tmp:
-        for repeated in (True, False):
-            for depth in depths:
-                path = Path(tmp) / f"deep_{depth}_{repeated}.yaml"
-                path.write_text(spec(depth, repeated))
-                code = (f"from mpgen.compiler import pipeline as build; "
-                        f"build.generate({str(path)!r})")
-                seconds = timed(code)
-                per_layer = (seconds - base) / (depth + 2) * 1000
-                kind = f"repeat: {depth}" if repeated else f"{depth} layers"
-                print(f"| {kind} | {depth + 2} | {seconds:.2f} | {seconds / base:.2f} | "
-                      f"{per_layer:.1f} |")
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from bench import build_cost
+
+    build_cost.section(args.quick, args.rounds, print)
 
 
 if __name__ == "__main__":

@@ -188,6 +188,34 @@ def resnet101_section(text: str, folder: Path) -> list[str]:
     ]
 
 
+def report(tflops: float, gbps: float) -> str:
+    """The simulator's tables (markdown) at ``tflops`` TFLOP/s per device and
+    ``gbps`` GB/s between devices."""
+    flops, link = tflops * 1e12, gbps * 1e9
+    text = RESNET50.read_text(encoding="utf-8")
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        lines = [f"Backward = {schedule.BACKWARD_FACTOR} x forward. Default hardware: devices at "
+                 f"{tflops:g} TFLOP/s, links at {gbps:g} GB/s, transfers occupy "
+                 "the sender.", "",
+                 *resnet50_section(text, folder, flops, link), "",
+                 *resnet101_section(text, folder)]
+    return "\n".join(lines) + "\n"
+
+
+def section(emit) -> None:
+    """The pipeline-simulator section of docs/benchmarks.md."""
+    emit("## The pipeline schedule simulator\n")
+    emit("Reproduce: `python -m bench --only pipeline` (or `python bench/pipeline_sim.py`). "
+         "`mpgen.compiler.analysis.schedule` predicts a training step's time for GPipe and "
+         "1F1B from the cost model's per-layer FLOPs and cut bytes (docs/pipelining.md), "
+         "for K stages and M micro-batches; no time is measured here. Beside the "
+         "predictions: the times PyTorch's model-parallel tutorial measured for ResNet-50 "
+         "on two GPUs, and torchgpipe's published ResNet-101 speedups.\n")
+    emit(report(schedule.DEFAULT_FLOPS_PER_SECOND / 1e12,
+                schedule.DEFAULT_LINK_BYTES_PER_SECOND / 1e9))
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tflops", type=float, default=schedule.DEFAULT_FLOPS_PER_SECOND / 1e12,
@@ -197,19 +225,10 @@ def main(argv=None) -> None:
                         help="bytes/s between two devices, in GB/s (default %(default)s)")
     parser.add_argument("--out", type=Path, default=ROOT / "build" / "pipeline_sim.md")
     args = parser.parse_args(argv)
-    flops, link = args.tflops * 1e12, args.gbps * 1e9
-    text = RESNET50.read_text(encoding="utf-8")
-    with tempfile.TemporaryDirectory() as tmp:
-        folder = Path(tmp)
-        lines = [f"Backward = {schedule.BACKWARD_FACTOR} x forward. Default hardware: devices at "
-                 f"{args.tflops:g} TFLOP/s, links at {args.gbps:g} GB/s, transfers occupy "
-                 "the sender.", "",
-                 *resnet50_section(text, folder, flops, link), "",
-                 *resnet101_section(text, folder)]
-    report = "\n".join(lines) + "\n"
-    print(report, end="")
+    text = report(args.tflops, args.gbps)
+    print(text, end="")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(report, encoding="utf-8")
+    args.out.write_text(text, encoding="utf-8")
     print(f"\nwritten to {args.out}", file=sys.stderr)
 
 

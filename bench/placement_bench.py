@@ -64,6 +64,143 @@ MODELS = [
 ]
 
 
+#: A Llama-7B-shaped stack (LLaMA's sizes: vocabulary 32,000, width 4,096,
+#: 32 decoder blocks of 32 heads, SwiGLU feed-forward of 11,008, RMSNorm,
+#: untied head; rotary embeddings left out: they hold no parameters).
+LLAMA_7B = """\
+mpgen: 1
+name: Llama7B
+inputs:
+  idx: {shape: [batch, seq], dtype: int64}
+blocks:
+  Attention:
+    params: [dim, heads]
+    layers:
+      q_proj: {op: Linear, args: [$dim, $dim], bias: false, in: x}
+      k_proj: {op: Linear, args: [$dim, $dim], bias: false, in: x}
+      v_proj: {op: Linear, args: [$dim, $dim], bias: false, in: x}
+      qh: {op: torch.unflatten, in: q_proj, dim: -1, sizes: [$heads, "=$dim // $heads"]}
+      kh: {op: torch.unflatten, in: k_proj, dim: -1, sizes: [$heads, "=$dim // $heads"]}
+      vh: {op: torch.unflatten, in: v_proj, dim: -1, sizes: [$heads, "=$dim // $heads"]}
+      qt: {op: torch.transpose, in: qh, dim0: 1, dim1: 2}
+      kt: {op: torch.transpose, in: kh, dim0: 1, dim1: 2}
+      vt: {op: torch.transpose, in: vh, dim0: 1, dim1: 2}
+      att: {op: F.scaled_dot_product_attention, in: [qt, kt, vt], is_causal: true}
+      merged: {op: torch.transpose, dim0: 1, dim1: 2}
+      flat: {op: torch.flatten, start_dim: 2}
+      o_proj: {op: Linear, args: [$dim, $dim], bias: false}
+  FeedForward:
+    params: [dim, hidden]
+    layers:
+      gate_proj: {op: Linear, args: [$dim, $hidden], bias: false, in: x}
+      act: {op: SiLU}
+      up_proj: {op: Linear, args: [$dim, $hidden], bias: false, in: x}
+      gated: {op: torch.mul, in: [act, up_proj]}
+      down_proj: {op: Linear, args: [$hidden, $dim], bias: false}
+  Decoder:
+    params: [dim, heads, hidden]
+    layers:
+      input_layernorm: {op: RMSNorm, args: [$dim]}
+      self_attn: {op: Attention, args: [$dim, $heads]}
+      res1: {op: torch.add, in: [x, self_attn]}
+      post_attention_layernorm: {op: RMSNorm, args: [$dim]}
+      mlp: {op: FeedForward, args: [$dim, $hidden]}
+      res2: {op: torch.add, in: [res1, mlp]}
+layers:
+  embed_tokens: {op: Embedding, args: [32000, 4096]}
+  blocks: {op: Decoder, args: [4096, 32, 11008], repeat: 32}
+  norm: {op: RMSNorm, args: [4096]}
+  lm_head: {op: Linear, args: [4096, 32000], bias: false}
+train:
+  batch_size: 1
+  dims: {seq: 16}
+"""
+
+#: The models of the placement-quality table of docs/benchmarks.md.
+QUALITY_MODELS = [
+    ("GPT-2 small (tied head)", ROOT / "examples" / "gpt2_small.yaml"),
+    ("ResNet-50", ROOT / "examples" / "resnet50.yaml"),
+    ("Llama-7B-shaped stack", LLAMA_7B),
+]
+
+
+def optimum(values: list[int], devices: int) -> int:
+    """The smallest possible heaviest device over every split of ``values``
+    (in order) into at most ``devices`` contiguous parts: a plain dynamic
+    program, independent of mpgen's partitioner, to check it against."""
+    n = len(values)
+    prefix = [0]
+    for v in values:
+        prefix.append(prefix[-1] + v)
+    inf = float("inf")
+    # best[k][i]: the smallest heaviest part for the first i units in k parts
+    best = [[inf] * (n + 1) for _ in range(devices + 1)]
+    best[0][0] = 0
+    for k in range(1, devices + 1):
+        for i in range(n + 1):
+            for j in range(i + 1):
+                load = max(best[k - 1][j], prefix[i] - prefix[j])
+                if load < best[k][i]:
+                    best[k][i] = load
+    return int(min(best[k][n] for k in range(1, devices + 1)))
+
+
+def quality_rows(device_counts=(2, 4, 8), models=QUALITY_MODELS) -> list[list[str]]:
+    """Heaviest device (parameters) / optimum for mpgen's ``placement: auto``
+    (balance: params), the greedy fill and Accelerate's balanced
+    ``infer_auto_device_map``, per model and device count."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        for label, source in models:
+            text = source.read_text(encoding="utf-8") if isinstance(source, Path) else source
+            for devices in device_counts:
+                graph = compile_text(with_auto(text, devices, "params"), folder, "q.yaml")
+                costs = graph.costs
+                params = costs.of("params")
+                best = optimum(list(params), devices)
+                mpgen_load = max(device_loads(graph, costs, params))
+                greedy = greedy_fill(params, devices).bottleneck
+                acc = accelerate_bottleneck(graph, costs, devices)
+                acc_cell = ("not installed" if acc is None else
+                            f"{acc[0] / best:.3f} ({acc[1]} used)")
+                rows.append([label, str(devices), str(len(costs.units)), f"{sum(params):,}",
+                             f"{best:,}", f"{mpgen_load / best:.3f}", f"{greedy / best:.3f}",
+                             acc_cell])
+    return rows
+
+
+QUALITY_HEADER = ["model", "devices", "units", "parameters", "optimum (heaviest device)",
+                  "mpgen auto / optimum", "greedy first-fit / optimum",
+                  "accelerate balanced / optimum"]
+
+
+def section(quick: bool, emit) -> None:
+    """The placement-quality section of docs/benchmarks.md (``--quick``: two
+    and four devices, without the Llama-shaped stack)."""
+    counts = (2, 4) if quick else (2, 4, 8)
+    models = QUALITY_MODELS[:2] if quick else QUALITY_MODELS
+    rows = quality_rows(counts, models)
+    emit("## Placement quality\n")
+    emit("Reproduce: `python -m bench --only placement`. Each model's placement units "
+         "(layers, instances of repeated layers, block instances) split into contiguous "
+         "runs over K devices, balancing parameters; the table gives the parameters on the "
+         "heaviest device as a ratio to the optimum, which a plain dynamic program over the "
+         "same units computes (`optimum()` in `bench/placement_bench.py`, independent of "
+         "mpgen's partitioner). mpgen: `placement: {auto: {devices: [...], balance: "
+         "params}}`. Greedy first-fit: devices filled in order up to total / K "
+         "(`partition.greedy_fill`). Accelerate: Hugging Face Accelerate's "
+         "`get_balanced_memory` then `infer_auto_device_map` on the same modules built on "
+         "the meta device, each unit's class `no_split`, with the device list given "
+         "explicitly (this machine has no GPU); it balances weight bytes, and \"used\" is "
+         "how many devices its map fills. The Llama-7B-shaped stack is LLaMA's sizes "
+         "(32 blocks of width 4,096, SwiGLU 11,008, vocabulary 32,000, untied head) built "
+         "on the meta device.\n")
+    from bench.common import table as markdown_table
+
+    emit(markdown_table(QUALITY_HEADER, rows) + "\n")
+
+
 def with_auto(text: str, devices: int, balance: str) -> str:
     """The spec with its placement replaced by ``auto`` over ``devices`` GPUs."""
     auto = (f"placement:\n  auto:\n    devices: [{', '.join(f'cuda:{i}' for i in range(devices))}]"

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from mpgen.testing import virtual_devices
 
+from bench.common import let_torchvision_import
 from helpers import EXAMPLES, build_to, import_generated
 
 CPU = {"*": "cpu"}
@@ -38,29 +39,6 @@ def generated_model(spec: Path, out: Path, device_map=None):
 
 def count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-def let_torchvision_import() -> object:
-    """Make torchvision importable beside a CPU-only torch (transformers
-    imports it too).
-
-    A CUDA build of torchvision cannot load its C++ ops next to a CPU build of
-    torch (libc10_cuda.so is missing), and its import then fails registering
-    fake kernels for nms/qnms. Nothing here uses its ops: declaring the two
-    schemas lets the import through. Returns the library that holds them
-    (None where the ops load or torchvision is absent).
-    """
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or hasattr(torch.ops.torchvision, "nms"):
-        return None
-    try:
-        torch.ops.load_library(str(Path(spec.origin).parent / "_C.so"))
-        return None
-    except (OSError, RuntimeError):
-        schemas = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            schemas.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        return schemas
 
 
 _TORCHVISION_SCHEMAS = let_torchvision_import()

@@ -140,14 +140,19 @@ def test_another_generator_is_another_key(built, compiles, monkeypatch):
     assert compiles == [["seed.yaml"]]
 
 
-def test_a_spec_naming_its_own_code_is_compiled_every_time(tmp_path, compiles):
-    (tmp_path / "mylayers.py").write_text(
-        "from torch import nn\n\n\nclass Gate(nn.Linear):\n    pass\n")
-    text = SEED.read_text().replace("{op: Linear, args: [20, 10]}",
-                                    "{op: mylayers.Gate, args: [20, 10]}")
+@pytest.mark.parametrize("where", ["op", "loss"])
+def test_a_spec_naming_its_own_code_is_compiled_every_time(tmp_path, compiles, where):
+    (tmp_path / "mycode.py").write_text(
+        "from torch import nn\n\n\nclass Gate(nn.Linear):\n    pass\n\n\n"
+        "class MyLoss(nn.MSELoss):\n    pass\n")
+    text = SEED.read_text()
+    text = (text.replace("{op: Linear, args: [20, 10]}", "{op: mycode.Gate, args: [20, 10]}")
+            if where == "op" else text.replace("loss: MSELoss", "loss: mycode.MyLoss"))
+    assert "mycode." in text
     write_spec(tmp_path, text, "seed.yaml")
-    (tmp_path / "pyproject.toml").write_text("")  # the project dotted ops import from
-    assert mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+    (tmp_path / "pyproject.toml").write_text("")  # the project dotted names import from
+    ran = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
     entry, = manifest.read(tmp_path / "out").values()
     assert entry.user_code
     assert mpgen("check", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0

@@ -7,7 +7,6 @@ module imports the compiler (torch, jinja2, black) only when a spec needs it.
 
 from __future__ import annotations
 
-import contextlib
 import shlex
 import sys
 from dataclasses import dataclass
@@ -131,19 +130,13 @@ def _compiled(result: Generated, device_map: Optional[Mapping[str, str]],
     """``result`` as the manifest records it. ``before``: the spec's text read
     before the compile; its hash is recorded only when the file still holds
     it (a spec edited during the build is never taken as built)."""
-    from mpgen.spec_schema.load import load_text
-    from mpgen.spec_schema.validate import validate
-
     text = _spec_text(result.spec_path)
     source = manifest.sha256(text.encode("utf-8")) if text is not None and text == before else None
-    user_code = True  # unless the spec as built shows otherwise
-    if text is not None:
-        with contextlib.suppress(MpgenError):
-            user_code = names_user_code(validate(load_text(text, str(result.spec_path))))
-    digest = result.graph.spec_hash
-    return Built(result.spec_path, result.graph.spec_path, result.files,
-                 _key(digest, device_map), _summary(result.graph), source, digest, user_code,
-                 result)
+    graph = result.graph
+    user_code = any(_user_nodes(graph)) or bool(graph.train and graph.train.modules)
+    return Built(result.spec_path, graph.spec_path, result.files,
+                 _key(graph.spec_hash, device_map), _summary(graph), source, graph.spec_hash,
+                 user_code, result)
 
 
 #: How a spec names torch's own functions: a dotted op with another prefix is

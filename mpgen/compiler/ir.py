@@ -24,6 +24,7 @@ Stages fill it in order, each returning new frozen objects:
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -741,7 +742,12 @@ class Costs:
 
     def nbytes(self, value: Union[str, ValueRef]) -> int:
         """Bytes of a value (model input or layer output) at the training sizes."""
-        return dict(self.value_bytes)[value.name if isinstance(value, ValueRef) else value]
+        return self._bytes_by_value[value.name if isinstance(value, ValueRef) else value]
+
+    @functools.cached_property
+    def _bytes_by_value(self) -> dict[str, int]:
+        # Built once (the object is frozen): a report looks up every edge.
+        return dict(self.value_bytes)
 
 
 # -- placement -----------------------------------------------------------------
@@ -876,10 +882,13 @@ class Graph:
     layout: Optional[Layout] = None
 
     def node(self, name: str) -> Node:
-        for node in self.nodes:
-            if node.name == name:
-                return node
-        raise KeyError(name)
+        return self._nodes_by_name[name]
+
+    @functools.cached_property
+    def _nodes_by_name(self) -> dict[str, Node]:
+        # Built once per graph (frozen: its nodes never change); KeyError for
+        # an unknown name, as before.
+        return {node.name: node for node in self.nodes}
 
     @property
     def units(self) -> tuple[UnitRef, ...]:

@@ -14,7 +14,7 @@ import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Collection, Optional
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -213,6 +213,10 @@ class _Resolver:
         all_names = list(layers)
         nodes: list[Node] = []
         failed: set[str] = set()  # reading these is not a second error
+        # What a layer may read: the inputs and earlier layers' values, kept as
+        # the layers resolve (in order; a dict for constant-time lookups).
+        known: dict[str, None] = dict.fromkeys(input_names)
+        tuples: dict[str, Node] = {}  # earlier layers returning named tuples
         for index, (name, layer) in enumerate(layers.items()):
             where = self.key(*path, name)
             problem = identifier_problem(name)
@@ -227,16 +231,20 @@ class _Resolver:
                 failed.add(name)
                 continue
             node = self.layer(path, name, layer, index, nodes, input_names, all_names,
-                              blocks, params, ns, failed)
+                              blocks, params, ns, failed, known, tuples)
             if node is None:
                 failed.add(name)
             else:
                 nodes.append(node)
+                known.update(dict.fromkeys(node.value_names))
+                if node.pattern:
+                    tuples[node.name] = node
         return nodes
 
     def layer(self, path, name, layer: LayerSpec, index, earlier: list[Node],
               input_names, all_names, blocks, params, ns: Namespace,
-              failed: set[str]) -> Optional[Node]:
+              failed: set[str], known: dict[str, None],
+              tuples: dict[str, Node]) -> Optional[Node]:
         lpath = (*path, name)
         try:
             op = ops.resolve_op(layer.op, blocks, self.project,
@@ -264,8 +272,6 @@ class _Resolver:
             feed = None
         else:
             refs, ref_pos, feed = self.feed((*lpath, "in"), layer.in_)
-        known = input_names + [v for n in earlier for v in n.value_names]
-        tuples = {n.name: n for n in earlier if n.pattern}
         ok = True
         for ref, pos in zip(refs, ref_pos):
             if ref in known:
@@ -673,7 +679,7 @@ class Scope:
     tensors whose sizes it may take (None where it is not computed in forward)."""
 
     params: Optional[list[str]]
-    sizes: Optional[list[str]]
+    sizes: Optional[Collection[str]]
 
 
 @functools.cache

@@ -30,34 +30,38 @@ class Stage:
     gives: tuple[str, ...]  # variables passed on; the last stage's: forward's returns
 
 
-def _node_vars(graph: Graph, node: Node) -> tuple[dict[str, str], tuple[str, ...]]:
-    """Value name -> variable in forward, and the variables a step of ``node`` defines."""
-    var = ({t.name: t.var for t in graph.inputs} | {n.name: n.var for n in graph.nodes}
-           | {e.name: e.var for n in graph.nodes for e in n.elements})
-    defines = tuple(e.var for e in node.elements) if node.pattern else (node.var,)
-    return var, defines
+def _value_vars(graph: Graph) -> dict[str, str]:
+    """Value name -> its variable in forward."""
+    return ({t.name: t.var for t in graph.inputs} | {n.name: n.var for n in graph.nodes}
+            | {e.name: e.var for n in graph.nodes for e in n.elements})
+
+
+def _defines(node: Node) -> tuple[str, ...]:
+    """The variables a step of ``node`` defines."""
+    return tuple(e.var for e in node.elements) if node.pattern else (node.var,)
 
 
 def _reads_and_defines(graph: Graph, section: Section) -> tuple[list[str], list[str]]:
     """The variables ``section`` reads before defining them, and those it defines, in order."""
     nodes = {n.name: n for n in graph.nodes}
-    reads: list[str] = []
-    defined: list[str] = []
+    var = _value_vars(graph)
+    # Insertion-ordered dicts: in order, and constant-time membership.
+    reads: dict[str, None] = {}
+    defined: dict[str, None] = {}
 
     def read(v: str) -> None:
-        if v not in defined and v not in reads:
-            reads.append(v)
+        if v not in defined:
+            reads.setdefault(v)
 
     def define(v: str) -> None:
-        if v not in defined:
-            defined.append(v)
+        defined.setdefault(v)
 
     for t in section.transfers:
         read(t.src_var)
         define(t.dst_var)
     for step in section.steps:
         node = nodes[step.node]
-        var, defines = _node_vars(graph, node)
+        defines = _defines(node)
         for v in step.reads:
             read(v)
         for _, v in step.tied:
@@ -69,7 +73,7 @@ def _reads_and_defines(graph: Graph, section: Section) -> tuple[list[str], list[
             define(step.out_var)
         for v in defines:
             define(v)
-    return reads, defined
+    return list(reads), list(defined)
 
 
 def stages(graph: Graph, plan: ForwardPlan | None = None) -> tuple[Stage, ...]:

@@ -1,7 +1,7 @@
 """Shared pieces of every code generator: file names, literals, headers, jinja.
 
-Every value reaches generated code through :func:`literal` (``repr``), every
-keyword through :func:`call`'s identifier check.
+Every value reaches generated code through :func:`literal` (``repr``, spelled
+as black spells it), every keyword through :func:`call`'s identifier check.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import jinja2
 
+from mpgen.compiler.codegen.format import format_source, layout_block
 from mpgen.compiler.frontend.namespace import (  # noqa: F401 - module_name is used by tests
     identifier_problem,
     module_name,
@@ -56,7 +57,8 @@ class Names:
 
 
 def literal(value: Any, names: Optional[Names] = None) -> str:
-    """Python source for an IR value; strings always go through repr."""
+    """Python source for an IR value, as black writes it; strings always go
+    through repr (:func:`string_literal`)."""
     names = names or Names()
     if isinstance(value, Param):
         return names.params.get(value.name, value.name)
@@ -74,11 +76,35 @@ def literal(value: Any, names: Optional[Names] = None) -> str:
         return expression_text(value, lambda leaf: literal(leaf, names))
     if isinstance(value, list):
         return "[" + ", ".join(literal(v, names) for v in value) + "]"
-    if isinstance(value, float) and not math.isfinite(value):
-        return f'float("{value}")'  # inf, -inf, nan have no literal
-    if isinstance(value, (bool, int, float, str)) or value is None:
+    if isinstance(value, float):
+        return float_literal(value)
+    if isinstance(value, str):
+        return string_literal(value)
+    if isinstance(value, (bool, int)) or value is None:
         return repr(value)
     raise TypeError(f"not a spec literal: {value!r}")
+
+
+def string_literal(text: str) -> str:
+    """``repr(text)`` in black's quotes: double ones, unless they take more
+    backslashes than repr's single ones (black's ``normalize_string_quotes``).
+    repr escapes a single quote only in a string that holds both kinds."""
+    code = repr(text)
+    if code.startswith('"') or text.count('"') > text.count("'"):
+        return code
+    return '"' + code[1:-1].replace("\\'", "'").replace('"', '\\"') + '"'
+
+
+def float_literal(value: float) -> str:
+    """``repr(value)`` as black writes it (``1e30``, not ``1e+30``)."""
+    if not math.isfinite(value):
+        return f'float("{value}")'  # inf, -inf, nan have no literal
+    return repr(value).replace("e+", "e")
+
+
+def tuple_literal(values: Iterable[Any]) -> str:
+    """A tuple of literals, ``(x,)`` for one."""
+    return "(" + _tuple([literal(v) for v in values]) + ")"
 
 
 def call(callee: str, args: Sequence[str], kwargs: Iterable[tuple[str, Any]],
@@ -120,7 +146,19 @@ def environment() -> jinja2.Environment:
     # ``{{ name|field }}`` is ``{name}``: a replacement field of an f-string,
     # which jinja's own braces cannot write directly.
     env.filters["field"] = lambda code: "{" + str(code) + "}"
+    # ``{% filter layout %}``: statements the spec decides, in black's layout.
+    env.filters["layout"] = layout_block
     return env
+
+
+def laid_out(text: str, names: Mapping[str, str], filename: str) -> str:
+    """A rendered script in black's layout (NOTE [Written in black's layout]):
+    ``text`` as it is while each of the scaffold's ``names`` (base -> name
+    given) is its own, else through black, as a suffix can move black's
+    line breaks."""
+    if all(name == base for base, name in names.items()):
+        return text
+    return format_source(text, filename)
 
 
 def _tuple(names: Sequence[str]) -> str:

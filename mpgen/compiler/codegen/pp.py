@@ -46,9 +46,13 @@ from mpgen.compiler.codegen.common import (
     environment,
     file_names,
     header,
+    laid_out,
     literal,
+    string_literal,
     synthetic_like,
+    tuple_literal,
 )
+from mpgen.compiler.codegen.format import layout
 from mpgen.compiler.codegen.model import _constructor, _imports, _initialization, _step, _variables
 from mpgen.compiler.codegen.writer import PythonWriter
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
@@ -235,6 +239,8 @@ def _names(graph: Graph) -> Names:
 
 def _classes(graph: Graph, all_stages: tuple[Stage, ...], n: dict[str, str],
              stage_names: list[str]) -> str:
+    """Elsewhere (when needed) and the stage classes, in black's layout from
+    the first class on (the template puts the blank lines before it)."""
     w = PythonWriter()
     owners = _stage_of(all_stages)
     if any(step.start for s in all_stages for _, step in _stage_nodes(graph, s)):
@@ -248,7 +254,7 @@ def _classes(graph: Graph, all_stages: tuple[Stage, ...], n: dict[str, str],
                 w.line('raise RuntimeError("this instance is held by another stage")')
     for stage, name in zip(all_stages, stage_names):
         _stage_class(w, graph, stage, name, n["Elsewhere"], owners)
-    return w.text()
+    return layout(w.text().lstrip("\n"))
 
 
 def _ties(graph: Graph, all_stages: tuple[Stage, ...]) -> str:
@@ -261,7 +267,9 @@ def _ties(graph: Graph, all_stages: tuple[Stage, ...]) -> str:
             if owners[tie.owner] != owners[node.name]:
                 group = groups.setdefault(tie.source, [(owners[tie.owner], tie.source)])
                 group.append((owners[node.name], f"{node.name}.{tie.param}"))
-    return "(" + "".join(f"{tuple(g)!r}, " for g in groups.values()) + ")"
+    entries = ["(" + ", ".join(f"({k}, {string_literal(key)})" for k, key in group) + ")"
+               for group in groups.values()]
+    return "(" + _tuple(entries) + ")"
 
 
 # -- the loss -----------------------------------------------------------------------
@@ -360,14 +368,13 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
         train_modules=tuple(m for m in train.modules if f"import {m}" not in _imports(graph)),
         pipelining=_pipelining_imports(n, any(d is None for d in dims)), blocks=", ".join(used_blocks),
         classes=_classes(graph, all_stages, n, stage_names) if not problem else "",
-        stage_names=_tuple(stage_names), stage_devices=_tuple([literal(s.device)
-                                                              for s in all_stages]),
+        stage_names="(" + _tuple(stage_names) + ")",
+        stage_devices=tuple_literal(s.device for s in all_stages),
         n_stages=len(all_stages), device_type=literal("cuda" if cuda else "cpu"),
         schedule=literal(graph.pipeline.schedule if graph.pipeline else "1f1b"),
         microbatches=graph.pipeline.microbatches if graph.pipeline else len(all_stages),
-        n_inputs=len(graph.inputs), input_dims=_tuple([literal(d) for d in dims]),
-        target_dims=_tuple([literal(loss.target_type.batch_dim)
-                            for loss in train.losses]),
+        n_inputs=len(graph.inputs), input_dims=tuple_literal(dims),
+        target_dims=tuple_literal(loss.target_type.batch_dim for loss in train.losses),
         replicate=any(d is None for d in dims), ties=_ties(graph, all_stages),
         follow_owners=bool(train.no_decay) and _ties(graph, all_stages) != "()",
         loss_lines=_loss_lines(graph, n, reserved) if not problem else [],
@@ -381,6 +388,8 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
 
 
 def render_pp(graph: Graph) -> str:
+    """``pp_<name>.py`` in black's layout (NOTE [Written in black's layout])."""
     ctx, names = pp_context(graph)
     tn = names.pop("tn")
-    return environment().get_template("pp.py.jinja").render(ctx=ctx, n=names, t=tn)
+    text = environment().get_template("pp.py.jinja").render(ctx=ctx, n=names, t=tn)
+    return laid_out(text, names | tn, ctx.file)

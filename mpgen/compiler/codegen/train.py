@@ -18,13 +18,16 @@ from mpgen.compiler.codegen.common import (
     call,
     environment,
     file_names,
+    float_literal,
     header,
     input_code,
     known,
+    laid_out,
     literal,
     optimizer_call,
     synthetic,
     synthetic_like,
+    tuple_literal,
 )
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import DataSource, Expr, Graph, Loss, Scheduler
@@ -280,7 +283,8 @@ def _scheduler(schedule: Optional[Scheduler], n: dict[str, str]) -> tuple[str, l
         return statement, body, f"{warmup}{doc}."
     made = call(f"torch.optim.lr_scheduler.{schedule.op}", [opt], schedule.kwargs)
     if schedule.warmup:
-        warm = (f"torch.optim.lr_scheduler.LinearLR({opt}, start_factor={1 / (schedule.warmup + 1)!r}, "
+        factor = float_literal(1 / (schedule.warmup + 1))
+        warm = (f"torch.optim.lr_scheduler.LinearLR({opt}, start_factor={factor}, "
                 f"total_iters={schedule.warmup})")
         made = (f"torch.optim.lr_scheduler.SequentialLR({opt}, [{warm}, {made}], "
                 f"milestones=[{schedule.warmup}])")
@@ -288,11 +292,6 @@ def _scheduler(schedule: Optional[Scheduler], n: dict[str, str]) -> tuple[str, l
 
 
 _DATA_HELP = "FILE.pt/.npz/.safetensors, or module:function returning a Dataset or DataLoader"
-
-
-def _tuple_literal(values) -> str:
-    """A tuple of literals, ``(x,)`` for one."""
-    return "(" + ", ".join(literal(v) for v in values) + ("," if len(values) == 1 else "") + ")"
 
 
 def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
@@ -315,15 +314,15 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
         header=header(graph), model=graph.name, model_module=names["model"][:-3],
         run_name=names["model"][:-3], spec_path=graph.spec_path,
         spec_literal=literal(graph.spec_path), file=names["train"],
-        devices=_tuple_literal(graph.devices), device_type=literal("cuda" if cuda else "cpu"),
-        keys=_tuple_literal(keys), batch_dims=_tuple_literal(dims),
+        devices=tuple_literal(graph.devices), device_type=literal("cuda" if cuda else "cpu"),
+        keys=tuple_literal(keys), batch_dims=tuple_literal(dims),
         n_inputs=len(graph.inputs), batch_params=params, batch_lines=batch_lines,
         input_vars=_tuple(inputs), target_vars=_tuple(targets) if targets else "",
         loss_fns=_tuple([call(loss.callee, [], loss.kwargs) for loss in train.losses]),
         loss_lines=loss_lines, loss_device=loss_device,
         classify=any(loss.class_dim is not None for loss in train.losses),
         steps=str(train.steps) if train.steps_given else "None",
-        epochs=literal(train.epochs), batch_size=train.batch_size, lr=repr(train.lr),
+        epochs=literal(train.epochs), batch_size=train.batch_size, lr=float_literal(train.lr),
         seed=train.seed, log_every=train.log_every, amp=literal(train.amp),
         grad_clip=literal(float(train.grad_clip or 0.0)), accumulate=train.accumulate,
         data=data, data_help=literal(f"{_DATA_HELP} (default: {default_data})".replace("%", "%%")),
@@ -340,5 +339,7 @@ def train_context(graph: Graph) -> tuple[TrainContext, dict[str, str]]:
 
 
 def render_train(graph: Graph) -> str:
+    """``train_<name>.py`` in black's layout (NOTE [Written in black's layout])."""
     ctx, names = train_context(graph)
-    return environment().get_template("train.py.jinja").render(ctx=ctx, n=names)
+    text = environment().get_template("train.py.jinja").render(ctx=ctx, n=names)
+    return laid_out(text, names, ctx.file)

@@ -1,6 +1,7 @@
-"""Run generated code in this process: a training script's main, and the
-checks of a generated test file on virtual devices (what its ``[virtual]``
-runs check, without a pytest process per file: torch loads once)."""
+"""Run generated code in this process: a training script's main, the checks
+of a generated test file on virtual devices (what its ``[virtual]`` runs
+check), and a test file under pytest -- without a process per file: torch
+loads once."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import contextlib
 import inspect
 import io
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import pytest
 
 from helpers import import_generated
 from mpgen.testing import virtual_devices
@@ -44,3 +48,53 @@ def _forget_model(file_name: str) -> None:
     """Drop an earlier import of the model module (another build of the same
     spec, e.g. for the CPU), so that the script imports the one next to it."""
     sys.modules.pop(file_name.removesuffix(".py"), None)
+
+
+@dataclass
+class Outcome:
+    exit_code: int
+    passed: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # why each skipped
+    text: str = ""  # the failures' reports
+
+    def pytest_runtest_logreport(self, report) -> None:
+        if report.passed and report.when == "call":
+            self.passed.append(report.nodeid)
+        elif report.skipped:
+            self.skipped.append(report.nodeid)
+            self.reasons.append(report.longrepr[2])
+        elif report.failed:
+            self.failed.append(report.nodeid)
+            self.text += report.longreprtext + "\n"
+
+    def pytest_collectreport(self, report) -> None:
+        if report.failed:
+            self.failed.append(report.nodeid)
+            self.text += report.longreprtext + "\n"
+
+
+def run_pytest(test_file: Path, *args: str) -> Outcome:
+    """Run a generated test file with pytest, in this process."""
+    folder = test_file.parent
+    own = {p.stem for p in folder.glob("*.py")}
+    path = list(sys.path)
+
+    def forget() -> None:  # each build has its own modules of the same names
+        for name in own & set(sys.modules):
+            del sys.modules[name]
+
+    forget()
+    outcome = Outcome(exit_code=-1)
+    try:
+        outcome.exit_code = int(
+            pytest.main(
+                ["-q", "-p", "no:cacheprovider", "--rootdir", str(folder), *args, str(test_file)],
+                plugins=[outcome],
+            )
+        )
+    finally:
+        forget()
+        sys.path[:] = path
+    return outcome

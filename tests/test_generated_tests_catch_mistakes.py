@@ -8,63 +8,12 @@ an interpreter and importing torch for each would cost more than the tests.
 
 from __future__ import annotations
 
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 from helpers import EXAMPLES, build_to
-
-
-@dataclass
-class Outcome:
-    exit_code: int
-    passed: list[str] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)  # why each skipped
-    text: str = ""  # the failures' reports
-
-    def pytest_runtest_logreport(self, report) -> None:
-        if report.passed and report.when == "call":
-            self.passed.append(report.nodeid)
-        elif report.skipped:
-            self.skipped.append(report.nodeid)
-            self.reasons.append(report.longrepr[2])
-        elif report.failed:
-            self.failed.append(report.nodeid)
-            self.text += report.longreprtext + "\n"
-
-    def pytest_collectreport(self, report) -> None:
-        if report.failed:
-            self.failed.append(report.nodeid)
-            self.text += report.longreprtext + "\n"
-
-
-def run_pytest(test_file: Path, *args: str) -> Outcome:
-    """Run a generated test file with pytest, in this process."""
-    folder = test_file.parent
-    own = {p.stem for p in folder.glob("*.py")}
-    path = list(sys.path)
-
-    def forget() -> None:  # each build has its own modules of the same names
-        for name in own & set(sys.modules):
-            del sys.modules[name]
-
-    forget()
-    outcome = Outcome(exit_code=-1)
-    try:
-        outcome.exit_code = int(
-            pytest.main(
-                ["-q", "-p", "no:cacheprovider", "--rootdir", str(folder), *args, str(test_file)],
-                plugins=[outcome],
-            )
-        )
-    finally:
-        forget()
-        sys.path[:] = path
-    return outcome
+from run_generated import run_pytest
 
 
 @pytest.fixture

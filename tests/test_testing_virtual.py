@@ -652,6 +652,29 @@ def test_restoration_after_exit():
                 pass
 
 
+def test_a_context_entered_again_runs_its_tensors_again():
+    # ModelSuite keeps a model built in one context for all of a class's tests
+    vd = virtual_devices(cuda=2)
+    with vd:
+        model = SimpleModel()
+    assert not vd.active and not torch.cuda.is_available()
+    moves = list(vd.transfers)  # the layers' moves onto their devices
+    with vd as again:
+        assert again is vd and vd.active and torch.cuda.device_count() == 2
+        with vd.record() as rec:
+            out = model(torch.randn(5, 10))
+        assert out.device == torch.device("cuda:1")
+        assert [t[:3] for t in rec.transfers] == [("cpu", "cuda:0", 200),
+                                                  ("cuda:0", "cuda:1", 400)]
+        assert vd.transfers == moves + rec.transfers  # the handle's carry on
+        with pytest.raises(VirtualDeviceError, match=MIXED_RE + "cuda:0 and cuda:1"):
+            MissingToModel.forward(model, torch.randn(5, 10))
+        with pytest.raises(VirtualDeviceError, match="nested"):
+            vd.__enter__()
+    assert not vd.active and not torch.cuda.is_available()
+    assert torch._C._len_torch_function_stack() == 0
+
+
 # --------------------------------------------------------------------------
 # common layers do not raise false device errors
 # --------------------------------------------------------------------------

@@ -33,7 +33,7 @@ on a CPU-only machine) and the two together on virtual devices.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, List, Optional
 
 import torch
 
@@ -44,6 +44,15 @@ __all__ = ["merged_devices"]
 
 # Tensor methods whose first argument after self may be a device.
 _DEVICE_FIRST = {TensorBase.to, TensorBase.cuda}
+
+# The targets of the merged_devices() contexts now active, innermost last.
+_TARGETS: List[torch.device] = []
+
+
+def merging_onto() -> Optional[torch.device]:
+    """The device the innermost active merged_devices() merges onto, or None
+    outside them (ModelSuite keeps a merged build apart from a split one)."""
+    return _TARGETS[-1] if _TARGETS else None
 
 
 class _MergeDevices(TorchFunctionMode):
@@ -86,9 +95,11 @@ def merged_devices(target: str | torch.device = "cuda:0") -> Iterator[torch.devi
     merged_before = virtual.merge if virtual is not None else False
     if virtual is not None:
         virtual.set_merge(True)
+    _TARGETS.append(device)
     try:
         with _MergeDevices(device):
             yield device
     finally:
+        _TARGETS.pop()
         if virtual is not None:
             virtual.set_merge(merged_before)

@@ -25,7 +25,13 @@ Every check runs twice, through the ``virtual`` fixture: on the real GPUs
 when the machine has them (skipped, with the reason, when it does not), and
 on virtual devices (:func:`~mpgen.testing.virtual_devices`), which run the
 same code on the CPU while tracking the device every tensor would live on.
-Needs pytest.
+
+While the tests of one class run, the model is built once per mode (the
+real devices, the class's virtual devices) and each test's
+:meth:`ModelSuite.build` gets it back exactly as built: weights, buffers,
+gradients, ``requires_grad``, training flags and random number generators
+put back in place (:mod:`mpgen.testing._models` says what that covers and
+what it assumes).  Needs pytest.
 """
 
 from __future__ import annotations
@@ -36,12 +42,16 @@ from typing import Any, Iterator, Optional
 import pytest
 import torch
 
+from mpgen.testing._models import Models, build_seeded
 from mpgen.testing._torch_compat import full_float32_on_gpu
 from mpgen.testing.compare import check_split_outputs
 from mpgen.testing.merge import merged_devices
 from mpgen.testing.virtual import VirtualDevices, virtual_devices
 
 __all__ = ["ModelSuite"]
+
+#: Where a test class's Models live while its tests run.
+_MODELS = pytest.StashKey[Models]()
 
 
 def _as_tuple(outputs: Any) -> tuple[torch.Tensor, ...]:
@@ -81,6 +91,10 @@ class ModelSuite:
     #: make_inputs(), None if not known at build time).
     transfers: list[tuple[str, str, str, Optional[int]]]
 
+    #: The models and virtual devices of the class's tests, while they run
+    #: under pytest (None otherwise: every build is fresh).
+    _models: Optional[Models] = None
+
     def make_inputs(self) -> tuple[torch.Tensor, ...]:
         """Small inputs on the CPU, the same on every call."""
         raise NotImplementedError
@@ -108,16 +122,34 @@ class ModelSuite:
             "run checks the same code on the CPU"
         )
 
+    @pytest.fixture(autouse=True)
+    def _class_models(self, request) -> Models:
+        """The Models of this test's class, made for its first test and
+        cleared (the models freed) when its last test is done."""
+        node = request.node.getparent(pytest.Class)
+        models = node.stash.get(_MODELS, None)
+        if models is None:
+            models = node.stash[_MODELS] = Models()
+            node.addfinalizer(models.clear)
+        self._models = models
+        return models
+
     @pytest.fixture(params=["real", "virtual"])
-    def virtual(self, request) -> Iterator[Optional[VirtualDevices]]:
-        """None on the real devices; the virtual devices' handle otherwise."""
+    def virtual(self, request, _class_models) -> Iterator[Optional[VirtualDevices]]:
+        """None on the real devices; the virtual devices' handle otherwise:
+        the class's one ``virtual_devices(cuda=N)`` context (so that the
+        models built in it can be kept), entered for this test, with no
+        transfers yet, its peak memory reset and cuda:0 current."""
         if request.param == "real":
             reason = self.missing_gpus()
             if reason:
                 pytest.skip(reason)
             yield None
             return
-        with virtual_devices(cuda=max(self.cuda_count, 1)) as devices:
+        with _class_models.devices(max(self.cuda_count, 1)) as devices:
+            devices.reset_transfers()
+            devices.reset_peak()
+            torch.cuda.set_device(0)
             yield devices
 
     def expected_device(self, name: str) -> str:
@@ -130,8 +162,15 @@ class ModelSuite:
         raise AssertionError(f"{name} belongs to no placed layer")
 
     def build(self) -> torch.nn.Module:
-        torch.manual_seed(0)
-        return self.model()
+        """The model as ``torch.manual_seed(0); self.model()`` builds it here.
+
+        Under pytest, the first build in each mode (the real devices, the
+        class's virtual devices) is kept, and later builds in that mode
+        return it, put back in place into the state that build had; builds
+        merged onto one device are fresh (see :mod:`mpgen.testing._models`)."""
+        if self._models is None:
+            return build_seeded(self.model, 0)
+        return self._models.build(self.model, 0)
 
     # ---- the checks ----
     def test_parameters_and_buffers_live_where_the_spec_says(self, virtual):

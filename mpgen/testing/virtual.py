@@ -57,10 +57,15 @@ memory), CUDA-only kernels/custom C++ or Triton kernels cannot run, autocast
 for ``"cuda"`` is not emulated, the CUDA RNG is the CPU generator, numerics
 are the CPU's (not a GPU's), optimizer ``foreach`` defaults resolve as on the
 CPU, and tensors created inside the context should not be used after it
-exits (``.cpu()`` still works and returns a plain CPU tensor).  Everything is
-single-threaded: the modes are thread-local, so code running in other
-threads (e.g. DataLoader pin-memory threads) does not see the virtual
-devices, while the ``torch.cuda`` patches are process-wide.
+exits (``.cpu()`` still works and returns a plain CPU tensor) until it is
+entered again.  Everything is single-threaded: the modes are thread-local,
+so code running in other threads (e.g. DataLoader pin-memory threads) does
+not see the virtual devices, while the ``torch.cuda`` patches are
+process-wide.
+
+A handle can be entered again after it exits (``with vd: ...`` once more):
+the tensors made in it are on its devices again, and its transfers, memory
+counters and current device carry on from where they were.
 
 The implementation is split by level: ``_state`` (logical devices, transfers,
 memory accounting), ``_tensor`` (the wrapper tensor), ``_moves`` (device
@@ -128,7 +133,8 @@ class Recording:
 
 
 class VirtualDevices:
-    """Handle returned by :func:`virtual_devices`; also usable after exit."""
+    """Handle returned by :func:`virtual_devices`; also usable after exit,
+    and can be entered again (not while it is active)."""
 
     def __init__(self, cuda: int, merge: bool = False):
         if not isinstance(cuda, int) or cuda < 1 or cuda > MAX_DEVICES:
@@ -173,6 +179,11 @@ class VirtualDevices:
             _state.ACTIVE = None
 
     # ---- devices ----
+    @property
+    def active(self) -> bool:
+        """True while the context is entered."""
+        return self._state.active
+
     @property
     def num_devices(self) -> int:
         return self._state.n

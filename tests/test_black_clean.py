@@ -1,13 +1,16 @@
-"""The training script and the pipeline program are written in black's layout
-(NOTE [Written in black's layout], codegen/format.py): black leaves them as
-they are, for every example and for specs that make black wrap what the
-spec decides (long names, many inputs, long values, quotes in strings) or
-keep on one line what short names leave short; and a statement laid out on
-its own is what black makes of it in place.
+"""The generated Python files (the model module, its tests, the training
+script and the pipeline program) are written in black's layout (NOTE
+[Written in black's layout], codegen/format.py): black leaves them as they
+are, for every example and for specs that make black wrap what the spec
+decides (long names, many inputs, many keyword arguments, long values,
+quotes in strings) or keep on one line what short names leave short; and a
+statement laid out on its own is what black makes of it in place.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import textwrap
 
 import black
@@ -18,17 +21,19 @@ from hypothesis import strategies as st
 
 from helpers import EXAMPLES, write_spec
 from mpgen.compiler import pipeline
-from mpgen.compiler.codegen import common, format, pp, train
+from mpgen.compiler.codegen import common, format, model as model_module, pp, tests, train
 from mpgen.compiler.frontend.namespace import model_name_problem
 
 LONG = "Very" + "Long" * 24  # 100 characters: the longest model name
 
 
 def assert_black_clean(graph) -> None:
-    """Black leaves the training script and the pipeline program unchanged."""
-    for name, text in ((common.file_names(graph)["train"], train.render_train(graph)),
-                       (common.file_names(graph)["pp"], pp.render_pp(graph))):
-        assert black.format_str(text, mode=format._MODE) == text, name
+    """Black leaves every generated Python file unchanged."""
+    names = common.file_names(graph)
+    for role, render in (("model", model_module.render_model), ("test", tests.render_test),
+                         ("train", train.render_train), ("pp", pp.render_pp)):
+        text = render(graph)
+        assert black.format_str(text, mode=format._MODE) == text, names[role]
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
@@ -200,6 +205,122 @@ def test_an_input_without_a_batch_dim_is_black_clean(tmp_path):
     graph = pipeline.compile_spec(write_spec(tmp_path, AN_INPUT_WITHOUT_A_BATCH_DIM))
     assert "_Replicate" in pp.render_pp(graph)
     assert_black_clean(graph)
+
+
+ZOO = {
+    "every_conv_keyword_init_and_long_layer_names": """\
+mpgen: 1
+name: {name}
+inputs:
+  image_batch_of_the_model_with_a_rather_long_name: [batch, 3, 16, 16]
+layers:
+  the_first_convolution_of_the_network_with_a_long_name_too:
+    op: Conv2d
+    args: [3, 8, 3]
+    stride: 1
+    padding: 1
+    dilation: 1
+    groups: 1
+    bias: true
+    padding_mode: zeros
+    init: {{weight: {{kaiming_normal: {{mode: fan_out, nonlinearity: relu}}}}}}
+  act: {{op: ReLU}}
+  pool_of_the_network_with_a_name_as_long_as_the_rest_of_them: {{op: AdaptiveAvgPool2d, args: [1]}}
+  flat: {{op: torch.flatten, start_dim: 1}}
+  the_classification_head_of_the_network_with_a_long_name: {{op: Linear, args: [8, 10]}}
+placement:
+  act: cuda:1
+init:
+  Conv2d: {{weight: {{kaiming_normal: {{mode: fan_out, nonlinearity: relu}}}}, bias: zeros}}
+  Linear: {{weight: {{normal: {{std: 0.02}}}}, bias: zeros}}
+  BatchNorm2d: {{weight: ones, bias: zeros}}
+""",
+    "deep_blocks_repeated_over_devices_and_checkpointed": """\
+mpgen: 1
+name: {name}
+inputs: {{features_of_every_sample_in_the_batch_with_a_long_name: [batch, 32]}}
+blocks:
+  MultiLayerPerceptronBlockWithAVeryLongNameIndeedForTesting:
+    params: [dimension_of_the_hidden_layer, dropout_probability_of_it]
+    layers:
+      up_projection_of_the_block: {{op: Linear, args: [$dimension_of_the_hidden_layer, "=4 * $dimension_of_the_hidden_layer"]}}
+      act: {{op: GELU}}
+      drop: {{op: Dropout, args: [$dropout_probability_of_it]}}
+      down_projection_of_the_block: {{op: Linear, args: ["=4 * $dimension_of_the_hidden_layer", $dimension_of_the_hidden_layer]}}
+      residual_connection_of_the_block: {{op: torch.add, in: [down_projection_of_the_block, x]}}
+  OuterBlockThatHoldsTwoOfTheInnerOnes:
+    params: [dim]
+    layers:
+      first_inner_block_of_the_outer_one: {{op: MultiLayerPerceptronBlockWithAVeryLongNameIndeedForTesting, args: [$dim, 0.1]}}
+      second_inner_block_of_the_outer_one: {{op: MultiLayerPerceptronBlockWithAVeryLongNameIndeedForTesting, args: [$dim, 0.1], repeat: 2}}
+layers:
+  stem: {{op: Linear, args: [32, 32]}}
+  mlp: {{op: MultiLayerPerceptronBlockWithAVeryLongNameIndeedForTesting, args: [32, 0.1], checkpoint: true}}
+  the_repeated_hidden_layers_of_the_model: {{op: MultiLayerPerceptronBlockWithAVeryLongNameIndeedForTesting, args: [32, 0.0], repeat: 6}}
+  outer: {{op: OuterBlockThatHoldsTwoOfTheInnerOnes, args: [32]}}
+  head: {{op: Linear, args: [32, 4]}}
+placement: {{stem: cuda:0, mlp: cuda:0, the_repeated_hidden_layers_of_the_model.0-1: cuda:0, the_repeated_hidden_layers_of_the_model.2-3: cuda:1, the_repeated_hidden_layers_of_the_model.4-5: cuda:2, head: cuda:2}}
+train: {{batch_size: 16}}
+pipeline: {{microbatches: 2, checkpoint: [cuda:1]}}
+""",
+    "tuple_outputs_seq_first_and_micro_batches": """\
+mpgen: 1
+name: {name}
+inputs:
+  the_token_embeddings_of_the_sequence_first_input: [seq, batch, 6]
+  initial_hidden_state_of_the_recurrent_layer: [1, batch, 8]
+  initial_cell_state_of_the_recurrent_layer: [1, batch, 8]
+layers:
+  the_recurrent_layer_with_a_long_name:
+    op: LSTM
+    args: [6, 8]
+    in: [the_token_embeddings_of_the_sequence_first_input, [initial_hidden_state_of_the_recurrent_layer, initial_cell_state_of_the_recurrent_layer]]
+    outputs: [the_sequence_of_outputs_of_the_recurrent_layer, [final_hidden_state_of_it, final_cell_state_of_it]]
+  attention_over_the_outputs: {{op: MultiheadAttention, args: [8, 2], in: [the_sequence_of_outputs_of_the_recurrent_layer, the_sequence_of_outputs_of_the_recurrent_layer, the_sequence_of_outputs_of_the_recurrent_layer], outputs: [attended_outputs_of_the_attention_layer, _]}}
+  the_output_head_of_the_model_with_a_long_name: {{op: Linear, args: [8, 3], in: attended_outputs_of_the_attention_layer}}
+outputs: [the_output_head_of_the_model_with_a_long_name, final_hidden_state_of_it, final_cell_state_of_it]
+placement: {{the_recurrent_layer_with_a_long_name: cuda:0, attention_over_the_outputs: cuda:1, the_output_head_of_the_model_with_a_long_name: cuda:2}}
+train: {{batch_size: 12, dims: {{seq: 5}}, loss: MSELoss}}
+pipeline: {{microbatches: 3}}
+""",
+    "ties_across_devices": """\
+mpgen: 1
+name: {name}
+inputs:
+  the_token_ids_of_the_input_with_a_rather_long_name: {{shape: [batch, seq], dtype: int64}}
+layers:
+  the_token_embedding_table_of_the_model: {{op: Embedding, args: [11, 4], in: the_token_ids_of_the_input_with_a_rather_long_name}}
+  ln: {{op: LayerNorm, args: [4], eps: 1.0e-5, elementwise_affine: true}}
+  the_language_modelling_head_of_the_model: {{op: Linear, args: [4, 11], bias: false, tie: {{weight: the_token_embedding_table_of_the_model.weight}}}}
+placement:
+  the_token_embedding_table_of_the_model: cuda:0
+  ln: cuda:1
+train: {{dims: {{seq: 7}}}}
+""",
+    "names_longer_than_a_line": """\
+mpgen: 1
+name: {name}
+inputs:
+  {long}_input: [batch, 8]
+layers:
+  {long}_first: {{op: Linear, args: [8, 8]}}
+  {long}_second: {{op: Linear, args: [8, 8]}}
+  out: {{op: Linear, args: [8, 2]}}
+placement:
+  {long}_second: cuda:1
+""",
+}
+
+
+@pytest.mark.parametrize("name", ["M", LONG])
+@pytest.mark.parametrize("spec", ZOO, ids=str)
+def test_layers_blocks_and_forwards_of_every_kind_are_black_clean(tmp_path, spec, name):
+    """Long layer and block names, every keyword of a Conv2d, blocks of
+    blocks, repeated layers over devices, tuple outputs, ties, init:,
+    checkpoint:, pipeline: (the micro-batched forward) and sequence-first
+    inputs, in the model module as in the scripts."""
+    text = ZOO[spec].format(name=name, long="a_layer_name_longer_than_a_line_" * 3)
+    assert_black_clean(pipeline.compile_spec(write_spec(tmp_path, text)))
 
 
 def identifiers(prefix: str, alphabet: str, longest: int) -> st.SearchStrategy[str]:
@@ -401,17 +522,39 @@ def test_literals_are_spelled_as_black_spells_them():
         assert eval(common.literal(value)) == value or value != value
 
 
-def test_generate_proves_the_scripts_compile_without_black(tmp_path, monkeypatch):
-    """Black formats the model and its tests, and fragments of the scripts
-    at most; an invalid script is still refused."""
+def test_generate_proves_the_files_compile_without_black(tmp_path, monkeypatch):
+    """Black formats no generated file whole, only statements that do not
+    fit; an invalid file is still refused."""
     spec = write_spec(tmp_path, model() + TRAINING["every_key"])
     formatted, format_str = [], black.format_str
     monkeypatch.setattr(black, "format_str",
                         lambda text, mode: formatted.append(text) or format_str(text, mode=mode))
     files = pipeline.generate(spec).files
-    assert any("class M(nn.Module)" in text for text in formatted)
-    assert not any("def main(" in text for text in formatted)
-    assert black.format_str(files["train_m.py"], mode=format._MODE) == files["train_m.py"]
-    monkeypatch.setattr(train, "render_train", lambda graph: "def broken(:\n")
-    with pytest.raises(format.GeneratedCodeError, match="train_m.py"):
-        pipeline.generate(spec)
+    assert not any(marker in text for text in formatted
+                   for marker in ("class M(nn.Module)", "class TestM(", "def main("))
+    for name in ("m.py", "test_m.py", "train_m.py", "pp_m.py"):
+        assert black.format_str(files[name], mode=format._MODE) == files[name], name
+    for role, render in (("test", "render_test"), ("model", "render_model"),
+                         ("train", "render_train")):
+        with monkeypatch.context() as patch:
+            patch.setattr({"test": tests, "model": model_module, "train": train}[role], render,
+                          lambda graph: "def broken(:\n")
+            with pytest.raises(format.GeneratedCodeError, match=common.file_names(
+                    pipeline.compile_spec(spec))[role]):
+                pipeline.generate(spec)
+
+
+def test_the_model_and_its_tests_are_written_without_importing_black():
+    """Black is imported when a statement does not fit, not before: the
+    model module and the tests of a spec whose statements fit never import it."""
+    code = textwrap.dedent(f"""\
+        import sys
+        from mpgen.compiler import pipeline
+        from mpgen.compiler.codegen import format, model, tests
+        graph = pipeline.compile_spec({str(EXAMPLES / "seed.yaml")!r})
+        model.render_model(graph), tests.render_test(graph)
+        assert "black" not in sys.modules, sorted(m for m in sys.modules if "black" in m)
+        format.layout("x = " + "1 + " * 30 + "1\\n")
+        assert "black" in sys.modules
+        """)
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -15,7 +15,7 @@ from mpgen.compiler import frontend, placement
 from mpgen.compiler.analysis import costs, shapes, targets
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.codegen import common, model, pp, report, tests, train
-from mpgen.compiler.codegen.format import check_source, format_source
+from mpgen.compiler.codegen.format import check_source
 from mpgen.compiler.frontend.eager_torch import eager_torch
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.ir import Graph
@@ -53,16 +53,15 @@ def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = Non
 def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
              root: str | Path | None = None,
              time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Generated:
-    """Compile one spec and render its files in black's layout: the model
-    and its tests formatted by black, the training script and the pipeline
-    program written in it (NOTE [Written in black's layout]); each proved
-    to compile."""
+    """Compile one spec and render its files, the Python ones written in
+    black's layout (NOTE [Written in black's layout]) and each proved to
+    compile."""
     graph = compile_spec(path, device_map, root, time_limit)
     names = common.file_names(graph)
     files = {
-        names["model"]: format_source(model.render_model(graph), names["model"]),
+        names["model"]: check_source(model.render_model(graph), names["model"]),
         names["train"]: check_source(train.render_train(graph), names["train"]),
-        names["test"]: format_source(tests.render_test(graph), names["test"]),
+        names["test"]: check_source(tests.render_test(graph), names["test"]),
         names["pp"]: check_source(pp.render_pp(graph), names["pp"]),
         names["report"]: report.render_report(graph),
     }

@@ -1,10 +1,11 @@
 """Generated source in black's layout, and the proof that it compiles.
 
-Black owns the layout of generated code. The model module and the tests
-are formatted by black whole (:func:`format_source`). The training script
-and the pipeline program are written in black's layout directly (NOTE
-[Written in black's layout]), and only proved to compile
-(:func:`check_source`).
+Black owns the layout of generated code, but a build does not run it over
+the files: every generated Python file is written in black's layout
+directly (NOTE [Written in black's layout]) and only proved to compile
+(:func:`check_source`). Black is imported lazily, by the first statement
+that does not fit its line (:func:`layout`) or the one file that goes
+through it whole (:func:`format_source`, ``common.laid_out``).
 
 The one layout choice black cannot make is where a shape comment goes:
 black never moves a comment, and splits a call over several lines to make
@@ -13,33 +14,68 @@ fits black's width, and stands on its own line above it otherwise
 (:func:`with_comment`), by the same width black formats to.
 
 # NOTE: [Written in black's layout]
-# The static text of templates/train.py.jinja and pp.py.jinja is black's
-# output (black 26, 88 columns: ``_MODE``) whatever the spec: what the spec
-# writes into it (the model's name, file names) stands where black moves no
-# line break for its length (a docstring, a comment, a string alone on its
-# line in a call black splits anyway). Every other statement the spec
-# decides is laid out where it is made, by :func:`layout` (in the templates
-# ``{% filter layout %}``): written in black's spelling (``common.literal``:
-# double quotes, black's numbers), each statement on one line or split one
-# item a line with a trailing comma, it is black's layout as it is when
-# every line fits, and otherwise black formats the fragment alone, at the
-# width its indentation leaves. Black formats each statement on its own, so
-# the pieces together are what black makes of the whole file. The static
-# text holds the scaffold's names as they are: where a spec takes one, its
-# suffix can move a line break, so that file goes through black whole
-# (``common.laid_out``). tests/test_black_clean.py proves it for the
-# examples and for specs that make black wrap; run it after editing a template.
+# The static text of the templates (train.py.jinja, pp.py.jinja,
+# test.py.jinja) is black's output (black 26, 88 columns: ``black_mode()``)
+# whatever the spec: what the spec writes into it (the model's name, file
+# names) stands where black moves no line break for its length (a
+# docstring, a comment, a string alone on its line in a call black splits
+# anyway). Every other statement the spec decides is laid out where it is
+# made, by :func:`layout` (in the templates ``{% filter layout %}``; in the
+# model module ``PythonWriter.line``, and ``PythonWriter.block`` for a
+# compound statement's header through :func:`layout_header`): written in
+# black's spelling (``common.literal``: double quotes, black's numbers),
+# each statement on one line or split one item a line with a trailing comma,
+# it is black's layout as it is when every line fits, and otherwise black
+# formats the fragment alone, at the width its indentation leaves. Black
+# formats each statement on its own, so the pieces together are what black
+# makes of the whole file; the writer puts black's blank lines between them
+# (two around a top-level class, one between methods and after a class
+# docstring). The static text holds the scaffold's names as they are: where
+# a spec takes one, its suffix can move a line break, so that file goes
+# through black whole (``common.laid_out``). tests/test_black_clean.py
+# proves it for the examples and for specs that make black wrap; run it
+# after editing a template or a generator.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import textwrap
+from typing import TYPE_CHECKING, Optional
 
-import black
+if TYPE_CHECKING:
+    import black
 
 LINE_LENGTH = 88
-_MODE = black.Mode(target_versions={black.TargetVersion.PY310}, line_length=LINE_LENGTH)
+
+
+@functools.cache
+def black_mode(line_length: int = LINE_LENGTH) -> "black.Mode":
+    """Black's mode for generated code (black 26, Python 3.10, ``line_length``
+    columns). Imports black: call it only where black runs."""
+    import black
+
+    return black.Mode(target_versions={black.TargetVersion.PY310}, line_length=line_length)
+
+
+def _format_str(source: str, line_length: int, filename: Optional[str] = None) -> str:
+    """``black.format_str`` at ``line_length``: black is imported here, on
+    the first call, so that a build whose code all fits never imports it."""
+    import black
+
+    try:
+        return black.format_str(source, mode=black_mode(line_length))
+    except black.InvalidInput as exc:
+        if filename is not None:
+            raise GeneratedCodeError(
+                f"mpgen generated invalid Python for {filename}: {exc}") from exc
+        raise GeneratedCodeError(f"mpgen generated invalid Python: {exc}\n{source}") from exc
+
+
+def __getattr__(name: str):
+    if name == "_MODE":  # black's mode at 88 columns, for the tests that run black
+        return black_mode()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class GeneratedCodeError(Exception):
@@ -58,10 +94,7 @@ def check_source(source: str, filename: str) -> str:
 def format_source(source: str, filename: str) -> str:
     """Black-formatted ``source``; raises GeneratedCodeError if it is not Python."""
     check_source(source, filename)
-    try:
-        return black.format_str(source, mode=_MODE)
-    except black.InvalidInput as exc:
-        raise GeneratedCodeError(f"mpgen generated invalid Python for {filename}: {exc}") from exc
+    return _format_str(source, LINE_LENGTH, filename)
 
 
 def fits(line: str, indent: int = 0) -> bool:
@@ -77,13 +110,27 @@ def layout(code: str, indent: int = 0) -> str:
     with a trailing comma (which black keeps), and no multi-line string but
     docstrings; it is black's layout as it is where every line fits, else
     black formats it at the width left."""
-    if not all(fits(line, indent) for line in code.splitlines()):
-        mode = dataclasses.replace(_MODE, line_length=LINE_LENGTH - indent)
-        try:
-            code = black.format_str(code, mode=mode)
-        except black.InvalidInput as exc:
-            raise GeneratedCodeError(f"mpgen generated invalid Python: {exc}\n{code}") from exc
+    if not all(fits(line, indent) or _comment_line(line) for line in code.splitlines()):
+        code = _format_str(code, LINE_LENGTH - indent)
     return textwrap.indent(code, " " * indent)
+
+
+def _comment_line(line: str) -> bool:
+    """A comment alone on its line: black never splits or moves one, however long."""
+    return line.lstrip(" ").startswith("# ") and not line.endswith(" ")
+
+
+def layout_header(header: str, indent: int = 0) -> list[str]:
+    """The lines of ``header:`` (a compound statement's first clause, or an
+    ``elif``/``else``/``except`` one) in black's layout at ``indent``
+    columns, unindented: as it is when it fits, else black's split of it
+    over a stand-in body (black lays out a header apart from its body)."""
+    if fits(f"{header}:", indent):
+        return [f"{header}:"]
+    opening = ("try:\n    pass\n" if header.startswith(("except", "finally")) else
+               "if _:\n    pass\n" if header.startswith(("elif ", "else")) else "")
+    lines = _format_str(f"{opening}{header}:\n    pass\n", LINE_LENGTH - indent).splitlines()
+    return lines[2 if opening else 0:-1]
 
 
 def layout_block(text: str) -> str:

@@ -1,8 +1,10 @@
 """IR -> ``<name>.py``: the model module (block classes, then the model).
 
-Statements are emitted through :class:`~mpgen.compiler.codegen.writer.PythonWriter`
-and laid out by black. Every identifier comes from the IR (handed out by the
-front end's namespace) or from a namespace here; every value goes through
+Statements are emitted through :class:`~mpgen.compiler.codegen.writer.PythonWriter`,
+which writes each in black's layout (NOTE [Written in black's layout] in
+format.py); the blank lines black puts between them are written here. Every
+identifier comes from the IR (handed out by the front end's namespace) or
+from a namespace here; every value goes through
 :func:`~mpgen.compiler.codegen.common.literal`.
 """
 
@@ -37,7 +39,7 @@ from mpgen.compiler.placement.stages import Stage, stages
 
 
 def render_model(graph: Graph) -> str:
-    """The model module's source (black formats it afterwards)."""
+    """The model module's source, in black's layout."""
     w = PythonWriter()
     for line in header(graph):
         w.line(line)

@@ -17,8 +17,10 @@ from mpgen.compiler.codegen.common import (
     file_names,
     header,
     input_code,
+    literal,
     optimizer_call,
 )
+from mpgen.compiler.codegen.format import fits, layout_header
 from mpgen.compiler.ir import Graph, Transfer
 from mpgen.compiler.placement.stages import stages
 
@@ -106,16 +108,49 @@ def _transfers_in_order(graph: Graph) -> list[Transfer]:
             if 0 <= tick - stage < m for t in sections[stage].transfers]
 
 
+def value_code(value: object) -> str:
+    """A fact (tuples, lists, dicts of strings, ints and None) as Python
+    source in black's spelling, on one line."""
+    if isinstance(value, tuple):
+        return "(" + _tuple([value_code(v) for v in value]) + ")"
+    if isinstance(value, list):
+        return "[" + ", ".join(value_code(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{value_code(k)}: {value_code(v)}" for k, v in value.items()) + "}"
+    return literal(value)
+
+
+def collection_code(name: str, value: tuple | list | dict, indent: int) -> str:
+    """The value of ``name = value`` at ``indent`` columns: on one line where
+    the statement fits, else one item a line with a trailing comma, which is
+    how black splits a collection literal that does not fit (an item too long
+    for its own line is left to ``{% filter layout %}``, that is to black)."""
+    one = value_code(value)
+    if not value or not one.isascii() or fits(f"{name} = {one}", indent):
+        return one  # black measures other characters by their display width
+    pad = " " * indent
+    body = "".join(f"{pad}    {item},\n" for item in _items_code(value))
+    return one[0] + "\n" + body + pad + one[-1]
+
+
+def _items_code(value: tuple | list | dict) -> list[str]:
+    if isinstance(value, dict):
+        return [f"{value_code(k)}: {value_code(v)}" for k, v in value.items()]
+    return [value_code(v) for v in value]
+
+
 def render_test(graph: Graph) -> str:
+    """``test_<name>.py`` in black's layout (NOTE [Written in black's layout])."""
     facts = model_facts(graph)
-    # Values reach the file as Python literals (repr); black formats them.
+    # Class attributes, at 4 columns.
     literals = {
-        name: repr(getattr(facts, name))
+        name: collection_code(name, getattr(facts, name), 4)
         for name in ("devices", "placement", "output_shapes", "transfers")
     }
     literals["total_params"] = f"{facts.total_params:_}"
     return (
         environment()
         .get_template("test.py.jinja")
-        .render(facts=facts, literal=literals, input_tuple=_tuple(facts.input_vars))
+        .render(facts=facts, literal=literals, input_tuple=_tuple(facts.input_vars),
+                class_header=layout_header(f"class Test{facts.model}(ModelSuite)"))
     )

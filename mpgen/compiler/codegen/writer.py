@@ -1,8 +1,12 @@
-"""A writer of Python statements: indentation by blocks, nothing else.
+"""A writer of Python statements in black's layout, by blocks.
 
 The code generators emit statements through it (as torch.fx's codegen emits
-its body) and black lays the result out; the only layout decision left to
-the generators is a comment's place (``format.with_comment``).
+its body), each on one line in black's spelling (``common.literal``), and
+the blank lines black puts between them. The writer lays out each statement
+where it stands (``format.layout``: as it is when it fits, else black
+formats that statement alone), and a comment where black would keep it
+(``format.with_comment``), so the text is black's layout of the whole
+(NOTE [Written in black's layout] in format.py).
 """
 
 from __future__ import annotations
@@ -10,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional, Sequence
 
-from mpgen.compiler.codegen.format import with_comment
+from mpgen.compiler.codegen.format import fits, layout, layout_header, with_comment
 
 INDENT = "    "
 
@@ -27,10 +31,15 @@ class PythonWriter:
         if not code:
             self._lines.append("")
             return
-        for text in with_comment(code, comment or "", len(INDENT) * self._depth):
-            self._lines.append(INDENT * self._depth + text)
+        indent = len(INDENT) * self._depth
+        for text in with_comment(code, comment or "", indent):
+            if fits(text, indent) or text.startswith("#"):
+                self._lines.append(INDENT * self._depth + text)
+            else:
+                self._lines.extend(layout(text + "\n", indent).splitlines())
 
     def comment(self, text: str) -> None:
+        """A comment on its own line (black never moves or splits one)."""
         self._lines.append(f"{INDENT * self._depth}# {text}")
 
     def docstring(self, lines: Sequence[str]) -> None:
@@ -45,8 +54,9 @@ class PythonWriter:
 
     @contextlib.contextmanager
     def block(self, header: str) -> Iterator[None]:
-        """``header:`` and an indented body."""
-        self.line(f"{header}:")
+        """``header:`` (``format.layout_header``) and an indented body."""
+        pad = INDENT * self._depth
+        self._lines.extend(pad + line for line in layout_header(header, len(pad)))
         self._depth += 1
         try:
             yield

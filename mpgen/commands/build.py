@@ -7,6 +7,7 @@ module imports the compiler (torch, jinja2, black) only when a spec needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 import sys
 from dataclasses import dataclass
@@ -32,22 +33,18 @@ TimeLimit = Optional[float] | EllipsisType
 
 @dataclass(frozen=True)
 class Built:
-    """One spec of a build or check: its files, compiled or current on disk."""
+    """One spec of a build or check: its files, compiled or current on disk,
+    and its manifest entry (NOTE [Build manifest])."""
 
     spec_path: str  # as given
-    shown: str  # as the generated headers name it
     files: dict[str, str]  # name -> text
-    key: str  # the manifest's key of these files (NOTE [Build manifest])
-    summary: str  # what the build says of the model (:func:`summary_line`, after ``SPEC: ``)
-    source: Optional[str]  # sha256 of the spec's text as built; None: not known
-    digest: str  # the spec's digest (NOTE [Spec digest])
-    user_code: bool  # the spec names code of the user's (never current from the manifest)
+    entry: manifest.Entry  # what the manifest records of this spec's files
     result: Optional[Generated] = None  # None: current, not compiled
 
     @property
     def line(self) -> str:
         """The build's line for this spec: ``SPEC: Model, N parameters on ...``."""
-        return f"{self.spec_path}: {self.summary}"
+        return f"{self.spec_path}: {self.entry.summary}"
 
 
 def _generate_all(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
@@ -99,9 +96,8 @@ def check(paths: Iterable[str | Path], out_dir: str | Path,
 
 def _write(out_dir: Path, built: list[Built], device_map: Optional[Mapping[str, str]],
            force: bool, prune: bool) -> Changes:
-    entries = [manifest.entry(b.shown, b.key, b.files, b.summary, b.source, b.digest,
-                              b.user_code) for b in built]
-    return write_files(out_dir, _files(built), _specs(built), force, prune, entries)
+    return write_files(out_dir, _files(built), _specs(built), force, prune,
+                       [b.entry for b in built])
 
 
 def _key(digest: str, device_map: Optional[Mapping[str, str]]) -> str:
@@ -115,7 +111,7 @@ def _files(built: Iterable[Built]) -> dict[str, str]:
 
 def _specs(built: Iterable[Built]) -> dict[str, str]:
     """Each spec as the generated headers name it -> its path."""
-    return {b.shown: b.spec_path for b in built}
+    return {b.entry.spec: b.spec_path for b in built}
 
 
 def _spec_text(path: str | Path) -> Optional[str]:
@@ -134,9 +130,9 @@ def _compiled(result: Generated, device_map: Optional[Mapping[str, str]],
     source = manifest.sha256(text.encode("utf-8")) if text is not None and text == before else None
     graph = result.graph
     user_code = any(_user_nodes(graph)) or bool(graph.train and graph.train.modules)
-    return Built(result.spec_path, graph.spec_path, result.files,
-                 _key(graph.spec_hash, device_map), _summary(graph), source, graph.spec_hash,
-                 user_code, result)
+    entry = manifest.entry(graph.spec_path, _key(graph.spec_hash, device_map), result.files,
+                           _summary(graph), source, graph.spec_hash, user_code)
+    return Built(result.spec_path, result.files, entry, result)
 
 
 #: How a spec names torch's own functions: a dotted op with another prefix is
@@ -196,13 +192,13 @@ def _current(path: str | Path, out_dir: Path, entries: Mapping[str, manifest.Ent
         if names_user_code(spec):
             return None
         digest = spec_digest(spec)
-    key = _key(digest, device_map)
-    if found.key != key:
+    if found.key != _key(digest, device_map):
         return None
     texts = manifest.current_files(out_dir, found)
     if texts is None:
         return None
-    return Built(str(path), found.spec, texts, key, found.summary, source, digest, False)
+    # Recorded with this text, so that the next check need not parse it.
+    return Built(str(path), texts, dataclasses.replace(found, source=source))
 
 
 def _gather(paths: list[str | Path], out_dir: Path,
@@ -235,12 +231,8 @@ def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
             for r in _generate_all(paths, device_map, root, time_limit)]
 
 
-def summary_line(result: Generated) -> str:
-    """``spec: Model, N parameters on cuda:0 (a), cuda:1 (b); T transfers in forward``."""
-    return f"{result.spec_path}: {_summary(result.graph)}"
-
-
 def _summary(graph: Graph) -> str:
+    """``Model, N parameters on cuda:0 (a), cuda:1 (b); T transfers in forward``."""
     devices = ", ".join(f"{d} ({n:,})" for d, n in graph.params_by_device().items())
     moves = len(graph.plan.transfers)
     return (f"{graph.name}, {graph.total_params:,} parameters on "

@@ -98,7 +98,6 @@ class Changes:
     written: list[Path]
     removed: list[Path]
     kept: list[Orphan] = field(default_factory=list)  # orphans left in place: no --prune
-    manifest: bool = False  # the manifest (NOTE [Build manifest]) was written
 
 
 @dataclass(frozen=True)
@@ -272,8 +271,7 @@ def write_files(out_dir: Path, files: Mapping[str, str],
     if changed or removed:
         with held_signals():
             _apply(out_dir, changed, removed)
-    return Changes(written, removed, [o for o in found.orphans if not o.removed_by(prune)],
-                   manifest=len(changed) > len(written))
+    return Changes(written, removed, [o for o in found.orphans if not o.removed_by(prune)])
 
 
 def _manifest_bytes(out_dir: Path, entries: list[build_manifest.Entry],

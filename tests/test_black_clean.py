@@ -33,7 +33,7 @@ def assert_black_clean(graph) -> None:
     for role, render in (("model", model_module.render_model), ("test", tests.render_test),
                          ("train", train.render_train), ("pp", pp.render_pp)):
         text = render(graph)
-        assert black.format_str(text, mode=format._MODE) == text, names[role]
+        assert black.format_str(text, mode=format.black_mode()) == text, names[role]
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
@@ -511,14 +511,14 @@ def test_a_fragment_laid_out_alone_is_blacks_layout_in_place(code, indent):
     depth = indent // 4
     opening = "".join(f"{'    ' * k}if x{k}:\n" for k in range(depth))
     whole = opening + format.layout(code, indent)
-    assert black.format_str(whole, mode=format._MODE) == whole
+    assert black.format_str(whole, mode=format.black_mode()) == whole
 
 
 def test_literals_are_spelled_as_black_spells_them():
     for value in ["plain", "it's", 'say "hi"', "both ' and \"", "'\"'\"", "back\\slash'\"",
                   "tab\tnew\nline", "é", 1e30, 1e-05, 0.1, float("inf"), -3, None, True]:
         code = f"x = {common.literal(value)}\n"
-        assert black.format_str(code, mode=format._MODE) == code
+        assert black.format_str(code, mode=format.black_mode()) == code
         assert eval(common.literal(value)) == value or value != value
 
 
@@ -533,7 +533,7 @@ def test_generate_proves_the_files_compile_without_black(tmp_path, monkeypatch):
     assert not any(marker in text for text in formatted
                    for marker in ("class M(nn.Module)", "class TestM(", "def main("))
     for name in ("m.py", "test_m.py", "train_m.py", "pp_m.py"):
-        assert black.format_str(files[name], mode=format._MODE) == files[name], name
+        assert black.format_str(files[name], mode=format.black_mode()) == files[name], name
     for role, render in (("test", "render_test"), ("model", "render_model"),
                          ("train", "render_train")):
         with monkeypatch.context() as patch:

@@ -72,12 +72,6 @@ def _format_str(source: str, line_length: int, filename: Optional[str] = None) -
         raise GeneratedCodeError(f"mpgen generated invalid Python: {exc}\n{source}") from exc
 
 
-def __getattr__(name: str):
-    if name == "_MODE":  # black's mode at 88 columns, for the tests that run black
-        return black_mode()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 class GeneratedCodeError(Exception):
     """The compiler produced invalid Python: a bug in mpgen, not in the spec."""
 

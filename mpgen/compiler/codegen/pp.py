@@ -52,7 +52,6 @@ from mpgen.compiler.codegen.common import (
     synthetic_like,
     tuple_literal,
 )
-from mpgen.compiler.codegen.format import layout
 from mpgen.compiler.codegen.model import _constructor, _imports, _initialization, _step, _variables
 from mpgen.compiler.codegen.writer import PythonWriter
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
@@ -69,6 +68,8 @@ _SCAFFOLD_GLOBALS = (
     "TARGET_DIMS", "TIES", "PROBLEM", "stage_loss", "pick", "sendable", "examples", "placement", "stop", "merge",
     "tie_groups", "follow_owners", "sync_ties", "clip_gradients", "Log", "run", "main",
 )
+#: The modules the program imports under their own names.
+_SCRIPT_MODULES = frozenset({"argparse", "csv", "math", "sys", "time"})
 _SCAFFOLD_LOCALS = (
     "parser", "args", "world", "rank", "ranks", "device", "mine", "modules", "full", "k",
     "missing", "groups", "optimizers", "schedulers", "done", "state", "path", "data",
@@ -254,7 +255,7 @@ def _classes(graph: Graph, all_stages: tuple[Stage, ...], n: dict[str, str],
                 w.line('raise RuntimeError("this instance is held by another stage")')
     for stage, name in zip(all_stages, stage_names):
         _stage_class(w, graph, stage, name, n["Elsewhere"], owners)
-    return layout(w.text().lstrip("\n"))
+    return w.text().lstrip("\n")
 
 
 def _ties(graph: Graph, all_stages: tuple[Stage, ...]) -> str:
@@ -333,7 +334,7 @@ def _scaffold_names(graph: Graph) -> dict[str, str]:
     blocks = {b.name for b in graph.blocks}
     users = {n.op.module.split(".")[0] for n in graph.nodes if n.op.kind is OpKind.USER}
     users |= {m.split(".")[0] for m in graph.train.modules}  # import mypkg.losses binds mypkg
-    ns = Namespace(GLOBALS | blocks | users | {"argparse", "csv", "math", "sys", "time"})
+    ns = Namespace(GLOBALS | blocks | users | _SCRIPT_MODULES)
     return {name: ns.fresh(name) for name in _SCAFFOLD_GLOBALS + _SCAFFOLD_LOCALS}
 
 
@@ -356,16 +357,18 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
     if train.scheduler is not None and train.scheduler.op == "ReduceLROnPlateau":
         scheduler = ""  # stepped with a loss every rank would need; not in the pipeline
     dims = [t.type.batch_dim for t in graph.inputs]
+    ties = _ties(graph, all_stages)
+    imports = _imports(graph)
     used_blocks = sorted({node.op.callee for s in all_stages for node, _ in _stage_nodes(graph, s)
                           if node.op.kind is OpKind.BLOCK})
     cuda = any(d.startswith("cuda") for d in graph.devices)
     reserved = ({n[k] for k in _SCAFFOLD_GLOBALS} | set(GLOBALS) | {b.name for b in graph.blocks}
-                | {"argparse", "csv", "math", "sys", "time"})
+                | _SCRIPT_MODULES)
     return PPContext(
         header=header(graph), model=graph.name, spec_path=graph.spec_path,
         file=names["pp"], train_module=names["train"][:-3], model_module=names["model"][:-3],
-        problem=problem, problem_literal=literal(problem), imports=_imports(graph),
-        train_modules=tuple(m for m in train.modules if f"import {m}" not in _imports(graph)),
+        problem=problem, problem_literal=literal(problem), imports=imports,
+        train_modules=tuple(m for m in train.modules if f"import {m}" not in imports),
         pipelining=_pipelining_imports(n, any(d is None for d in dims)), blocks=", ".join(used_blocks),
         classes=_classes(graph, all_stages, n, stage_names) if not problem else "",
         stage_names="(" + _tuple(stage_names) + ")",
@@ -375,8 +378,8 @@ def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
         microbatches=graph.pipeline.microbatches if graph.pipeline else len(all_stages),
         n_inputs=len(graph.inputs), input_dims=tuple_literal(dims),
         target_dims=tuple_literal(loss.target_type.batch_dim for loss in train.losses),
-        replicate=any(d is None for d in dims), ties=_ties(graph, all_stages),
-        follow_owners=bool(train.no_decay) and _ties(graph, all_stages) != "()",
+        replicate=any(d is None for d in dims), ties=ties,
+        follow_owners=bool(train.no_decay) and ties != "()",
         loss_lines=_loss_lines(graph, n, reserved) if not problem else [],
         loss_fns=_tuple([call(loss.callee, [], loss.kwargs) for loss in train.losses]),
         optimizer=optimizer, scheduler=scheduler, steps=tctx.steps, decay_steps=tctx.decay_steps, epochs=tctx.epochs,

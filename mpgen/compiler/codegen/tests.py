@@ -112,11 +112,11 @@ def value_code(value: object) -> str:
     """A fact (tuples, lists, dicts of strings, ints and None) as Python
     source in black's spelling, on one line."""
     if isinstance(value, tuple):
-        return "(" + _tuple([value_code(v) for v in value]) + ")"
+        return "(" + _tuple(_items_code(value)) + ")"
     if isinstance(value, list):
-        return "[" + ", ".join(value_code(v) for v in value) + "]"
+        return "[" + ", ".join(_items_code(value)) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{value_code(k)}: {value_code(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(_items_code(value)) + "}"
     return literal(value)
 
 
@@ -134,6 +134,7 @@ def collection_code(name: str, value: tuple | list | dict, indent: int) -> str:
 
 
 def _items_code(value: tuple | list | dict) -> list[str]:
+    """A collection's items (a dict's as ``key: value``), each as :func:`value_code`."""
     if isinstance(value, dict):
         return [f"{value_code(k)}: {value_code(v)}" for k, v in value.items()]
     return [value_code(v) for v in value]

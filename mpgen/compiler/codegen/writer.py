@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator, Optional, Sequence
 
-from mpgen.compiler.codegen.format import fits, layout, layout_header, with_comment
+from mpgen.compiler.codegen.format import layout, layout_header, with_comment
 
 INDENT = "    "
 
@@ -33,10 +33,7 @@ class PythonWriter:
             return
         indent = len(INDENT) * self._depth
         for text in with_comment(code, comment or "", indent):
-            if fits(text, indent) or text.startswith("#"):
-                self._lines.append(INDENT * self._depth + text)
-            else:
-                self._lines.extend(layout(text + "\n", indent).splitlines())
+            self._lines.extend(layout(text + "\n", indent).splitlines())
 
     def comment(self, text: str) -> None:
         """A comment on its own line (black never moves or splits one)."""

@@ -27,7 +27,6 @@ the generated ``test_<name>.py``) in a fresh process, as a ratio to
 from __future__ import annotations
 
 import importlib.util
-import sys
 import tempfile
 import time
 import uuid

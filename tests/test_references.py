@@ -12,7 +12,6 @@ devices, where the head tied across devices is exercised.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest

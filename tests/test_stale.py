@@ -8,7 +8,6 @@ deleted spec's) removes; files mpgen did not write are never touched.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap

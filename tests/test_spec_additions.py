@@ -66,10 +66,87 @@ def test_expressions_parse_with_pythons_precedence(text, tree):
     ("=2 ** 1000", "exponent 1000 is too large"),
     ("=3 ; 4", "unexpected ';'"),
     ("=", "empty expression after '='"),
-])
+    # Each of these was a Python exception (a traceback), or hours of folding.
+    ("=0 ** -1", "0 cannot be raised to a negative power (-1)"),
+    ("=0.0 ** -2.5", "0.0 cannot be raised to a negative power (-2.5)"),
+    ("=1e300 ** 2", "1e+300 ** 2 is beyond the range of a float"),
+    ("=((2**64)**15 * 2**63 + ((2**64)**15 * 2**63 - 1)) * 1.0",
+     "179769313486... (309 digits) * 1.0 is beyond the range of a float"),
+    ("=1e400", "1e400 is too large for a float"),
+    ("=(-8) ** 0.5", "(-8) ** 0.5 is not a finite real number"),
+    ("=((64**64)**64)**64", "394020061963... (116 digits) ** 64 is too large: more than "
+                            "1024 bits"),
+    ("=" + "*".join(["4294967296"] * 40),
+     "418558049682... (299 digits) * 4294967296 is too large: more than 1024 bits"),
+    ("=1" + "0" * 5000, "100000000000... (5001 characters) is too large: more than 1024 bits"),
+    ("=size(x, 1" + "0" * 5000 + ")",
+     "100000000000... (5001 characters) is too large: more than 1024 bits"),
+    ("=" + "(" * 3000 + "1" + ")" * 3000, f"nested more than {expressions.MAX_DEPTH} levels "
+     "deep (parentheses, signs, powers and operators over $params and size()); write it "
+     "simpler"),
+    ("=" + "-" * 3000 + "1", f"nested more than {expressions.MAX_DEPTH} levels deep "
+     "(parentheses, signs, powers and operators over $params and size()); write it simpler"),
+    ("=2" + " ** 1" * 3000, f"nested more than {expressions.MAX_DEPTH} levels deep "
+     "(parentheses, signs, powers and operators over $params and size()); write it simpler"),
+    ("=$d" + " + $d" * 3000, f"nested more than {expressions.MAX_DEPTH} levels deep "
+     "(parentheses, signs, powers and operators over $params and size()); write it simpler"),
+], ids=lambda v: str(v)[:40])
 def test_bad_expressions_say_what_is_wrong(text, message):
     with pytest.raises(expressions.ExpressionError, match="^" + _re(message) + "$"):
         expressions.parse(text)
+
+
+@pytest.mark.parametrize("text, value", [
+    ("=(2**64)**15 * 2**63 + ((2**64)**15 * 2**63 - 1)", 2**1024 - 1),  # 1024 bits
+    ("=(2 ** 32) ** 31 // 3", 2**992 // 3),
+    ("=-(2 ** 64) * 2 ** 64", -(2**128)),
+    ("=2.0 ** -64", 2.0**-64),
+    ("=(-1) ** 64", 1),
+    ("=" + "(" * 64 + "1" + ")" * 64, 1),
+], ids=lambda v: str(v)[:40])
+def test_expressions_up_to_the_limits_fold(text, value):
+    assert expressions.parse(text) == value
+
+
+def test_every_expression_mistake_is_an_error_at_its_value(tmp_path):
+    """A spec with expressions that raised Python exceptions (or folded to
+    gigabytes) is refused at each value, with no traceback and in moments."""
+    message = error_of(tmp_path, HEAD + """
+blocks:
+  B:
+    params: [d]
+    layers:
+      fc: {op: Linear, args: [8, "=$d""" + " + $d" * 100 + """"]}
+layers:
+  b: {op: B, args: [1]}
+  zero: {op: Linear, args: [8, "=0 ** -1"], in: x}
+  tower: {op: Linear, args: [8, "=((64**64)**64)**64"], in: x}
+  deep: {op: Linear, args: [8, "=""" + "(" * 2000 + "1" + ")" * 2000 + """"], in: x}
+  inf: {op: Linear, args: [8, "=1e300 ** 2"], in: x}
+""")
+    lines = message.splitlines()
+    assert [line.split(": expression")[0] for line in lines] == [
+        "spec.yaml:10:34: layer 'fc' of block 'B'", "spec.yaml:13:32: layer 'zero'",
+        "spec.yaml:14:33: layer 'tower'", "spec.yaml:15:32: layer 'deep'",
+        "spec.yaml:16:31: layer 'inf'"]
+    assert all(len(line) < 300 for line in lines)  # a long expression is cut
+    assert lines[1].endswith("'=0 ** -1': 0 cannot be raised to a negative power (-1)")
+    assert lines[2].endswith(" ** 64 is too large: more than 1024 bits")
+    assert lines[4].endswith("'=1e300 ** 2': 1e+300 ** 2 is beyond the range of a float")
+
+
+def test_a_block_param_too_large_for_its_expression(tmp_path):
+    """Folding with a block's arguments (in analysis) is bounded the same way."""
+    message = error_of(tmp_path, HEAD + """
+blocks:
+  B:
+    params: [d]
+    layers:
+      fc: {op: Linear, args: [8, "=$d ** 64"]}
+layers:
+  b: {op: B, args: [65536]}
+""")
+    assert "65536 ** 64 is too large: more than 1024 bits" in message, message
 
 
 def _re(text: str) -> str:

@@ -48,7 +48,7 @@ from mpgen.compiler.frontend.namespace import (
     identifier_problem,
     model_name_problem,
 )
-from mpgen.errors import Collector, Position, did_you_mean
+from mpgen.errors import Collector, Position, did_you_mean, shown
 from mpgen.spec_schema.digest import display_path, spec_digest
 from mpgen.spec_schema.load import LoadedSpec, SourceMap
 from mpgen.spec_schema.models import DTYPES, LayerSpec, Spec
@@ -534,21 +534,22 @@ class _Resolver:
             self.check_param(value[1:], value, path, scope, label)
             return Param(value[1:])
         if expressions.is_expression(value):
+            written = shown(value, 80)  # a long one cut: the position shows where
             try:
                 tree = expressions.parse(value)
             except expressions.ExpressionError as exc:
-                self.errors.add(self.value(*path), f"{label}: expression {value!r}: {exc}")
+                self.errors.add(self.value(*path), f"{label}: expression {written}: {exc}")
                 return 0
             for name in sorted(params_used(tree)):
                 self.check_param(name, value, path, scope, label)
             for name in sorted(sizes_used(tree)):
                 if scope.sizes is None:
-                    self.errors.add(self.value(*path), f"{label}: expression {value!r}: "
+                    self.errors.add(self.value(*path), f"{label}: expression {written}: "
                                     "size() is read in forward, so it can only be used in the "
                                     "arguments of a torch.*/F.* layer or in call:, not in a "
                                     "module's constructor arguments")
                 elif name not in scope.sizes:
-                    self.errors.add(self.value(*path), f"{label}: expression {value!r}: "
+                    self.errors.add(self.value(*path), f"{label}: expression {written}: "
                                     f"size() of {name!r}, which is not in scope here"
                                     f"{did_you_mean(name, scope.sizes)}")
             return tree

@@ -376,6 +376,13 @@ def test_what_cannot_be_expressed_is_an_error_at_its_line(project, cls, expected
      "MLP(width=3) failed: TypeError"),
     (("importmodels:MLP", "--input", "x=batch,4"),
      "fx node 'inp' (call_module inp): fails on sample inputs of the --input shapes"),
+    # Each was a traceback: a RecursionError, a ValueError of int().
+    (("importmodels:MLP", "--input", "x=batch,8", "--args", "[" * 20000 + "]" * 20000),
+     "--args: nested 20000 levels deep; at most 64 are supported"),
+    (("importmodels:MLP", "--input", "x=batch,8", "--args", '{"a": "[[[[", "b": ' + "[" * 65
+      + "]" * 65 + "}"), "--args: nested 66 levels deep; at most 64 are supported"),
+    (("importmodels:MLP", "--input", "x=batch,8", "--args", "[" + "9" * 5000 + "]"),
+     "--args: an integer of more than 4,300 digits"),
 ])
 def test_bad_command_lines(project, args, message):
     ran = mpgen("import", *args, cwd=project)

@@ -140,10 +140,7 @@ def load_module(target: str, args_json: Optional[str] = None) -> nn.Module:
     if not colon or not class_name.isidentifier() or not all(
             p.isidentifier() for p in module_name.split(".")):
         raise MpgenError(None, f"{target!r}: expected MODULE:CLASS, like mymodels.resnet:ResNet")
-    try:
-        args = json.loads(args_json) if args_json is not None else {}
-    except json.JSONDecodeError as exc:
-        raise MpgenError(None, f"--args: not JSON: {exc}") from None
+    args = _json_args(args_json) if args_json is not None else {}
     if not isinstance(args, (dict, list)):
         raise MpgenError(None, "--args: expected a JSON object (keyword arguments) or a "
                                "list (positional arguments)")
@@ -167,6 +164,38 @@ def load_module(target: str, args_json: Optional[str] = None) -> nn.Module:
         where = _user_frame(exc)
         raise MpgenError(where, f"{class_name}({_shown_args(args)}) failed: "
                                 f"{type(exc).__name__}: {exc}") from None
+
+
+#: How deeply ``--args`` may nest lists and objects (as a spec's YAML).
+MAX_ARGS_DEPTH = 64
+
+
+def _json_args(text: str) -> Any:
+    """``--args``, parsed: JSON nested at most MAX_ARGS_DEPTH levels (measured
+    before parsing, which recurses once per level), integers within Python's
+    digit limit."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    if deepest > MAX_ARGS_DEPTH:
+        raise MpgenError(None, f"--args: nested {deepest} levels deep; at most "
+                               f"{MAX_ARGS_DEPTH} are supported")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MpgenError(None, f"--args: not JSON: {exc}") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise MpgenError(None, f"--args: an integer of more than "
+                               f"{sys.get_int_max_str_digits():,} digits") from None
 
 
 def _shown_args(args: Union[dict, list]) -> str:

@@ -19,8 +19,10 @@ GPT-3-like model and ResNet-152 build under the default time budget.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -32,6 +34,7 @@ from mpgen.compiler import pipeline
 from mpgen.compiler.analysis import costs, meta, shapes
 from mpgen.compiler.analysis.budget import Budget, OutOfBudget
 from mpgen.compiler.frontend import limits
+from mpgen.compiler.frontend.limits import WorkBudget, cpu_seconds
 from mpgen.compiler.ir import Args, Node, Op, OpKind
 from mpgen.errors import MAX_ERRORS, STOPPED, Collector, ErrorList, MpgenError, Position
 
@@ -348,9 +351,10 @@ def test_the_budget_names_the_layer_being_analysed(tmp_path):
     spec = write_spec(tmp_path, TINY)
     with pytest.raises(OutOfBudget) as info:
         pipeline.compile_spec(spec, time_limit=0)
-    assert str(info.value) == (f"{spec}:6:3: analysis of layer 'fc' ran past the 0 s build "
-                               "budget; the layers up to it are too large or too slow to "
-                               "check in that time")
+    assert str(info.value) == (f"{spec}:6:3: analysis of layer 'fc' ran past the 0 s CPU "
+                               "budget of a build; the layers up to it are too large or too "
+                               "slow to check in that time (--time-limit SECONDS raises the "
+                               "budget)")
     assert pipeline.compile_spec(spec, time_limit=None).nodes[0].params == 72
 
 
@@ -368,7 +372,7 @@ def test_the_budget_is_checked_inside_a_layer(work):
         linear = torch.nn.Linear(2, 2)
     x = torch.empty(4, 2, device="meta")
     with budget.watching(), budget.layer(_layer("slow", 9), "h.slow"):
-        budget.deadline = time.monotonic() - 1
+        budget.deadline = cpu_seconds() - 1
         with pytest.raises(OutOfBudget) as info:
             if work == "module call":
                 linear(x)
@@ -377,10 +381,55 @@ def test_the_budget_is_checked_inside_a_layer(work):
             else:
                 linear.extra = torch.nn.Parameter(torch.empty(2, device="meta"))
     assert str(info.value) == ("spec.yaml:9:3: analysis of layer 'h.slow' ran past the 3600 s "
-                               "build budget; the layers up to it are too large or too slow "
-                               "to check in that time")
+                               "CPU budget of a build; the layers up to it are too large or "
+                               "too slow to check in that time (--time-limit SECONDS raises "
+                               "the budget)")
     linear(x)  # the hooks are gone with the analysis
     torch.relu(x)
+
+
+def test_the_budget_counts_cpu_time_not_waiting():
+    """Time the process spends waiting (a loaded machine running others,
+    or a sleep) does not count: only its own CPU time does."""
+    budget = WorkBudget(0.5)
+    with budget.task(Position("spec.yaml", 2, 7), "generating x.py", "why"):
+        time.sleep(1.0)  # twice the budget in wall-clock time, almost no CPU
+        budget.check()
+        start = cpu_seconds()
+        while cpu_seconds() - start < 0.6:  # more than the budget in CPU time
+            pass
+        with pytest.raises(OutOfBudget) as info:
+            budget.check()
+    assert str(info.value) == ("spec.yaml:2:7: generating x.py ran past the 0.5 s CPU budget "
+                               "of a build; why (--time-limit SECONDS raises the budget)")
+
+
+def test_code_generation_is_under_the_budget(tmp_path):
+    """Placement and code generation spend the same budget as the analysis:
+    a spec within every limit that alternates devices per block instance
+    is quick to analyse (one instance of a repeated layer is run) but gives
+    a pipeline program of a thousand stages; it is stopped while its code
+    is generated, at the model's name, not minutes later."""
+    places = "".join(f"  h.{i}: cuda:{i % 2}\n" for i in range(1000))
+    spec = write_spec(tmp_path, textwrap.dedent("""
+        mpgen: 1
+        name: Alternating
+        inputs:
+          x: [batch, 8]
+        blocks:
+          B:
+            layers:
+              a: {op: Linear, args: [8, 8]}
+              b: {op: Tanh}
+        layers:
+          h: {op: B, repeat: 1000}
+        placement:
+        """) + places)
+    with pytest.raises(OutOfBudget) as info:
+        pipeline.generate(spec, time_limit=1.5)
+    assert re.fullmatch(rf"{re.escape(str(spec))}:2:7: generating \S+ ran past the 1.5 s CPU "
+                        r"budget of a build; the spec asks for too much work to build in that "
+                        r"time \(--time-limit SECONDS raises the budget\)", str(info.value))
 
 
 def test_the_limits_are_documented_with_their_numbers():

@@ -621,7 +621,7 @@ def test_diff_compiles_a_git_side_in_the_working_directory_s_project(repo):
     assert result.stdout.startswith("--- HEAD:gated.yaml\n+++ gated.yaml\n\nmoved: nothing\n")
 
 
-# -- --time-limit: the analysis budget of each spec --------------------------------
+# -- --time-limit: the CPU budget of each spec's build --------------------------
 
 def test_time_limit_reaches_the_analysis(tmp_path):
     spec = str(EXAMPLES / "bert_base.yaml")
@@ -630,7 +630,7 @@ def test_time_limit_reaches_the_analysis(tmp_path):
         result = mpgen(*args, "--time-limit", "0.01", cwd=tmp_path)
         assert result.returncode == 2, args
         assert result.stderr.startswith(f"{spec}:"), args
-        assert " ran past the 0.01 s build budget; " in result.stderr, args
+        assert " ran past the 0.01 s CPU budget of a build; " in result.stderr, args
     assert not (tmp_path / "out").exists()
 
 

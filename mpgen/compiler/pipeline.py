@@ -35,19 +35,27 @@ class Generated:
 
 def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
                  root: str | Path | None = None,
-                 time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Graph:
+                 time_limit: Optional[float] = DEFAULT_TIME_LIMIT,
+                 budget: Optional[Budget] = None) -> Graph:
     """Every stage up to the IR with devices and transfers; raises MpgenError.
     ``root``: the project the spec's dotted ops may import from (default: the
     spec's repository; see ``docs/spec.md``, "User modules"). ``time_limit``:
-    seconds the analysis may take (None: no limit; ``docs/spec.md``, "Limits")."""
+    CPU seconds the build may take once the spec is read (None: no limit;
+    ``docs/spec.md``, "Limits"); ``budget``: one already running, whose
+    time the caller goes on spending (:func:`generate`)."""
     loaded = load_file(path)
-    with eager_torch():  # NOTE [No dynamo at build time]
-        graph = frontend.lower(validate(loaded), loaded, root)
-        budget = Budget(time_limit)
+    budget = budget or Budget(time_limit)
+    with eager_torch(), budget.active():  # NOTE [No dynamo at build time]
+        graph = frontend.lower(validate(loaded), loaded, root)  # bounded by limits.check_structure
         graph = shapes.infer(graph, budget)
         graph = targets.infer_targets(graph)
         graph = costs.measure_graph(graph, budget)
-        return placement.place(graph, device_map)
+        with budget.task(graph.pos, f"placement of model {graph.name!r}", _TOO_LARGE):
+            return placement.place(graph, device_map)
+
+
+#: Why a build outside the analysis of one layer may run out of its budget.
+_TOO_LARGE = "the spec asks for too much work to build in that time"
 
 
 def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
@@ -55,16 +63,23 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
              time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Generated:
     """Compile one spec and render its files, the Python ones written in
     black's layout (NOTE [Written in black's layout]) and each proved to
-    compile."""
-    graph = compile_spec(path, device_map, root, time_limit)
+    compile; all under one CPU budget of ``time_limit`` seconds."""
+    budget = Budget(time_limit)
+    graph = compile_spec(path, device_map, root, budget=budget)
     names = common.file_names(graph)
-    files = {
-        names["model"]: check_source(model.render_model(graph), names["model"]),
-        names["train"]: check_source(train.render_train(graph), names["train"]),
-        names["test"]: check_source(tests.render_test(graph), names["test"]),
-        names["pp"]: check_source(pp.render_pp(graph), names["pp"]),
-        names["report"]: report.render_report(graph),
+    renders = {
+        names["model"]: model.render_model,
+        names["train"]: train.render_train,
+        names["test"]: tests.render_test,
+        names["pp"]: pp.render_pp,
+        names["report"]: report.render_report,
     }
+    files = {}
+    with budget.active():
+        for name, render in renders.items():
+            with budget.task(graph.pos, f"generating {name}", _TOO_LARGE):
+                text = render(graph)
+                files[name] = text if name == names["report"] else check_source(text, name)
     return Generated(str(path), graph, files)
 
 

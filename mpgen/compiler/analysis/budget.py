@@ -1,11 +1,13 @@
-"""The work one build's analysis may do: a wall-clock budget, and caps on
-what building one layer may create and on what one operator may return.
+"""The work one build's analysis may do: the build's CPU budget
+(:class:`~mpgen.compiler.frontend.limits.WorkBudget`) checked inside every
+layer, and caps on what building one layer may create and on what one
+operator may return.
 
 Shapes and costs run every layer on the meta device, where one innocent
 looking layer can take minutes (``nn.Transformer(num_encoder_layers=100000)``
 builds 100,000 layers; a user module may loop). :class:`Budget` knows which
 layer is being analysed (``meta.build`` and ``meta.run`` say so) and, while
-:meth:`Budget.watching`, checks the deadline at every module call, every
+:meth:`Budget.watching`, checks the budget at every module call, every
 parameter, buffer or submodule created and every operator run on meta: the
 error names that layer at its line. The checks are plain function calls in
 this thread: no timer, thread or signal, and torch's global hooks are
@@ -15,30 +17,28 @@ removed when the analysis ends, so nothing outlives the build.
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Iterator, Optional
 
 import torch
 from torch.nn.modules import module as torch_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from mpgen.compiler.frontend.limits import MAX_LAYER_OBJECTS, MAX_OP_OUTPUTS
+from mpgen.compiler.frontend.limits import (MAX_LAYER_OBJECTS, MAX_OP_OUTPUTS, OutOfBudget,
+                                            WorkBudget)
 from mpgen.compiler.ir import Node
-from mpgen.errors import MpgenError
+
+__all__ = ["Budget", "OutOfBudget"]
+
+#: Why analysing a layer may run out of the budget (the message's end).
+_SLOW_LAYERS = "the layers up to it are too large or too slow to check in that time"
 
 
-class OutOfBudget(MpgenError):
-    """The analysis ran out of time, or a layer asked for too much; not a
-    failure of the layer itself, so no stage turns it into another error."""
-
-
-class Budget:
-    """A deadline for one build's analysis (``seconds`` None: none) and the
-    layer under analysis, for the message when it is missed."""
+class Budget(WorkBudget):
+    """The build's CPU budget (``seconds`` None: none), and the layer under
+    analysis, for the message when it is spent."""
 
     def __init__(self, seconds: Optional[float] = None) -> None:
-        self.seconds = seconds
-        self.deadline = None if seconds is None else time.monotonic() + seconds
+        super().__init__(seconds)
         self.layers: list[tuple[Node, str]] = []  # the layers being analysed, innermost last
         self.building: Optional[list] = None  # [what, objects created] while a layer builds
 
@@ -47,8 +47,8 @@ class Budget:
         """While ``node`` (``label``: its path through blocks) is analysed."""
         self.layers.append((node, label))
         try:
-            self.check()
-            yield
+            with self.task(node.pos, f"analysis of layer {label!r}", _SLOW_LAYERS):
+                yield
         finally:
             self.layers.pop()
 
@@ -62,17 +62,6 @@ class Budget:
                 yield
         finally:
             self.building = outer
-
-    def check(self) -> None:
-        """Raise :class:`OutOfBudget` if the deadline has passed while a layer
-        is analysed (between layers there is little to do, and the next
-        layer's check reports it)."""
-        if self.deadline is None or not self.layers or time.monotonic() <= self.deadline:
-            return
-        node, label = self.layers[-1]
-        raise OutOfBudget(node.pos, f"analysis of layer {label!r} ran past the "
-                          f"{self.seconds:g} s build budget; the layers up to it are too "
-                          "large or too slow to check in that time")
 
     def refuse(self, problem: str) -> None:
         """Raise :class:`OutOfBudget`: the layer being analysed asks for too much."""

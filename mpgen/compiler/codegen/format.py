@@ -43,6 +43,8 @@ import functools
 import textwrap
 from typing import TYPE_CHECKING, Optional
 
+from mpgen.compiler.frontend.limits import tick
+
 if TYPE_CHECKING:
     import black
 
@@ -104,6 +106,7 @@ def layout(code: str, indent: int = 0) -> str:
     with a trailing comma (which black keeps), and no multi-line string but
     docstrings; it is black's layout as it is where every line fits, else
     black formats it at the width left."""
+    tick()  # every statement generated: the build's CPU budget (NOTE [A budget of CPU time])
     if not all(fits(line, indent) or _comment_line(line) for line in code.splitlines()):
         code = _format_str(code, LINE_LENGTH - indent)
     return textwrap.indent(code, " " * indent)

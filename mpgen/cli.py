@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 from mpgen import __version__
 from mpgen.errors import MpgenError, Position
 from mpgen.files import reason
+from mpgen.printed import escaped, log_text
 
 
 class Exit(enum.IntEnum):
@@ -83,6 +84,9 @@ def _project_commands(sub) -> None:
                     "does not compile (it is shown with its errors).")
     summary.add_argument("--base", required=True, metavar="REV",
                          help="what the pull request merges into, e.g. origin/main")
+    summary.add_argument("-o", "--output", metavar="FILE",
+                         help="write the Markdown to FILE instead of printing it (also when "
+                              "a spec does not compile)")
     summary.add_argument("specs", nargs="*", metavar="SPEC", help="only these specs")
     _compile_options(summary)
     summary.set_defaults(device_map=None)
@@ -234,11 +238,13 @@ def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def _say(text: str, stream=None) -> None:
-    """Print a line; a reader that went away (``mpgen show | head``) does not
-    change the outcome: the rest of the output is dropped."""
+    """Print a line, inert (``printed.log_text``: no control character, no
+    workflow command; NOTE [Printed text is inert]); a reader that went away
+    (``mpgen show | head``) does not change the outcome: the rest of the
+    output is dropped."""
     stream = stream or sys.stdout
     try:
-        print(text, file=stream)
+        print(log_text(text), file=stream)
         stream.flush()
     except BrokenPipeError:
         with contextlib.suppress(OSError, ValueError):  # no more writes, also at exit
@@ -407,10 +413,18 @@ def _init(args: argparse.Namespace) -> int:
 def _ci_summary(args: argparse.Namespace) -> int:
     from mpgen.commands import ci_summary
 
+    for name in ci_summary.tokens(os.environ):  # NOTE [A summary without a token]
+        _say(f"mpgen ci-summary: warning: {name} is set: the pull request's specs are compiled, "
+             "and the code they name runs, with it in the environment; compute the summary "
+             "in a job without tokens (docs/ci.md)", sys.stderr)
     result = ci_summary.summarize(args.base, args.specs or None, args.root, args.time_limit)
-    _say(result.markdown.rstrip("\n"))
+    if args.output is None:
+        _say(result.markdown.rstrip("\n"))
+    else:
+        Path(args.output).write_text(log_text(result.markdown), encoding="utf-8")
     if result.failed:
-        _say(f"mpgen ci-summary: does not compile: {', '.join(result.failed)}", sys.stderr)
+        _say(f"mpgen ci-summary: does not compile: {', '.join(map(escaped, result.failed))}",
+             sys.stderr)
         return Exit.ERROR
     return Exit.OK
 
@@ -474,9 +488,9 @@ def _run(args: argparse.Namespace) -> int:
         placed = spec_edit.place(args.spec, device_map, args.root, args.time_limit)
         if args.write:
             changed = spec_edit.write_placement(args.spec, placed)
-            _say(f"{'rewrote' if changed else 'unchanged'}: {args.spec} ({placed.how})")
+            _say(f"{'rewrote' if changed else 'unchanged'}: {escaped(args.spec)} ({placed.how})")
         else:
-            _say(f"# {args.spec}: {placed.how}")
+            _say(f"# {escaped(args.spec)}: {placed.how}")
             _say(placed.block())
         return Exit.OK
     if args.command == "diff":

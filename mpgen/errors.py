@@ -11,6 +11,8 @@ import difflib
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from mpgen.printed import escaped
+
 
 @dataclass(frozen=True, order=True)
 class Position:
@@ -21,9 +23,8 @@ class Position:
     col: int = 0
 
     def __str__(self) -> str:
-        if self.line:
-            return f"{self.file}:{self.line}:{self.col}"
-        return self.file
+        file = escaped(self.file)  # a file name may hold a newline (NOTE [Printed text is inert])
+        return f"{file}:{self.line}:{self.col}" if self.line else file
 
 
 class MpgenError(Exception):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 from mpgen.compiler.codegen import manifest
 from mpgen.compiler.codegen.write import Changes, Differences, diff_files, write_files
 from mpgen.errors import MpgenError
+from mpgen.printed import escaped
 from mpgen.spec_schema.digest import display_path
 from mpgen.spec_schema.load import read_spec
 
@@ -44,7 +45,7 @@ class Built:
     @property
     def line(self) -> str:
         """The build's line for this spec: ``SPEC: Model, N parameters on ...``."""
-        return f"{self.spec_path}: {self.entry.summary}"
+        return f"{escaped(self.spec_path)}: {self.entry.summary}"
 
 
 def _generate_all(paths: list[str | Path], device_map: Optional[Mapping[str, str]],

@@ -7,27 +7,55 @@ one listed), written as Markdown for ``$GITHUB_STEP_SUMMARY`` or a pull
 request comment. Without SPECs, the changed ``*.yaml``/``*.yml`` files with a
 top-level ``mpgen:`` key on either side are the specs; with them, only those.
 Paths are the repository's, relative to its root.
+
+The base side is read from git's objects only (``git cat-file blob
+COMMIT:path`` of the merge base's full id: ``diff.GitBlob``), never from a
+file of the working tree, whatever its name; every name is put in Markdown
+code (``printed.code_span``). The new side is the pull request's code,
+compiled: run this where no token is (NOTE [A summary without a token]).
 """
 
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Mapping, Optional
 
 from mpgen.commands import diff as layout_diff
 from mpgen.commands import show
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.errors import MpgenError
 from mpgen.files import reason
+from mpgen.printed import code_span, fenced
 
 #: Git pathspecs of the files that may be specs.
 SPEC_FILES = ("*.yaml", "*.yml")
 #: A spec's first key, at the top level (``git grep -E``).
 SPEC_MARK = r"^mpgen[[:space:]]*:"
+
+# NOTE: [A summary without a token]
+# ci-summary compiles the pull request's specs, and compiling a spec imports
+# the modules it names (docs/spec.md, "User modules"): the pull request's code
+# runs. Run with a token that can write (GH_TOKEN for `gh pr comment`), that
+# code could use it: the "pwn request". Taking the variable out of
+# os.environ would not help (the code can read /proc/self/environ, or its
+# parent's), and mpgen cannot tell before compiling a spec whether it names
+# code. So docs/ci.md computes the summary in a job with no secret and a
+# read-only token, and posts it from another job that never runs the pull
+# request's code; ci-summary itself warns when it sees one of these
+# variables, and otherwise runs as it would (a developer's shell often has
+# GH_TOKEN set).
+
+#: The variables that hold a token a CI job can act with.
+TOKEN_VARIABLES = ("GITHUB_TOKEN", "GH_TOKEN", "GH_ENTERPRISE_TOKEN", "ACTIONS_RUNTIME_TOKEN",
+                   "ACTIONS_ID_TOKEN_REQUEST_TOKEN")
+
+
+def tokens(environ: Mapping[str, str]) -> list[str]:
+    """The token variables set (not empty) in ``environ``."""
+    return [name for name in TOKEN_VARIABLES if environ.get(name)]
 
 
 @dataclass(frozen=True)
@@ -37,13 +65,13 @@ class Change:
     old: Optional[str]  # None: new
     new: Optional[str]  # None: deleted
 
-    @property
-    def kind(self) -> str:
+    def kind(self, cell: bool = False) -> str:
+        """In Markdown (in a table ``cell`` or not)."""
         if self.old is None:
             return "new"
         if self.new is None:
             return "deleted"
-        return "changed" if self.old == self.new else f"renamed from {_code(self.old, cell=True)}"
+        return "changed" if self.old == self.new else f"renamed from {code_span(self.old, cell)}"
 
 
 @dataclass(frozen=True)
@@ -73,8 +101,7 @@ def repository() -> Path:
 
 
 def merge_base(root: Path, base: str) -> str:
-    """The commit HEAD branched from ``base`` at, abbreviated (a revision
-    ``load_side`` accepts)."""
+    """The full id of the commit HEAD branched from ``base`` at."""
     if base.startswith("-") or not base.strip():
         raise MpgenError(None, f"mpgen ci-summary: --base {base!r} is not a revision")
     try:
@@ -82,7 +109,7 @@ def merge_base(root: Path, base: str) -> str:
     except MpgenError as exc:
         raise MpgenError(None, f"{exc.message} (is {base!r} fetched? GitHub's checkout "
                                "needs fetch-depth: 0)") from None
-    return _git(root, "rev-parse", "--short=12", commit).strip()
+    return _git(root, "rev-parse", "--verify", "--end-of-options", f"{commit}^{{commit}}").strip()
 
 
 def changes(root: Path, commit: str, specs: Optional[Iterable[str]] = None) -> list[Change]:
@@ -127,43 +154,32 @@ def summarize(base: str, specs: Optional[Iterable[str]] = None,
     ``root``, ``time_limit``: as for ``compile_spec``."""
     repo = repository()
     commit = merge_base(repo, base)
+    short = _git(repo, "rev-parse", "--short=12", commit).strip()
     found = changes(repo, commit, specs)
     lines = ["## mpgen: layout changes", ""]
     if not found:
-        lines.append(f"No spec changed since {_code(base)} (merge base {_code(commit)}).")
+        lines.append(f"No spec changed since {code_span(base)} (merge base {code_span(short)}).")
         return Summary("\n".join(lines) + "\n", ())
     lines += [f"{len(found)} spec{'s' if len(found) != 1 else ''} changed since "
-              f"{_code(base)} (merge base {_code(commit)}):", "",
+              f"{code_span(base)} (merge base {code_span(short)}):", "",
               "| spec | change |", "|---|---|"]
-    lines += [f"| {_code(c.new or c.old, cell=True)} | {c.kind} |" for c in found]
+    lines += [f"| {code_span(c.new or c.old, cell=True)} | {c.kind(cell=True)} |"
+              for c in found]
     failed = []
     for change in found:
         if change.new is None:
             continue
-        here = os.path.relpath(repo / change.new)
         try:
-            new = layout_diff.load_side(here, None, root, time_limit)
+            new = layout_diff.load_file(os.path.relpath(repo / change.new), None, root,
+                                        time_limit)
             if change.old is None:
                 body = show.to_table(new.graph)
             else:
-                old = layout_diff.load_side(f"{commit}:{change.old}", None, root, time_limit)
+                blob = layout_diff.GitBlob(commit, change.old, f"{short}:{change.old}")
+                old = layout_diff.load_blob(blob, None, root, time_limit, repository=repo)
                 body = layout_diff.format_diff(layout_diff.diff(old, new))
         except MpgenError as exc:
             failed.append(change.new)
             body = f"does not compile:\n{exc}"
-        lines += ["", f"### {_code(change.new)} ({change.kind})", "", *_fenced(body)]
+        lines += ["", f"### {code_span(change.new)} ({change.kind()})", "", *fenced(body)]
     return Summary("\n".join(lines) + "\n", tuple(failed))
-
-
-def _code(text: str, cell: bool = False) -> str:
-    """``text`` as inline code (in a table ``cell``, a ``|`` escaped as GitHub
-    reads it there, also inside code)."""
-    ticks = "`" * (max((len(run) for run in re.findall("`+", text)), default=0) + 1)
-    pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{ticks}{pad}{text.replace('|', chr(92) + '|') if cell else text}{pad}{ticks}"
-
-
-def _fenced(text: str) -> list[str]:
-    """``text`` as a fenced block, the fence longer than any backticks inside."""
-    fence = "`" * max(3, max((len(run) for run in re.findall("`+", text)), default=0) + 1)
-    return [f"{fence}text", text.rstrip("\n"), fence]

@@ -2,7 +2,10 @@
 
 Each side is a spec path or ``REV:path``, read with ``git cat-file blob REV:path`` in
 the current directory's repository (the path is relative to the repository
-root, or to the current directory when written ``REV:./path``). Both sides
+root, or to the current directory when written ``REV:./path``) when REV is a
+commit, else a file of that name; when both exist the side is refused, never
+guessed (``./REV:path`` names the file). ``ci-summary`` passes a
+:class:`GitBlob` instead, which is only ever git's. Both sides
 are compiled in full; the diff lists the layer instances whose device
 changed (compressed to ranges), the parameters and estimated training memory
 of each device before and after, and the forward transfers added and
@@ -30,6 +33,7 @@ from mpgen.compiler.ir import Costs, Graph, UnitRef, unit_labels
 from mpgen.compiler.pipeline import compile_spec
 from mpgen.errors import ErrorList, MpgenError, Position
 from mpgen.files import reason
+from mpgen.printed import escaped
 from mpgen.spec_schema.load import MAX_BYTES
 
 
@@ -99,30 +103,88 @@ class LayoutDiff:
     traffic: TrafficGrowth
 
 
+@dataclass(frozen=True)
+class GitBlob:
+    """A spec as git holds it: ``path`` (from the repository's root) in
+    ``commit`` (a full commit id), read with ``git cat-file blob``, never from
+    the working tree; shown as ``label``."""
+
+    commit: str
+    path: str
+    label: str
+
+
+def load_file(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
+              root: str | Path | None = None,
+              time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Side:
+    """Compile the spec file ``path`` (a path, whatever characters it holds)."""
+    return Side(str(path), compile_spec(path, device_map, root, time_limit))
+
+
+def load_blob(blob: GitBlob, device_map: Optional[Mapping[str, str]] = None,
+              root: str | Path | None = None,
+              time_limit: Optional[float] = DEFAULT_TIME_LIMIT,
+              repository: str | Path | None = None) -> Side:
+    """Compile ``blob``, read from the git repository at ``repository`` (default:
+    the working directory's); errors name ``blob.label``. ``root``: as for
+    :func:`load_side`."""
+    pos = Position(blob.label, 1, 1)
+    if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", blob.commit) or "\0" in blob.path:
+        raise MpgenError(pos, f"{blob.commit!r} is not a full commit id")
+    text = _read_blob(f"{blob.commit}:{blob.path}", pos, repository)
+    return _compile_text(text, blob.path, blob.label, device_map, root, time_limit)
+
+
 def load_side(arg: str, device_map: Optional[Mapping[str, str]] = None,
               root: str | Path | None = None,
               time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Side:
-    """Compile a spec path, or ``REV:path`` from git; errors name ``arg``.
-    ``root``: the project its dotted ops may import from; for ``REV:path``
-    (compiled from a temporary copy) the working directory by default.
-    ``time_limit``: as for ``compile_spec``."""
-    if os.path.lexists(arg) or ":" not in arg:
-        graph = compile_spec(arg, device_map, root, time_limit)
-        return Side(arg, graph)
+    """Compile a side as ``mpgen diff`` is given it: a spec path, or
+    ``REV:path`` from git; errors name ``arg``. ``REV:path`` is git's when REV
+    is a commit, a file's when it is not and the file exists; both at once is
+    an error (never a silent choice). ``root``: the project its dotted ops may
+    import from; for ``REV:path`` (compiled from a temporary copy) the working
+    directory by default. ``time_limit``: as for ``compile_spec``."""
+    if ":" not in arg:
+        return load_file(arg, device_map, root, time_limit)
+    rev, _, path = arg.partition(":")
+    commit = _commit(rev)
+    if os.path.lexists(arg):
+        if commit is None:
+            return load_file(arg, device_map, root, time_limit)
+        raise MpgenError(Position(arg, 1, 1), f"{arg!r} is both a file and a revision:path "
+                         f"({rev!r} is commit {commit[:12]}); write {'./' + arg!r} for the "
+                         f"file, or {commit + ':' + path!r} for the one in git")
     text = _git_show(arg)
-    name = os.path.basename(arg.partition(":")[2])
-    if name in ("", ".", "..") or len(name) > 100:
+    return _compile_text(text, path, arg, device_map, root, time_limit)
+
+
+def _commit(rev: str) -> Optional[str]:
+    """The full id of the commit ``rev`` names in the working directory's
+    repository, or None (no repository, no such commit, no revision syntax)."""
+    if not _REVISION.fullmatch(rev) or rev.startswith("-") or ".." in rev:
+        return None
+    found = _git_quiet("rev-parse", "--verify", "--quiet", "--end-of-options",
+                       f"{rev}^{{commit}}")
+    return found.strip() if found else None
+
+
+def _compile_text(text: str, path: str, label: str, device_map: Optional[Mapping[str, str]],
+                  root: str | Path | None, time_limit: Optional[float]) -> Side:
+    """Compile a spec's ``text`` (from git) from a temporary copy named as
+    ``path``'s file (when that name is an ordinary one); errors name ``label``."""
+    name = os.path.basename(path)
+    if name in ("", ".", "..") or len(name) > 100 or escaped(name) != name:
         name = "spec.yaml"
     with tempfile.TemporaryDirectory(prefix="mpgen-diff-") as folder:
-        path = os.path.join(folder, name)
-        with open(path, "w", encoding="utf-8", newline="") as f:
+        copy = os.path.join(folder, name)
+        with open(copy, "w", encoding="utf-8", newline="") as f:
             f.write(text)
         try:
-            graph = compile_spec(path, device_map, os.getcwd() if root is None else root,
+            graph = compile_spec(copy, device_map, os.getcwd() if root is None else root,
                                  time_limit)
         except MpgenError as exc:
-            raise _renamed(exc, path, arg) from None
-        return Side(arg, graph)
+            raise _renamed(exc, copy, label) from None
+        return Side(label, graph)
 
 
 #: A revision mpgen passes to git: names, ``~N``, ``^N``, ``@{...}``; never an
@@ -139,9 +201,20 @@ def _git_show(arg: str) -> str:
         raise MpgenError(pos, f"{arg!r} is not a revision:path (such as HEAD~1:spec.yaml); "
                          "ranges (a..b), options and other revision syntax are not accepted")
     try:
+        return _read_blob(arg, pos)
+    except MpgenError as exc:
+        if not exc.message.startswith("cannot read "):
+            raise
+        raise MpgenError(pos, f"{exc.message}{_cwd_hint(rev, path)}") from None
+
+
+def _read_blob(name: str, pos: Position, repository: str | Path | None = None) -> str:
+    """The blob git names ``name`` (``COMMIT:path``): at most MAX_BYTES of UTF-8."""
+    try:
         with tempfile.TemporaryFile() as errors:
-            done = subprocess.Popen(["git", "cat-file", "blob", arg], stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=errors)
+            done = subprocess.Popen(["git", "cat-file", "blob", name], cwd=repository,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=errors)
             timer = threading.Timer(60, done.kill)
             timer.start()
             try:
@@ -160,7 +233,7 @@ def _git_show(arg: str) -> str:
         raise MpgenError(pos, f"spec is larger than {MAX_BYTES} bytes")
     if returncode != 0:
         why = message[0] if message else f"git exited with {returncode}"
-        raise MpgenError(pos, f"cannot read {arg!r} from git: {why}{_cwd_hint(rev, path)}")
+        raise MpgenError(pos, f"cannot read {pos.file!r} from git: {why}")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -290,7 +363,7 @@ def _amount(nbytes: int) -> str:
 
 def format_diff(d: LayoutDiff) -> str:
     """The diff as plain text, for the terminal."""
-    lines = [f"--- {d.old}", f"+++ {d.new}", ""]
+    lines = [f"--- {escaped(d.old)}", f"+++ {escaped(d.new)}", ""]
     traffic = d.traffic
     if traffic.warn:
         grows = (f"grows {traffic.after / traffic.before:.1f}x" if traffic.before

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Optional
 
 _KINDS = (
     (stat.S_ISDIR, "a directory"),
@@ -111,3 +112,47 @@ def is_project_folder(folder: Path) -> bool:
     """Whether ``folder`` holds a project (``.git`` or ``pyproject.toml``): the
     folder a generated header's spec path is shown relative to."""
     return (folder / ".git").exists() or (folder / "pyproject.toml").exists()
+
+
+#: At most this many bytes of a ``.git`` file (``gitdir: PATH``) are read.
+_GIT_FILE_BYTES = 4096
+
+
+def work_tree(path: str | Path) -> Optional[Path]:
+    """The top of the git work tree ``path`` is in (the nearest folder at or
+    above its real path holding ``.git``, a folder or a worktree's or
+    submodule's ``gitdir:`` file), or None outside any. ``path`` need not
+    exist: the search starts at its real path as far as it exists."""
+    real = Path(os.path.realpath(path))
+    for folder in (real, *real.parents):
+        if os.path.lexists(folder / ".git"):
+            return folder
+    return None
+
+
+def git_dir(top: Path) -> Optional[Path]:
+    """The git folder of the work tree at ``top``: ``top/.git``, or the folder
+    its ``.git`` file names (``gitdir: PATH``, relative to ``top``); None when
+    neither is a folder."""
+    dot_git = top / ".git"
+    if dot_git.is_dir() and not dot_git.is_symlink():
+        return dot_git
+    try:
+        text = read_regular(dot_git, _GIT_FILE_BYTES).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+    first = text.split("\n", 1)[0].strip()
+    if not first.startswith("gitdir:"):
+        return None
+    found = Path(os.path.realpath(top / first[len("gitdir:"):].strip()))
+    return found if found.is_dir() else None
+
+
+def inside(path: str | Path, folder: str | Path) -> bool:
+    """Whether the real path of ``path`` (links followed as far as it exists)
+    is ``folder``'s real path or below it."""
+    real, top = os.path.realpath(path), os.path.realpath(folder)
+    try:
+        return os.path.commonpath([real, top]) == top
+    except ValueError:  # another drive
+        return False

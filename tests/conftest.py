@@ -24,6 +24,19 @@ def _is_the_tests_own(module) -> bool:
     return bool(places) and not all(p.startswith(_KEEP) for p in places)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _private_build_cache(tmp_path_factory):
+    """Build manifests of output folders outside a git repository go to the
+    user's cache (NOTE [Build manifest]): the tests' own, not the user's."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before
+
+
 @pytest.fixture(autouse=True)
 def _restore_process_state():
     """Undo a test's chdir, ``sys.path`` edits and the user modules it imported,

@@ -1,5 +1,7 @@
 """The build manifest (NOTE [Build manifest]): `check` and `build` of current
-specs compile nothing and import no torch, and never call stale files current."""
+specs compile nothing and import no torch, and never call stale files current;
+it lives where git never tracks it (the repository's git folder, else the
+user's cache), so a manifest committed into the output folder is never read."""
 
 from __future__ import annotations
 
@@ -44,11 +46,12 @@ def built(tmp_path) -> Path:
 
 def test_a_build_writes_the_manifest_with_its_files(built):
     out = built.parent / "out"
-    data = json.loads((out / manifest.FILE_NAME).read_text())
+    data = json.loads(manifest.location(out).read_text())
     (entry,) = data["specs"]
     assert entry["spec"] == "seed.yaml"
-    assert sorted(entry["files"]) == sorted(p.name for p in out.iterdir()
-                                            if p.name != manifest.FILE_NAME)
+    # Outside a git repository: the user's cache; nothing in the output folder.
+    assert manifest.location(out).is_relative_to(os.environ["XDG_CACHE_HOME"])
+    assert sorted(entry["files"]) == sorted(p.name for p in out.iterdir())
     for name, digest in entry["files"].items():
         assert manifest.sha256((out / name).read_bytes()) == digest
     assert entry["user_code"] is False
@@ -114,13 +117,13 @@ def test_a_generated_file_changed_on_disk_is_never_current(built, compiles, dama
 @pytest.mark.parametrize("text", ["", "{", "[]", '{"format": 2, "specs": []}',
                                   '{"format": 1, "specs": [{"spec": "seed.yaml"}]}'])
 def test_a_manifest_that_cannot_be_trusted_is_ignored(built, compiles, text):
-    (built.parent / "out" / manifest.FILE_NAME).write_text(text)
+    manifest.location(built.parent / "out").write_text(text)
     assert mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 0
     assert compiles == [["seed.yaml"]]  # compiled: the manifest said nothing
 
 
 def test_a_manifest_naming_files_outside_the_folder_is_ignored(built, compiles):
-    path = built.parent / "out" / manifest.FILE_NAME
+    path = manifest.location(built.parent / "out")
     data = json.loads(path.read_text())
     data["specs"][0]["files"]["../seed.yaml"] = manifest.sha256(built.read_bytes())
     path.write_text(json.dumps(data))
@@ -166,14 +169,14 @@ def test_the_manifest_is_deterministic_and_keeps_the_entries_of_other_specs(tmp_
     assert mpgen("build", "seed.yaml", "other.yaml", "-o", "a", cwd=tmp_path).returncode == 0
     assert mpgen("build", "other.yaml", "-o", "b", cwd=tmp_path).returncode == 0
     assert mpgen("build", "seed.yaml", "-o", "b", cwd=tmp_path).returncode == 0
-    first = (tmp_path / "a" / manifest.FILE_NAME).read_bytes()
-    assert (tmp_path / "b" / manifest.FILE_NAME).read_bytes() == first
+    first = manifest.location(tmp_path / "a").read_bytes()
+    assert manifest.location(tmp_path / "b").read_bytes() == first
     assert str(tmp_path).encode() not in first  # no absolute paths
     assert sorted(manifest.read(tmp_path / "a")) == ["other.yaml", "seed.yaml"]
 
 
 def test_a_failed_build_leaves_the_manifest_as_it_was(built):
-    path = built.parent / "out" / manifest.FILE_NAME
+    path = manifest.location(built.parent / "out")
     before = path.read_bytes()
     built.write_text(built.read_text().replace("args: [20, 10]", "args: [30, 10]"))
     assert mpgen("build", "seed.yaml", "-o", "out", cwd=built.parent).returncode == 2
@@ -187,4 +190,111 @@ def test_a_renamed_model_s_entry_goes_with_its_files(built):
     assert sorted(entry.files) == sorted(
         ["renamed.py", "train_renamed.py", "test_renamed.py", "pp_renamed.py",
          "renamed.placement.md"])
-    assert sorted(os.listdir(built.parent / "out")) == sorted([*entry.files, manifest.FILE_NAME])
+    assert sorted(os.listdir(built.parent / "out")) == sorted(entry.files)
+
+
+# -- where the manifest lives: never where a commit can put it ----------------------
+
+def git(*args: str, cwd: Path) -> str:
+    ran = subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com",
+                          "-c", "init.defaultBranch=main", *args],
+                         cwd=cwd, capture_output=True, text=True, timeout=60)
+    assert ran.returncode == 0, ran.stderr
+    return ran.stdout
+
+
+def repository(folder: Path) -> Path:
+    """A git repository with the seed spec under [tool.mpgen], built and
+    committed (its generated code, never a manifest)."""
+    folder.mkdir()
+    (folder / "pyproject.toml").write_text(
+        '[tool.mpgen]\nspecs = ["specs/*.yaml"]\nout = "generated"\n')
+    (folder / "specs").mkdir()
+    (folder / "specs" / "seed.yaml").write_text(SEED.read_text())
+    git("init", "-q", cwd=folder)
+    ran = mpgen("build", cwd=folder)
+    assert ran.returncode == 0, ran.stderr
+    git("add", ".", cwd=folder)
+    git("commit", "-qm", "seed", cwd=folder)
+    return folder
+
+
+def test_in_a_repository_the_manifest_is_in_its_git_folder(tmp_path, compiles):
+    repo = repository(tmp_path / "repo")
+    compiles.clear()
+    where = manifest.location(repo / "generated")
+    assert where.parent == repo / ".git" / "mpgen" / "manifests"
+    assert where.name == manifest.sha256(b"generated") + ".json"
+    assert json.loads(where.read_text())["specs"][0]["spec"] == "specs/seed.yaml"
+    assert not (repo / "generated" / manifest.FILE_NAME).exists()
+    assert git("status", "--porcelain", cwd=repo) == ""  # nothing for git to see
+    # The second check is the quick one: from the manifest, no compile.
+    check = mpgen("check", cwd=repo)
+    assert (check.returncode, check.stdout) == (0, "generated: up to date\n")
+    assert compiles == []
+
+
+def test_a_worktree_keeps_its_manifest_in_its_own_git_folder(tmp_path, compiles):
+    repo = repository(tmp_path / "repo")
+    compiles.clear()
+    git("worktree", "add", "-q", str(tmp_path / "wt"), cwd=repo)
+    where = manifest.location(tmp_path / "wt" / "generated")
+    assert where.parent == repo / ".git" / "worktrees" / "wt" / "mpgen" / "manifests"
+    assert mpgen("check", cwd=tmp_path / "wt").returncode == 0
+    assert compiles == [["seed.yaml"]]  # a fresh worktree: no manifest yet
+    assert mpgen("build", cwd=tmp_path / "wt").returncode == 0  # check writes no manifest
+    assert where.is_file()
+    assert mpgen("check", cwd=tmp_path / "wt").returncode == 0
+    assert compiles == [["seed.yaml"], ["seed.yaml"]]
+
+
+PAYLOAD = 'import os\nos.system("touch pwned")\n'
+
+
+@pytest.mark.parametrize("forgery", ["file-sha", "source", "no-files"])
+def test_a_committed_manifest_is_never_trusted(tmp_path, compiles, forgery):
+    """A pull request hand-edits a generated file (or the spec) and commits a
+    manifest that calls it current: CI's check, on a fresh clone or where a
+    build ran before, compiles and fails."""
+    repo = repository(tmp_path / "repo")
+    compiles.clear()
+    forged = json.loads(manifest.location(repo / "generated").read_text())
+    entry = forged["specs"][0]
+    model = repo / "generated" / "simple_model.py"
+    spec = repo / "specs" / "seed.yaml"
+    if forgery == "source":  # the spec moves a layer; its text's hash is the recorded one
+        spec.write_text(spec.read_text().replace("layer2: cuda:1", "layer2: cuda:0"))
+        entry["source"] = manifest.sha256(spec.read_bytes())
+    else:
+        model.write_text(model.read_text() + PAYLOAD)
+        entry["files"]["simple_model.py"] = manifest.sha256(model.read_bytes())
+        if forgery == "no-files":
+            entry["files"] = {}
+    (repo / "generated" / manifest.FILE_NAME).write_text(json.dumps(forged))
+    git("add", "-f", ".", cwd=repo)
+    git("commit", "-qm", "a hostile pull request", cwd=repo)
+    git("clone", "-q", str(repo), str(tmp_path / "clone"), cwd=tmp_path)
+    for where in (tmp_path / "clone", repo):
+        check = mpgen("check", cwd=where)
+        assert check.returncode == 1, check.stdout + check.stderr
+        edit = ('-        self.layer2 = nn.Linear(20, 10).to("cuda:1")' if forgery == "source"
+                else '-os.system("touch pwned")')
+        assert edit in check.stdout
+    assert compiles == [["seed.yaml"], ["seed.yaml"]]
+
+
+def test_a_committed_manifest_does_not_let_an_invalid_spec_pass(tmp_path, compiles):
+    repo = repository(tmp_path / "repo")
+    compiles.clear()
+    forged = json.loads(manifest.location(repo / "generated").read_text())
+    spec = repo / "specs" / "seed.yaml"
+    spec.write_text("mpgen: 1\nname: [unclosed\n")
+    forged["specs"][0]["source"] = manifest.sha256(spec.read_bytes())
+    (repo / "generated" / manifest.FILE_NAME).write_text(json.dumps(forged))
+    git("add", "-f", ".", cwd=repo)
+    git("commit", "-qm", "a hostile pull request", cwd=repo)
+    git("clone", "-q", str(repo), str(tmp_path / "clone"), cwd=tmp_path)
+    check = mpgen("check", cwd=tmp_path / "clone")
+    assert check.returncode == 2
+    assert check.stderr.startswith("specs/seed.yaml:2:")
+    assert compiles == [["seed.yaml"]]

@@ -1,11 +1,24 @@
 """The build manifest: which files a build wrote for each spec, and from what.
 
 # NOTE: [Build manifest]
-# ``mpgen build`` writes ``.mpgen-manifest.json`` in the output folder, with
-# the generated files and as part of the same unit (NOTE [Writes as one
-# unit]). Per spec (as its headers name it) it records a key and the sha256
-# of every file generated from it. The key hashes everything the files are a
-# function of, for a spec that imports no code of its own:
+# ``mpgen build`` records, for each output folder, a manifest: per spec (as
+# its headers name it) a key and the sha256 of every file generated from it.
+# It is a cache of this machine's builds and lives where git never tracks
+# it, so that no commit can forge it (a pull request that committed one with
+# a hand-edited file's hash would otherwise make CI's ``check`` pass):
+# inside the git folder of the repository holding the output folder,
+# ``.git/mpgen/manifests/<sha256 of the folder's path in the repository>.json``
+# (a worktree's or submodule's ``.git`` file is followed to its git folder),
+# else in the user's cache, ``$XDG_CACHE_HOME`` or ``~/.cache``,
+# ``mpgen/manifests/<sha256 of the folder's real path>.json``. Nothing is
+# read from the output folder itself: a ``.mpgen-manifest.json`` there (an
+# older mpgen wrote it) is a file mpgen does not own, and ``check`` reports
+# it. A fresh clone has no manifest: its first check compiles every spec.
+# It is written after the folder's files, as a separate step: a manifest
+# that does not match the files (a build cut short between the two) only
+# makes a spec compile, since every file's bytes are compared with it. The
+# key hashes everything the files are a function of, for a spec that
+# imports no code of its own:
 #
 # - the spec's meaning (NOTE [Spec digest]: comments and layout do not count);
 # - the device map (``--device-map``), in its order (the header lists it);
@@ -40,6 +53,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.metadata
@@ -47,15 +61,19 @@ import json
 import os
 import stat
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
 from mpgen import __version__
-from mpgen.files import read_regular
+from mpgen.files import git_dir, read_regular, work_tree
 
-#: The manifest's name in the output folder (a dot file: never an orphan).
+#: The name older mpgen versions gave the manifest in the output folder: now
+#: a file mpgen does not own (``check`` reports it), never read.
 FILE_NAME = ".mpgen-manifest.json"
+#: The folder of the manifests inside a repository's git folder or the cache.
+_FOLDER = ("mpgen", "manifests")
 #: The format this mpgen reads and writes; another number is ignored.
 FORMAT = 1
 #: A manifest larger than this is not read (ignored).
@@ -177,14 +195,68 @@ def _entries(data: object) -> Optional[dict[str, Entry]]:
     return found
 
 
-def read(out_dir: Path) -> dict[str, Entry]:
-    """The entries of the manifest in ``out_dir`` by spec; none when there is
-    no manifest or it cannot be trusted (unreadable, corrupt, another format)."""
+def location(out_dir: Path) -> Optional[Path]:
+    """Where the manifest of the output folder ``out_dir`` is kept (NOTE
+    [Build manifest]): in the git folder of the repository holding it, else
+    in the user's cache; never in the output folder. None: no home folder."""
+    real = os.path.realpath(out_dir)
+    top = work_tree(real)
+    folder = git_dir(top) if top is not None else None
+    if top is not None and folder is not None:
+        key = Path(os.path.relpath(real, top)).as_posix()
+        return folder.joinpath(*_FOLDER, f"{sha256(key.encode('utf-8', 'surrogateescape'))}.json")
+    cache = os.environ.get("XDG_CACHE_HOME", "")
     try:
-        data = json.loads(read_regular(out_dir / FILE_NAME, MAX_MANIFEST_BYTES))
+        base = Path(cache) if os.path.isabs(cache) else Path.home() / ".cache"
+    except (RuntimeError, KeyError):  # no home folder to find
+        return None
+    return base.joinpath(*_FOLDER, f"{sha256(real.encode('utf-8', 'surrogateescape'))}.json")
+
+
+def read(out_dir: Path) -> dict[str, Entry]:
+    """The entries of the manifest of ``out_dir`` by spec; none when there is
+    no manifest or it cannot be trusted (unreadable, corrupt, another format)."""
+    path = location(out_dir)
+    if path is None:
+        return {}
+    try:
+        data = json.loads(read_regular(path, MAX_MANIFEST_BYTES))
     except (OSError, ValueError, RecursionError):
         return {}
     return _entries(data) or {}
+
+
+def store(out_dir: Path, entries: Sequence[Entry], touched: Iterable[str]) -> None:
+    """Record a build of ``entries`` into ``out_dir`` that wrote or removed the
+    files named in ``touched``: the entries of other specs are kept while
+    their files were neither. Best effort: the manifest is a cache, and a
+    failure to write it (a read-only git folder) only leaves the next check
+    to compile; a manifest that could not be replaced is removed."""
+    mine = {e.spec for e in entries}
+    gone = set(touched)
+    kept = [e for spec, e in read(out_dir).items()
+            if spec not in mine and not gone.intersection(e.files)]
+    data = dumps([*entries, *kept])
+    path = location(out_dir)
+    if path is None:
+        return
+    with contextlib.suppress(OSError):
+        if read_regular(path, len(data) + 1) == data:
+            return
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd, staged = tempfile.mkstemp(prefix=".manifest-", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(staged, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(staged)
+            raise
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 def current_files(out_dir: Path, found: Entry) -> Optional[dict[str, str]]:

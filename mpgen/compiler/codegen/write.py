@@ -249,9 +249,9 @@ def write_files(out_dir: Path, files: Mapping[str, str],
     left untouched (their mtime too). A file at a name the build writes that
     mpgen did not write is an error unless ``force``; OS errors become
     :class:`MpgenError` and leave the folder as it was. ``manifest``: this
-    build's entries, written into the folder's manifest in the same unit
-    (NOTE [Build manifest]); entries of other specs are kept while their
-    files are neither rewritten nor removed.
+    build's entries, recorded in the folder's manifest once the files are
+    written (NOTE [Build manifest]); entries of other specs are kept while
+    their files are neither rewritten nor removed.
     """
     found = survey(out_dir, files, specs)
     foreign = [t for t in found.targets if t.foreign]
@@ -263,30 +263,13 @@ def write_files(out_dir: Path, files: Mapping[str, str],
         errors.raise_if_any()
     changed = {t.path: t.data for t in found.targets if t.changed}
     removed = [o.path for o in found.orphans if o.removed_by(prune)]
-    written = list(changed)
-    if manifest is not None:
-        data = _manifest_bytes(out_dir, list(manifest), {*files, *(p.name for p in removed)})
-        if data is not None:
-            changed[out_dir / build_manifest.FILE_NAME] = data
     if changed or removed:
         with held_signals():
             _apply(out_dir, changed, removed)
-    return Changes(written, removed, [o for o in found.orphans if not o.removed_by(prune)])
-
-
-def _manifest_bytes(out_dir: Path, entries: list[build_manifest.Entry],
-                    touched: set[str]) -> Optional[bytes]:
-    """The manifest after a build of ``entries`` that writes or removes the
-    files named in ``touched``; None when the one on disk already says it."""
-    mine = {e.spec for e in entries}
-    kept = [e for spec, e in build_manifest.read(out_dir).items()
-            if spec not in mine and not touched.intersection(e.files)]
-    data = build_manifest.dumps([*entries, *kept])
-    path = out_dir / build_manifest.FILE_NAME
-    with contextlib.suppress(OSError):
-        if stat.S_ISREG(os.lstat(path).st_mode) and read_regular(path, len(data) + 1) == data:
-            return None
-    return data
+    if manifest is not None:  # after the files: NOTE [Build manifest]
+        build_manifest.store(out_dir, list(manifest), {*files, *(p.name for p in removed)})
+    return Changes(list(changed), removed,
+                   [o for o in found.orphans if not o.removed_by(prune)])
 
 
 @contextlib.contextmanager

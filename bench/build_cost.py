@@ -65,7 +65,7 @@ def measure(rounds: int, quick: bool) -> tuple[list[Case], list[float]]:
             base = cpu_seconds(IMPORT_TORCH)
             for i, case in enumerate(cases):
                 out = folder / f"out_{r}_{i}"
-                seconds = cpu_seconds(mpgen("build", "-o", str(out), "--time-limit", "0",
+                seconds = cpu_seconds(mpgen("build", "-o", str(out), "--time-limit", "600",
                                             str(case.spec)), cwd=ROOT)
                 case.ratios.append(seconds / base)
             seconds = cpu_seconds(mpgen("check", "-o", str(built), *map(str, examples())),

@@ -44,13 +44,18 @@ def _device_map(text: Optional[str], where: Optional[Position] = None) -> dict[s
 
 
 def _seconds(text: str) -> float:
-    """``--time-limit``: a number of seconds, 0 for no limit."""
+    """``--time-limit``: a number of CPU seconds above 0, at most
+    ``config.MAX_TIME_LIMIT``: a limit can be raised, never removed."""
+    from mpgen.config import MAX_TIME_LIMIT
+
     try:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds (0: no limit)")
+    if not (math.isfinite(value) and 0 < value <= MAX_TIME_LIMIT):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of CPU seconds above 0 and at most {MAX_TIME_LIMIT:g} "
+            "(a limit can be raised, never removed)")
     return value
 
 
@@ -60,8 +65,9 @@ def _compile_options(command: argparse.ArgumentParser) -> None:
                          help="the project a spec's dotted ops may import from (default: the "
                               "spec's repository; see docs/spec.md, 'User modules')")
     command.add_argument("--time-limit", metavar="SECONDS", type=_seconds,
-                         help="seconds the analysis of each spec may take (default: the "
-                              "budget in docs/spec.md, 'Limits'; 0: no limit)")
+                         help="CPU seconds the analysis of each spec may take (default: the "
+                              "budget in docs/spec.md, 'Limits'; at most 600; it can be "
+                              "raised, never removed)")
 
 
 def _project_commands(sub) -> None:
@@ -196,7 +202,8 @@ def _import_command(sub) -> None:
     cmd.add_argument("--devices", type=int, metavar="N",
                      help="an automatic placement over cuda:0 ... cuda:N-1")
     cmd.add_argument("--time-limit", metavar="SECONDS", type=_seconds,
-                     help="seconds the check that the spec builds may take (0: no limit)")
+                     help="CPU seconds the check that the spec builds may take (at most "
+                          "600)")
     cmd.set_defaults(device_map=None, root=None)
 
 
@@ -276,8 +283,13 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
 def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     from mpgen.commands import build
 
-    diffs = build.check(args.specs, args.out, device_map, root=args.root,
-                        time_limit=args.time_limit)
+    checked, diffs = build.check_specs(args.specs, args.out, device_map, root=args.root,
+                                       time_limit=args.time_limit)
+    for spec in checked:
+        if spec.ran_user_code:
+            _say(f"{spec.spec_path}: note: checking it ran the project's own code (the modules "
+                 "its spec names), in a child process without this environment's variables; "
+                 "review changes to that code as code", sys.stderr)
     if not diffs:
         _say(f"{args.out}: up to date")
         return Exit.OK
@@ -291,7 +303,7 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     if typed.root:
         command += ["--root", typed.root]
     if typed.time_limit is not None and args.time_limit != _default_time_limit():
-        command += ["--time-limit", f"{args.time_limit or 0:g}"]
+        command += ["--time-limit", f"{args.time_limit:g}"]
     if diffs.prune:
         command += ["--prune"]
     _say(f"\nmpgen check: generated code in {args.out} is not current; "
@@ -378,12 +390,32 @@ def _project_options(args: argparse.Namespace) -> Optional[Position]:
                                "[tool.mpgen] in pyproject.toml (docs/project.md)")
     args.out = args.out or (project and project.folder_path("out")) or "generated"
     args.root = args.root or (project and project.folder_path("root"))
+    _check_out(args.out, project)
     if args.time_limit is None and "time-limit" in settings:
         args.time_limit = settings["time-limit"].value
+        note = project.time_limit_note()
+        if note:  # NOTE [A config a pull request can change]: a raise shows
+            _say(note, sys.stderr)
     if args.device_map is None and "device-map" in settings:
         args.device_map = settings["device-map"].value
         return settings["device-map"].pos
     return None
+
+
+def _check_out(out: str, project) -> None:
+    """The output folder of build and check, in a project (the working
+    directory's), must not lead out of it through a symbolic link nor be
+    inside its git folder (``out`` of ``[tool.mpgen]`` must be inside it
+    too: ``config``); a ``-o`` written outside the project is the user's
+    own choice."""
+    from mpgen import config
+
+    folder = project.folder if project is not None else config.project_folder(Path.cwd())
+    if folder is None:
+        return
+    problem = config.folder_problem(Path(out), config.boundary(folder), outside_ok=True)
+    if problem:
+        raise MpgenError(Position(out), f"the output folder (-o) {problem}; refusing to use it")
 
 
 def _schema(args: argparse.Namespace) -> int:
@@ -459,10 +491,10 @@ def _run(args: argparse.Namespace) -> int:
         return _completion(args)
     where = _project_options(args) if args.command in ("build", "check") else None
     device_map = _device_map(args.device_map, where)
-    # Unset: the default budget; 0: no limit. build and check take ``...`` for
+    # Unset: the default budget (0 is refused: _seconds). build and check take ``...`` for
     # the default: a check of current specs imports no compiler (and no torch).
     default = ... if args.command in ("build", "check") else _default_time_limit()
-    args.time_limit = default if args.time_limit is None else args.time_limit or None
+    args.time_limit = default if args.time_limit is None else args.time_limit
     if args.command == "build":
         return _build(args, device_map)
     if args.command == "check":

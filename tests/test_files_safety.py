@@ -634,16 +634,18 @@ def test_time_limit_reaches_the_analysis(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon"])
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "soon", "0", "none", "601"])
 def test_a_time_limit_that_is_not_a_number_of_seconds_is_a_usage_error(tmp_path, value):
+    """0 (once: no limit) is refused too: a limit can be raised, never removed."""
     result = mpgen("show", "spec.yaml", "--time-limit", value, cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.endswith(f"mpgen show: error: argument --time-limit: {value!r} is not "
-                                  "a number of seconds (0: no limit)\n")
+                                  "a number of CPU seconds above 0 and at most 600 (a limit can "
+                                  "be raised, never removed)\n")
 
 
-def test_time_limit_zero_is_no_limit(tmp_path):
+def test_the_fix_repeats_a_raised_time_limit(tmp_path):
     seed_spec(tmp_path)
-    result = mpgen("check", "seed.yaml", "-o", "out", "--time-limit", "0", cwd=tmp_path)
+    result = mpgen("check", "seed.yaml", "-o", "out", "--time-limit", "30", cwd=tmp_path)
     assert result.returncode == 1
-    assert result.stderr.endswith("run: mpgen build seed.yaml -o out --time-limit 0\n")
+    assert result.stderr.endswith("run: mpgen build seed.yaml -o out --time-limit 30\n")

@@ -10,6 +10,7 @@ network and torch's download, and is not exercised here.
 
 from __future__ import annotations
 
+import html
 import os
 import re
 import shutil
@@ -248,42 +249,226 @@ def test_ci_summary_refuses_a_base_it_cannot_find(pull_request, tmp_path):
     assert ran.returncode == 2 and "git rev-parse failed" in ran.stderr
 
 
+def test_ci_summary_reads_the_base_from_git_not_from_a_file_named_like_it(pull_request):
+    # The pull request commits files named as the merge base's REV:path holding
+    # its new layout: the summary still compares with the spec in git.
+    full = git(pull_request, "rev-parse", "main").strip()
+    for commit in (full, full[:12], full[:7]):
+        write_spec(pull_request, spec_text("Moved", "cuda:0"), f"{commit}:moved.yaml")
+    git(pull_request, "add", ".")
+    git(pull_request, "commit", "-q", "-m", "forged base sides")
+    ran = mpgen("ci-summary", "--base", "main", "moved.yaml", cwd=pull_request)
+    assert ran.returncode == 0, ran.stderr
+    assert f"--- {full[:12]}:moved.yaml\n+++ moved.yaml\n\nmoved:\n  layer2: cuda:1 -> cuda:0\n" \
+        in ran.stdout
+    assert "moved: nothing" not in ran.stdout
+    # Unnamed, the forged files are new specs of the pull request: shown as such.
+    ran = mpgen("ci-summary", "--base", "main", cwd=pull_request)
+    assert f"| `{full[:12]}:moved.yaml` | new |" in ran.stdout
+    assert "| `moved.yaml` | changed |" in ran.stdout and "  layer2: cuda:1 -> cuda:0" in ran.stdout
+
+
+def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The installed ``mpgen ARGS`` in a fresh process; output as bytes."""
+    return subprocess.run([str(BIN / "mpgen"), *args], cwd=cwd, env=env, capture_output=True,
+                          timeout=600)
+
+
+def test_ci_summary_markdown_keeps_hostile_names_inert(tmp_path):
+    repo = new_repo(tmp_path / "repo")
+    write_spec(repo, spec_text("Base"), "base.yaml")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "base")
+    names = ["a`b``c.yaml", "<img src=x onerror=alert(1)>.yaml", "@org/team.yaml",
+             "[l](javascript:alert(1)) | x.yaml", "n\n::error::x\r\x1b[31m.yaml", " `sp` .yaml"]
+    for name in names:
+        (repo / name).parent.mkdir(exist_ok=True)
+        write_spec(repo, spec_text("Added"), name)
+    git(repo, "checkout", "-q", "-b", "pr")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "hostile names")
+    done = run_cli("ci-summary", "--base", "main", cwd=repo)
+    assert done.returncode == 0, done.stderr
+    table = done.stdout.split(b"\n\n")[2]
+    assert table == (b"| spec | change |\n|---|---|\n"
+                     b"| `` `sp` .yaml`` | new |\n"
+                     b"| `<img src=x onerror=alert(1)>.yaml` | new |\n"
+                     b"| `@org/team.yaml` | new |\n"
+                     b"| `[l](javascript:alert(1)) \\| x.yaml` | new |\n"
+                     b"| ```a`b``c.yaml``` | new |\n"
+                     b"| `n\\n::error::x\\r\\x1b[31m.yaml` | new |")
+    headings = [line for line in done.stdout.split(b"\n") if line.startswith(b"###")]
+    assert headings == [b"### `` `sp` .yaml`` (new)",
+                        b"### `<img src=x onerror=alert(1)>.yaml` (new)",
+                        b"### `@org/team.yaml` (new)",
+                        b"### `[l](javascript:alert(1)) | x.yaml` (new)",
+                        b"### ```a`b``c.yaml``` (new)",
+                        b"### `n\\n::error::x\\r\\x1b[31m.yaml` (new)"]
+    assert b"\r" not in done.stdout and b"\x1b" not in done.stdout
+    # As CommonMark with GitHub's tables reads it: every name is code, nothing else.
+    markdown_it = pytest.importorskip("markdown_it")
+    rendered = markdown_it.MarkdownIt("commonmark", {"html": True}).enable("table").render(
+        done.stdout.decode())
+    assert "<img" not in rendered and "<a " not in rendered
+    for name in names:
+        shown = name.encode("unicode_escape").decode()  # as Python writes it: n\\n...
+        assert f"<code>{html.escape(shown, quote=False)}</code>" in rendered
+
+
 # -- the GitHub Actions workflow -----------------------------------------------
 
 WORKFLOW = ROOT / "docs" / "examples" / "mpgen.yml"
+COMMENT_WORKFLOW = ROOT / "docs" / "examples" / "mpgen-comment.yml"
 
 
-def workflow_steps() -> dict[str, dict]:
-    workflow = yaml.safe_load(WORKFLOW.read_text())
-    return {step.get("name", step.get("uses")): step
-            for step in workflow["jobs"]["mpgen"]["steps"]}
+def workflow_steps(path: Path = WORKFLOW, job: str = "mpgen") -> dict[str, dict]:
+    workflow = yaml.safe_load(path.read_text())
+    return {step.get("name", step.get("uses")): step for step in workflow["jobs"][job]["steps"]}
 
 
-def test_the_workflow_is_the_one_docs_ci_shows():
+def test_the_workflows_are_the_ones_docs_ci_shows():
     shown = (ROOT / "docs" / "ci.md").read_text()
-    assert f"```yaml\n{WORKFLOW.read_text()}```" in shown
+    for path in (WORKFLOW, COMMENT_WORKFLOW):
+        assert f"```yaml\n{path.read_text()}```" in shown
     steps = workflow_steps()
     assert steps["actions/checkout@v4"]["with"]["fetch-depth"] == 0  # the merge base
     assert steps["Generated code is current"]["run"].startswith("mpgen check")
 
 
-def test_the_workflow_summary_step_runs(pull_request, tmp_path):
-    # The step's own script, as the runner gives it: origin/$BASE fetched,
-    # $GITHUB_STEP_SUMMARY a file it appends to.
+def test_the_job_running_the_pull_requests_code_holds_no_token_that_writes():
+    workflow = yaml.safe_load(WORKFLOW.read_text())
+    assert workflow["permissions"] == {"contents": "read"}
+    assert "permissions" not in workflow["jobs"]["mpgen"]
+    assert workflow_steps()["actions/checkout@v4"]["with"]["persist-credentials"] is False
+    text = yaml.safe_dump(workflow)  # what runs, without the comments
+    assert "secrets." not in text and "token" not in text.lower()
+    assert set(workflow[True]) == {"push", "pull_request"}  # on: (YAML 1.1 reads True)
+
+
+def test_the_job_holding_a_token_never_runs_the_pull_requests_code():
+    workflow = yaml.safe_load(COMMENT_WORKFLOW.read_text())
+    assert workflow[True] == {"workflow_run": {"workflows": ["mpgen"], "types": ["completed"]}}
+    assert workflow["permissions"] == {}
+    job = workflow["jobs"]["comment"]
+    assert job["permissions"] == {"actions": "read", "pull-requests": "write"}
+    steps = list(workflow_steps(COMMENT_WORKFLOW, "comment").values())
+    assert [step.get("uses") for step in steps] == ["actions/download-artifact@v4", None]
+    script = steps[1]["run"]
+    assert not re.search(r"\b(mpgen|python3?|pip|git|checkout)\b|\$\{\{", script)
+
+
+@pytest.fixture
+def runner_env(tmp_path) -> dict[str, str]:
+    """What a runner gives a step, and no token: PATH, HOME, a RUNNER_TEMP."""
+    (tmp_path / "runner-temp").mkdir()
+    return {"PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp_path),
+            "LANG": "C.UTF-8", "RUNNER_TEMP": str(tmp_path / "runner-temp")}
+
+
+def run_step(script: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A ``run:`` step as the runner runs it (``shell: bash``)."""
+    return subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", script],
+                          cwd=cwd, env=env, capture_output=True, timeout=600)
+
+
+def test_the_summary_step_runs_without_a_token(pull_request, tmp_path, runner_env):
+    # The unprivileged half, as the runner gives it: origin/$BASE fetched,
+    # $GITHUB_STEP_SUMMARY a file it appends to, no token in the environment.
     step = workflow_steps()["Layout changes"]
-    assert step["env"] == {"BASE": "${{ github.base_ref }}"}
+    assert step["env"] == {"BASE": "${{ github.base_ref }}",
+                           "PR": "${{ github.event.pull_request.number }}",
+                           "SUMMARY": "${{ runner.temp }}/mpgen-summary"}
+    upload = workflow_steps()["Keep the summary for the comment"]
+    assert upload["with"]["path"] == "${{ runner.temp }}/mpgen-summary/"
     git(pull_request, "update-ref", "refs/remotes/origin/main", "main")
-    summary = tmp_path / "step_summary.md"
-    summary.write_text("earlier step\n")
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "BASE": "main",
-           "GITHUB_STEP_SUMMARY": str(summary)}
-    done = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=pull_request, env=env,
-                          capture_output=True, text=True, timeout=600)
+    step_summary = tmp_path / "step_summary.md"
+    step_summary.write_text("earlier step\n")
+    artifact = Path(runner_env["RUNNER_TEMP"]) / "mpgen-summary"
+    env = {**runner_env, "BASE": "main", "PR": "7", "SUMMARY": str(artifact),
+           "GITHUB_STEP_SUMMARY": str(step_summary)}
+    assert not set(env) & {"GITHUB_TOKEN", "GH_TOKEN", "ACTIONS_RUNTIME_TOKEN"}
+    done = run_step(step["run"], pull_request, env)
     assert done.returncode == 0, done.stderr
-    text = summary.read_text()
-    assert text.startswith("earlier step\n## mpgen: layout changes\n")
-    assert "3 specs changed since `origin/main`" in text
+    assert done.stdout == b"" and done.stderr == b""  # no warning: no token
+    assert sorted(os.listdir(artifact)) == ["pr-number", "summary.md"]
+    assert (artifact / "pr-number").read_text() == "7\n"
+    text = (artifact / "summary.md").read_text()
+    assert text.startswith("## mpgen: layout changes\n\n3 specs changed since `origin/main`")
     assert "  layer2: cuda:1 -> cuda:0" in text
+    assert step_summary.read_text() == "earlier step\n" + text
+    # A spec that does not compile: the summary is kept all the same, the step fails.
+    write_spec(pull_request, spec_text("Moved").replace("cuda:1", "cuda1"), "moved.yaml")
+    done = run_step(step["run"], pull_request, env)
+    assert done.returncode == 2
+    assert done.stderr == b"mpgen ci-summary: does not compile: moved.yaml\n"
+    assert "does not compile:\nmoved.yaml:10:11: " in (artifact / "summary.md").read_text()
+
+
+def test_ci_summary_warns_when_a_token_is_in_its_environment(pull_request, runner_env):
+    env = {**runner_env, "GH_TOKEN": "ghs_secret", "GITHUB_TOKEN": ""}  # empty: not a token
+    done = run_cli("ci-summary", "--base", "main", "-o", "summary.md", cwd=pull_request, env=env)
+    assert done.returncode == 0 and done.stdout == b""
+    assert done.stderr == (b"mpgen ci-summary: warning: GH_TOKEN is set: the pull request's "
+                           b"specs are compiled, and the code they name runs, with it in the "
+                           b"environment; compute the summary in a job without tokens "
+                           b"(docs/ci.md)\n")
+    assert b"ghs_secret" not in done.stderr
+    assert "  layer2: cuda:1 -> cuda:0" in (pull_request / "summary.md").read_text()
+
+
+FAKE_GH = """#!/bin/bash
+# gh, as the comment step calls it: pr view prints the head FAKE_HEAD; pr
+# comment records its arguments and body (--edit-last: no comment yet).
+case "$1 $2" in
+  "pr view") echo "$FAKE_HEAD" ;;
+  "pr comment")
+    echo "$@" >> "$FAKE_POSTED/calls"
+    [[ " $* " == *" --edit-last "* ]] && exit 1
+    cp "$5" "$FAKE_POSTED/body-$3.md" ;;
+  *) exit 3 ;;
+esac
+"""
+
+
+def test_the_comment_step_posts_the_artifact_as_untrusted_text(tmp_path, runner_env):
+    # The privileged half, with gh stood in for: the number must name the pull
+    # request the run tested, the text is cut, cleaned and its mentions disarmed.
+    step = workflow_steps(COMMENT_WORKFLOW, "comment")["Comment the layout changes"]
+    bin_dir, posted = tmp_path / "bin", tmp_path / "posted"
+    bin_dir.mkdir(), posted.mkdir()
+    (bin_dir / "gh").write_text(FAKE_GH)
+    (bin_dir / "gh").chmod(0o755)
+    artifact = Path(runner_env["RUNNER_TEMP"]) / "mpgen-summary"
+    artifact.mkdir()
+    env = {**runner_env, "PATH": f"{bin_dir}{os.pathsep}{runner_env['PATH']}",
+           "SUMMARY": str(artifact), "HEAD_SHA": "abc123", "FAKE_HEAD": "abc123",
+           "FAKE_POSTED": str(posted)}
+    body = "## mpgen\n@org/team and @someone, `@x`.\n" + "é" * 40_000  # cut inside an é
+    (artifact / "summary.md").write_text(body)
+    (artifact / "pr-number").write_text("12\n")
+    done = run_step(step["run"], tmp_path, env)
+    assert done.returncode == 0, done.stderr
+    assert (posted / "calls").read_text().splitlines() == [
+        f"pr comment 12 --body-file {runner_env['RUNNER_TEMP']}/comment.md --edit-last",
+        f"pr comment 12 --body-file {runner_env['RUNNER_TEMP']}/comment.md"]
+    sent = (posted / "body-12.md").read_bytes()
+    assert len(sent) <= 60_000 + 3 * 3 and sent.decode("utf-8")  # cut (+3 ZWSP), still UTF-8
+    assert sent.startswith("## mpgen\n@\u200borg/team and @\u200bsomeone, `@\u200bx`.\n"
+                           .encode())
+    # A number that is no number, a pull request that moved on, a link: nothing posted.
+    for number, head, link, code in (("12; touch pwned", "abc123", False, 1),
+                                     ("12", "def456", False, 0), ("12", "abc123", True, 1)):
+        (posted / "calls").unlink(missing_ok=True)
+        (artifact / "pr-number").unlink()
+        if link:
+            (artifact / "pr-number").symlink_to(tmp_path / "elsewhere")
+            (tmp_path / "elsewhere").write_text("12\n")
+        else:
+            (artifact / "pr-number").write_text(number + "\n")
+        done = run_step(step["run"], tmp_path, {**env, "FAKE_HEAD": head})
+        assert done.returncode == code, done.stderr
+        assert not (posted / "calls").exists() and not (tmp_path / "pwned").exists()
+        assert b"touch" not in done.stdout + done.stderr  # the artifact's text is not logged
 
 
 # -- installing mpgen elsewhere -------------------------------------------------

@@ -290,6 +290,30 @@ def test_diff_against_a_git_revision(repo, capsys):
     assert "  + h.2 [batch, 8]: cuda:0 -> cuda:1 (64 bytes)\n" in out
 
 
+def test_a_side_that_is_both_a_file_and_a_revision_path_is_refused(repo):
+    # A file named like REV:path (a pull request can commit one) never
+    # silently stands in for the spec in git, nor the other way round.
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
+                            text=True, check=True).stdout.strip()
+    (repo / "spec.yaml").write_text(STACK.format(split="3"))
+    (repo / "HEAD:spec.yaml").write_text(STACK.format(split="3"))  # forged: the new layout
+    result = mpgen("diff", "HEAD:spec.yaml", "spec.yaml", cwd=repo)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (
+        f"HEAD:spec.yaml:1:1: 'HEAD:spec.yaml' is both a file and a revision:path ('HEAD' is "
+        f"commit {commit[:12]}); write './HEAD:spec.yaml' for the file, or "
+        f"'{commit}:spec.yaml' for the one in git\n")
+    for side, moved in (("./HEAD:spec.yaml", "moved: nothing\n"),
+                        (f"{commit}:spec.yaml", "moved:\n  h.1-2: cuda:1 -> cuda:0\n")):
+        result = mpgen("diff", side, "spec.yaml", cwd=repo)
+        assert result.returncode == 0, result.stderr
+        assert moved in result.stdout
+    # A name whose REV is no commit is the file it names.
+    (repo / "draft:spec.yaml").write_text(STACK.format(split="1-3"))
+    result = mpgen("diff", "draft:spec.yaml", "spec.yaml", cwd=repo)
+    assert result.returncode == 0 and "moved:\n  h.1-2: cuda:1 -> cuda:0\n" in result.stdout
+
+
 def test_diff_layers_only_on_one_side(repo, capsys):
     (repo / "spec.yaml").write_text(STACK.format(split="1-3").replace(
         "repeat: 4", "repeat: 5").replace("h.1-3", "h.1-4"))

@@ -272,10 +272,12 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     for orphan in changes.kept:
         _say(f"{orphan.path}: note: {orphan.why}; left in place (mpgen build --prune "
              "removes it)", sys.stderr)
+    for stranger in changes.strangers:
+        _say(f"{stranger.path}: note: {stranger.why}; no spec built owns it: left in place "
+             "(mpgen check reports it)", sys.stderr)
     for spec in built:
         _say(spec.line)
-    compiled = [spec.result for spec in built if spec.result is not None]
-    for note in build.path_notes(compiled, args.out):
+    for note in (note for spec in built for note in spec.notes):
         _say(note, sys.stderr)
     return Exit.OK
 
@@ -306,8 +308,13 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
         command += ["--time-limit", f"{args.time_limit:g}"]
     if diffs.prune:
         command += ["--prune"]
-    _say(f"\nmpgen check: generated code in {args.out} is not current; "
-         f"run: {shlex.join(command)}", sys.stderr)
+    if diffs.build_fixes:
+        _say(f"\nmpgen check: generated code in {args.out} is not current; "
+             f"run: {shlex.join(command)}", sys.stderr)
+    if diffs.strangers:
+        _say(f"{'' if diffs.build_fixes else chr(10)}mpgen check: {args.out} holds "
+             f"{diffs.strangers} file{'s' if diffs.strangers != 1 else ''} that no spec checked "
+             "owns; remove them (build leaves them)", sys.stderr)
     return Exit.DIFF
 
 

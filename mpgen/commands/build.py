@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from mpgen.compiler.codegen import manifest
 from mpgen.compiler.codegen.write import Changes, Differences, diff_files, write_files
-from mpgen.errors import MpgenError
+from mpgen.errors import Collector, MpgenError, Position
 from mpgen.printed import escaped
 from mpgen.spec_schema.digest import display_path
 from mpgen.spec_schema.load import read_spec
@@ -40,7 +40,12 @@ class Built:
     spec_path: str  # as given
     files: dict[str, str]  # name -> text
     entry: manifest.Entry  # what the manifest records of this spec's files
-    result: Optional[Generated] = None  # None: current, not compiled
+    result: Optional[Generated] = None  # None: current, or compiled in a child process
+    # build.path_notes of the compiled result (NOTE [User code in a child]:
+    # found where the spec's code was imported)
+    notes: tuple[str, ...] = ()
+    ran_user_code: bool = False  # compiled in a child process: the spec's own code ran
+    model: Optional[tuple[str, Position]] = None  # compiled: the model's name, where written
 
     @property
     def line(self) -> str:
@@ -91,8 +96,17 @@ def check(paths: Iterable[str | Path], out_dir: str | Path,
     that is stale, missing or edited, and each file it would refuse to
     overwrite or would remove (with ``--prune``, for a deleted spec's). Specs
     the manifest shows current are not compiled (NOTE [Build manifest])."""
+    return check_specs(paths, out_dir, device_map, root, time_limit)[1]
+
+
+def check_specs(paths: Iterable[str | Path], out_dir: str | Path,
+                device_map: Optional[Mapping[str, str]] = None,
+                root: str | Path | None = None,
+                time_limit: TimeLimit = ...) -> tuple[list[Built], Differences]:
+    """:func:`check`, and each spec as it was checked (``ran_user_code``:
+    its check ran the project's own code, in a child process)."""
     built = _gather(list(paths), Path(out_dir), device_map, root, time_limit)
-    return diff_files(Path(out_dir), _files(built), _specs(built))
+    return built, diff_files(Path(out_dir), _files(built), _specs(built))
 
 
 def _write(out_dir: Path, built: list[Built], device_map: Optional[Mapping[str, str]],
@@ -122,18 +136,21 @@ def _spec_text(path: str | Path) -> Optional[str]:
         return None
 
 
-def _compiled(result: Generated, device_map: Optional[Mapping[str, str]],
-              before: Optional[str] = None) -> Built:
+def compiled(result: Generated, device_map: Optional[Mapping[str, str]],
+             before: Optional[str] = None, out_dir: str | Path | None = None) -> Built:
     """``result`` as the manifest records it. ``before``: the spec's text read
     before the compile; its hash is recorded only when the file still holds
-    it (a spec edited during the build is never taken as built)."""
+    it (a spec edited during the build is never taken as built). ``out_dir``:
+    where its code will run from, for its path notes."""
     text = _spec_text(result.spec_path)
     source = manifest.sha256(text.encode("utf-8")) if text is not None and text == before else None
     graph = result.graph
     user_code = any(_user_nodes(graph)) or bool(graph.train and graph.train.modules)
     entry = manifest.entry(graph.spec_path, _key(graph.spec_hash, device_map), result.files,
                            _summary(graph), source, graph.spec_hash, user_code)
-    return Built(result.spec_path, result.files, entry, result)
+    return Built(result.spec_path, result.files, entry, result,
+                 tuple(path_notes([result], out_dir)) if out_dir is not None else (),
+                 False, (graph.name, graph.pos))
 
 
 #: How a spec names torch's own functions: a dotted op with another prefix is
@@ -216,20 +233,81 @@ def _gather(paths: list[str | Path], out_dir: Path,
     missed = [p for p, b in zip(paths, current) if b is None]
     if not missed:
         return current
-    compiled = iter(_compile(missed, device_map, root, time_limit))
-    built = [b if b is not None else next(compiled) for b in current]
+    fresh = iter(_compile(missed, device_map, root, time_limit, out_dir))
+    built = [b if b is not None else next(fresh) for b in current]
     every = [n for b in built for n in b.files]
     if len(set(every)) < len(every):  # a compiled spec clashes with a current one
-        return _compile(paths, device_map, root, time_limit)
+        return _compile(paths, device_map, root, time_limit, out_dir)
     return built
 
 
 def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
-             root: str | Path | None, time_limit: TimeLimit) -> list[Built]:
-    """Every spec compiled (the compiler reports clashes between them)."""
+             root: str | Path | None, time_limit: TimeLimit,
+             out_dir: Optional[Path] = None) -> list[Built]:
+    """Every spec compiled (the compiler reports clashes between them).
+    With ``out_dir`` (``mpgen build`` and ``check``), a spec that names code
+    of its own is compiled in a child process (NOTE [User code in a child]),
+    the others in this one; ``out_dir``: where the generated code will run
+    from, for the path notes."""
+    from mpgen.compiler.pipeline import Model, check_clashes
+
     texts = {str(p): _spec_text(p) for p in paths}
-    return [_compiled(r, device_map, texts[str(r.spec_path)])
-            for r in _generate_all(paths, device_map, root, time_limit)]
+    children = {} if out_dir is None else {
+        str(p): found for p in paths
+        if (found := _child_facts(p, texts[str(p)])) is not None}
+    errors = Collector()
+    built: dict[str, Built] = {}
+    try:
+        for result in _generate_all([p for p in paths if str(p) not in children], device_map,
+                                    root, time_limit):
+            built[str(result.spec_path)] = compiled(result, device_map,
+                                                    texts[str(result.spec_path)], out_dir)
+    except MpgenError as exc:
+        errors.extend(exc)
+    for path, (digest, name_pos) in children.items():
+        try:
+            built[path] = _compile_in_child(path, device_map, root, time_limit, out_dir,
+                                            digest, name_pos, texts[path])
+        except MpgenError as exc:
+            errors.extend(exc)
+    in_order = [built[str(p)] for p in paths if str(p) in built]
+    check_clashes([Model(b.spec_path, *b.model, tuple(b.files)) for b in in_order], errors)
+    errors.raise_if_any()
+    return in_order
+
+
+def _child_facts(path: str | Path, text: Optional[str]) -> Optional[tuple[str, Position]]:
+    """For a spec that names code of its own: its digest and where its name
+    is written, computed here without running that code; None for any
+    other spec (and for one that does not load or validate: compiling it
+    here reports why, before anything is imported)."""
+    from mpgen.spec_schema.digest import spec_digest
+    from mpgen.spec_schema.load import load_text
+    from mpgen.spec_schema.validate import validate
+
+    if text is None:
+        return None
+    try:
+        loaded = load_text(text, str(path))
+        spec = validate(loaded)
+    except MpgenError:
+        return None
+    if not names_user_code(spec):
+        return None
+    return spec_digest(spec), loaded.source.value(("name",))
+
+
+def _compile_in_child(path: str, device_map: Optional[Mapping[str, str]],
+                      root: str | Path | None, time_limit: TimeLimit, out_dir: Path,
+                      digest: str, name_pos: Position, text: Optional[str]) -> Built:
+    from mpgen.commands import isolate
+    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
+
+    child = isolate.generate(path, device_map, root,
+                             DEFAULT_TIME_LIMIT if time_limit is ... else time_limit, out_dir,
+                             digest, name_pos, text)
+    entry = manifest.Entry(**child.entry)
+    return Built(path, child.files, entry, None, child.notes, True, (child.name, child.pos))
 
 
 def _summary(graph: Graph) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 from mpgen.compiler import frontend, placement
 from mpgen.compiler.analysis import costs, shapes, targets
@@ -19,7 +19,7 @@ from mpgen.compiler.codegen.format import check_source
 from mpgen.compiler.frontend.eager_torch import eager_torch
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.ir import Graph
-from mpgen.errors import Collector, MpgenError
+from mpgen.errors import Collector, MpgenError, Position
 from mpgen.spec_schema.load import load_file
 from mpgen.spec_schema.validate import validate
 
@@ -91,24 +91,42 @@ def generate_all(paths: Iterable[str | Path],
     all specs are raised together."""
     errors = Collector()
     results: list[Generated] = []
-    owners: dict[str, Generated] = {}
     for path in paths:
         try:
-            result = generate(path, device_map, root, time_limit)
+            results.append(generate(path, device_map, root, time_limit))
         except MpgenError as exc:
             errors.extend(exc)
-            continue
-        clash = next((n for n in result.files if n in owners), None)
-        if clash is not None:
-            other = owners[clash]
-            name, other_name = result.graph.name, other.graph.name
-            what = (f"is also the name of the model in {other.spec_path}"
-                    if name == other_name else
-                    f"and {other_name!r} in {other.spec_path} have the same file name")
-            errors.add(result.graph.pos, f"name: {name!r} {what}, and both would generate "
-                       f"{clash}; give the models different names")
-            continue
-        owners.update(dict.fromkeys(result.files, result))
-        results.append(result)
+    kept = check_clashes([Model(r.spec_path, r.graph.name, r.graph.pos, tuple(r.files))
+                          for r in results], errors)
     errors.raise_if_any()
-    return results
+    return [r for r, keep in zip(results, kept) if keep]
+
+
+@dataclass(frozen=True)
+class Model:
+    """What :func:`check_clashes` needs of one built spec."""
+
+    spec_path: str
+    name: str  # the model's name
+    pos: Position  # where it is written
+    files: tuple[str, ...]
+
+
+def check_clashes(models: Sequence[Model], errors: Collector) -> list[bool]:
+    """An error in ``errors`` for each model that would generate a file of
+    an earlier one; whether each is kept (the first of a clash is)."""
+    owners: dict[str, Model] = {}
+    kept = []
+    for model_ in models:
+        clash = next((n for n in model_.files if n in owners), None)
+        kept.append(clash is None)
+        if clash is None:
+            owners.update(dict.fromkeys(model_.files, model_))
+            continue
+        other = owners[clash]
+        what = (f"is also the name of the model in {other.spec_path}"
+                if model_.name == other.name else
+                f"and {other.name!r} in {other.spec_path} have the same file name")
+        errors.add(model_.pos, f"name: {model_.name!r} {what}, and both would generate "
+                   f"{clash}; give the models different names")
+    return kept

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from mpgen.compiler.ir import Graph
 from mpgen.errors import Collector, MpgenError, Position
@@ -64,6 +64,12 @@ MAX_OP_OUTPUTS = 100_000
 #: pass ``time_limit=None`` (benchmarks).
 DEFAULT_TIME_LIMIT = 8.0
 
+#: Bytes of address space (``RLIMIT_AS``) the child process that builds a
+#: spec with code of its own may map (NOTE [User code in a child]): the
+#: largest example maps 0.8 GiB; torch's threads reserve more on machines
+#: with many cores.
+MAX_BUILD_MEMORY = 8 << 30
+
 
 def cpu_seconds() -> float:
     """CPU time this process has used (every thread, user and system)."""
@@ -96,6 +102,11 @@ class WorkBudget:
     """The CPU seconds one spec's build may take (``seconds`` None: no
     limit), and what the build is doing, for the message when they run out."""
 
+    #: Told of each task as it starts (where, what): the child process that
+    #: builds a spec with code of its own reports them to its parent, which
+    #: names the last one if the child dies (NOTE [User code in a child]).
+    observer: Optional[Callable[[Optional[Position], str], None]] = None
+
     def __init__(self, seconds: Optional[float] = None) -> None:
         self.seconds = seconds
         self.deadline = None if seconds is None else cpu_seconds() + seconds
@@ -107,6 +118,8 @@ class WorkBudget:
         """While ``what`` (``analysis of layer 'h.3'``, ``generating x.py``)
         is done: running out of the budget names it, at ``pos``."""
         self.tasks.append((pos, what, why))
+        if WorkBudget.observer is not None:
+            WorkBudget.observer(pos, what)
         try:
             self.check()
             yield
@@ -131,6 +144,11 @@ class WorkBudget:
             yield self
         finally:
             _CURRENT.reset(token)
+
+
+def active_budget() -> Optional[WorkBudget]:
+    """The budget :func:`tick` checks now, if any."""
+    return _CURRENT.get()
 
 
 def tick() -> None:

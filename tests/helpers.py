@@ -35,6 +35,19 @@ def write_spec(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
     return path
 
 
+def write_factory(folder: Path, factory: str) -> None:
+    """The project module of a data factory ``package.module:function`` in
+    ``folder``, defining the function (a build reads it under the import
+    policy; the function is never called)."""
+    module, _, function = factory.partition(":")
+    *packages, last = module.split(".")
+    folder.joinpath(*packages).mkdir(parents=True, exist_ok=True)
+    for k in range(len(packages)):
+        folder.joinpath(*packages[:k + 1], "__init__.py").touch()
+    folder.joinpath(*packages, f"{last}.py").write_text(
+        f"def {function}(**kwargs):\n    raise NotImplementedError\n", encoding="utf-8")
+
+
 def import_generated(path: Path):
     """Import a generated file as a fresh module (its folder on sys.path)."""
     folder = str(path.parent)

@@ -9,6 +9,7 @@ statement laid out on its own is what black makes of it in place.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -19,7 +20,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from helpers import EXAMPLES, write_spec
+from helpers import EXAMPLES, write_factory, write_spec
 from mpgen.compiler import pipeline
 from mpgen.compiler.codegen import common, format, model as model_module, pp, tests, train
 from mpgen.compiler.frontend.namespace import model_name_problem
@@ -125,7 +126,14 @@ train:
 @pytest.mark.parametrize("training", TRAINING, ids=str)
 def test_training_options_are_black_clean(tmp_path, training):
     spec = model() + TRAINING[training]
-    assert_black_clean(pipeline.compile_spec(write_spec(tmp_path, spec)))
+    assert_black_clean(pipeline.compile_spec(with_factories(tmp_path, spec)))
+
+
+def with_factories(folder, spec: str, name: str = "spec.yaml"):
+    """The spec, written beside the modules of the data factories it names."""
+    for factory in set(re.findall(r"factory: [\"']?([\w.]+:\w+)", spec)):
+        write_factory(folder, factory)
+    return write_spec(folder, spec, name)
 
 
 @pytest.mark.parametrize("name, inputs", [("A", 1), ("Ab", 2), (LONG, 1), (LONG[:60], 12),
@@ -133,13 +141,13 @@ def test_training_options_are_black_clean(tmp_path, training):
 @pytest.mark.parametrize("output", ["fc", "a_long_output_name_that_names_its_loss_too" * 2])
 def test_long_and_short_names_are_black_clean(tmp_path, name, inputs, output):
     spec = model(name, inputs, output=output) + TRAINING["every_key"]
-    assert_black_clean(pipeline.compile_spec(write_spec(tmp_path, spec)))
+    assert_black_clean(pipeline.compile_spec(with_factories(tmp_path, spec)))
 
 
 def test_a_long_spec_path_is_black_clean(tmp_path):
     folder = tmp_path / ("a_folder_with_a_rather_long_name_" * 3) / ("and_another_one_" * 4)
     folder.mkdir(parents=True)
-    path = write_spec(folder, model(LONG) + TRAINING["long_values"], "s" * 100 + ".yaml")
+    path = with_factories(folder, model(LONG) + TRAINING["long_values"], "s" * 100 + ".yaml")
     assert_black_clean(pipeline.compile_spec(path))
 
 
@@ -371,7 +379,7 @@ def drawn_specs(draw) -> str:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(drawn_specs())
 def test_drawn_names_and_values_are_black_clean(tmp_path, spec):
-    assert_black_clean(pipeline.compile_spec(write_spec(tmp_path, spec)))
+    assert_black_clean(pipeline.compile_spec(with_factories(tmp_path, spec)))
 
 
 USER_CLASSES = """\
@@ -466,7 +474,7 @@ placement:
 def test_a_spec_that_takes_a_scaffold_name_is_black_clean(tmp_path, spec, renamed):
     """The spec's class keeps the name; the scaffold's gets a suffix, and its
     file goes through black (``common.laid_out``)."""
-    graph = pipeline.compile_spec(write_spec(tmp_path, spec + TRAINING["every_key"]))
+    graph = pipeline.compile_spec(with_factories(tmp_path, spec + TRAINING["every_key"]))
     role, line = renamed
     render = {"train": train.render_train, "pp": pp.render_pp}[role]
     assert line in render(graph).splitlines()
@@ -525,7 +533,7 @@ def test_literals_are_spelled_as_black_spells_them():
 def test_generate_proves_the_files_compile_without_black(tmp_path, monkeypatch):
     """Black formats no generated file whole, only statements that do not
     fit; an invalid file is still refused."""
-    spec = write_spec(tmp_path, model() + TRAINING["every_key"])
+    spec = with_factories(tmp_path, model() + TRAINING["every_key"])
     formatted, format_str = [], black.format_str
     monkeypatch.setattr(black, "format_str",
                         lambda text, mode: formatted.append(text) or format_str(text, mode=mode))

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, ROOT, listing, mpgen, time_limit, write_spec
+from helpers import EXAMPLES, ROOT, listing, mpgen, time_limit, write_factory, write_spec
 from mpgen.compiler.codegen import manifest, write
 from mpgen.spec_schema.load import MAX_BYTES
 
@@ -225,6 +225,12 @@ class Gate(nn.Module):
     ("Pytest", "pytest", "the module 'pytest' the generated code imports"),
     ("Numpy", "numpy", "the module 'numpy' the generated code imports"),
     ("Conftest", "conftest", "the module 'conftest' the generated code imports"),
+    # What the training script imports (tests/test_generated_imports.py keeps the list).
+    ("Safetensors", "safetensors", "the module 'safetensors' the generated code imports"),
+    ("Tqdm", "tqdm", "the module 'tqdm' the generated code imports"),
+    ("Tensorboard", "tensorboard", "the module 'tensorboard' the generated code imports"),
+    ("Google", "google", "the module 'google' the generated code imports"),
+    ("Pil", "pil", "the module 'pil' the generated code imports"),
     ("Os", "os", "the standard library module 'os'"),
     ("Typing", "typing", "the standard library module 'typing'"),
     ("Argparse", "argparse", "the standard library module 'argparse'"),
@@ -236,6 +242,26 @@ def test_model_names_that_would_shadow_a_module_are_refused(tmp_path, name, modu
     assert result.returncode == 2
     assert result.stderr == (f"spec.yaml:2:7: name: {name!r} would generate {module}.py, which "
                              f"shadows {what}; choose another name (e.g. '{name}Model')\n")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("factory, stem", [
+    ("mydata:make", "mydata"),  # the model module
+    ("train_mydata:make", "train_mydata"),  # the training script
+    ("test_mydata.sets:make", "test_mydata"),  # the tests
+    ("pp_mydata:make", "pp_mydata"),  # the pipeline program
+])
+def test_no_generated_file_shadows_the_data_factorys_module(tmp_path, factory, stem):
+    """The training script imports the spec's data factory: none of the
+    generated files (model, script, tests, pipeline program) may take its
+    module's name."""
+    write_factory(tmp_path, factory)
+    write_spec(tmp_path, MODEL.format(name="Mydata") + f"train: {{data: '{factory}'}}\n")
+    result = mpgen("build", "spec.yaml", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == (f"spec.yaml:2:7: name: 'Mydata' would generate {stem}.py, which "
+                             f"shadows the module {stem!r} this spec's ops import; choose "
+                             "another name (e.g. 'MydataModel')\n")
     assert not (tmp_path / "out").exists()
 
 

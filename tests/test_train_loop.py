@@ -103,8 +103,12 @@ class Built:
         return self.model()
 
 
-def build(tmp_path_factory, text: str, device_map: dict | None = None) -> Built:
+def build(tmp_path_factory, text: str, device_map: dict | None = None,
+          modules: dict[str, str] | None = None) -> Built:
+    """``text`` built, beside ``modules`` (name: source) of its project."""
     folder = tmp_path_factory.mktemp("build")
+    for name, source in (modules or {}).items():
+        write_module(folder, name, source)
     spec = write_spec(folder, text)
     result = build_to(spec, folder / "out", device_map if device_map is not None else {"*": "cpu"})
     name = result.graph.name
@@ -832,9 +836,7 @@ def test_a_model_placed_on_missing_gpus_names_them_and_suggests_device_map(tmp_p
 
 def test_the_specs_train_keys_are_the_scripts_defaults(tmp_path_factory, here, capsys,
                                                        forward_dtypes):
-    keys = build(tmp_path_factory, KEYS)
-    forward_dtypes.clear()  # the build's own runs
-    write_module(here, "loop_keys_data", """
+    data = """
         import torch
         from torch.utils.data import TensorDataset
 
@@ -842,7 +844,10 @@ def test_the_specs_train_keys_are_the_scripts_defaults(tmp_path_factory, here, c
         def make(n):
             x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
             return TensorDataset(x, x.sum(1, keepdim=True) * 100)
-    """)
+    """
+    keys = build(tmp_path_factory, KEYS, modules={"loop_keys_data": data})  # the spec's project
+    forward_dtypes.clear()  # the build's own runs
+    write_module(here, "loop_keys_data", data)  # where the script runs
     run = ok(keys, capsys, "--checkpoint", "c")
     # n: 12 reaches the factory; 3 held out (eval_split) leaves 9 samples:
     # 3 batches of 3, 2 a step (accumulate), so 1 step an epoch, 2 epochs.

@@ -12,13 +12,15 @@ language model's ``[batch, seq, vocab]``, or the loss's ``class_dim:``.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, write_spec
+from helpers import ROOT, write_factory, write_spec
 from mpgen.compiler import pipeline
 from mpgen.compiler.frontend.training import scheduler_names
 from mpgen.compiler.ir import DataSource, Scheduler, TensorType, TrainConfig
+from mpgen.errors import MpgenError
 from test_training_specs import MODEL, build, refused
 
 #: The fields issue 11 adds, and their defaults: a spec without them builds
@@ -44,6 +46,7 @@ def test_without_the_new_keys_every_setting_is_the_irs_default(tmp_path):
 
 
 def test_every_key_resolves(tmp_path):
+    write_factory(tmp_path, "mydata.text:make")
     config = train_config(tmp_path, """\
   optimizer: {op: AdamW, lr: 3.0e-4, weight_decay: 0.1}
   steps: 50
@@ -140,6 +143,8 @@ def test_no_decay_with_weight_decay(tmp_path, optimizer):
                 kwargs=(("split", "train"), ("n", 3), ("shuffle", False), ("extra", None)))),
 ])
 def test_data_sources(tmp_path, written, source):
+    if source.factory:
+        write_factory(tmp_path, source.factory)
     config = train_config(tmp_path, f"  data: {written}\n  eval_data: {written}\n")
     assert config.data == config.eval_data == source
     assert config.data.text == (source.path or source.factory)
@@ -152,7 +157,8 @@ def test_eval_split(tmp_path):
 
 def test_a_factory_is_never_imported_at_build_time(tmp_path):
     """A spec must never make mpgen run code: the module a factory names is
-    checked as text only, even when it is right there beside the spec."""
+    read and parsed under the import policy, never run, even when it is
+    right there beside the spec."""
     (tmp_path / "mydata.py").write_text(
         "import pathlib\npathlib.Path(__file__).with_name('ran').write_text('x')\n"
         "def make():\n    return None\n")
@@ -160,6 +166,70 @@ def test_a_factory_is_never_imported_at_build_time(tmp_path):
                       "{factory: 'mydata:make', split: test}}\n", "--device-map", "cpu")
     assert code == 0, err
     assert not (tmp_path / "ran").exists()
+
+
+OWN = ("a data factory is a function of your own module, in the project or in a package "
+       "listed under 'imports:', e.g. 'mydata:make'")
+
+
+@pytest.mark.parametrize("factory, message", [
+    # The training script would run these: a shell command, code, a package's function.
+    ("os:system", f"'os:system' is in the standard library; {OWN}"),
+    ("subprocess:run", f"'subprocess:run' is in the standard library; {OWN}"),
+    ("builtins:eval", f"'builtins:eval' is in the standard library; {OWN}"),
+    ("importlib.util:spec_from_file_location",
+     f"'importlib.util:spec_from_file_location' is in the standard library; {OWN}"),
+    ("torch.hub:load", f"'torch.hub:load' is in torch; {OWN}"),
+    ("mpgen.cli:main", f"'mpgen.cli:main' is in mpgen; {OWN}"),
+    ("yaml:load", "'yaml:load': 'yaml' is an installed package ({site}), outside the spec's "
+                  "project ({root}); mpgen imports it only if the spec lists 'yaml' under "
+                  "'imports:'"),
+    ("pip.__main__:main", f"'pip.__main__:main' names a '__main__' module, a program's entry "
+                          f"point; {OWN}"),
+    ("mydata._impl:make", f"'mydata._impl:make' names a private module ('_impl'); {OWN}"),
+    ("mydata:_make", f"'mydata:_make' names a private function ('_make'); {OWN}"),
+    ("nothere:make", "unknown data factory 'nothere:make': no module 'nothere' in the spec's "
+                     "project ({root}); put the module in the project, pass --root, or list "
+                     "its package under 'imports:'"),
+    ("mydata:load", "'mydata:load': mydata.py does not define 'load': a data factory is a "
+                    "function its module defines with 'def load' (or a class) or imports "
+                    "with 'from .module import load'"),
+])
+def test_a_factory_follows_the_import_policy_of_ops(tmp_path, factory, message):
+    """train.data and train.eval_data name code the training script imports
+    and runs: only a module of the project or of a package the spec lists
+    (docs/spec.md, "User modules"), refused at the factory's value."""
+    import yaml
+
+    (tmp_path / ".git").mkdir()
+    (tmp_path / "mydata.py").write_text("def make():\n    return None\n")
+    err = refused(tmp_path, MODEL + f"train:\n  data: {{factory: '{factory}', command: "
+                  f"'touch x'}}\n  eval_data: {factory}\n", "--device-map", "cpu")
+    shown = message.format(root=tmp_path.resolve(),
+                           site=Path(yaml.__file__).resolve().parent)
+    assert err.splitlines() == [f"spec.yaml:8:19: train.data: {shown}",
+                                f"spec.yaml:9:14: train.eval_data: {shown}"]
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_factory_of_a_listed_package_or_reexported_in_the_project(tmp_path, monkeypatch):
+    site = tmp_path / "site"
+    write_factory(site, "extdata.sets:make")
+    (site / "extdata" / "__init__.py").write_text("from .sets import make\n")
+    monkeypatch.syspath_prepend(str(site))
+    project = tmp_path / "project"
+    write_factory(project, "mydata.text:load")
+    (project / "mydata" / "__init__.py").write_text("from mydata.text import load as load\n")
+    spec = MODEL + "train: {data: 'extdata:make', eval_data: 'mydata:load'}\n"
+    with pytest.raises(MpgenError) as refusal:
+        pipeline.compile_spec(write_spec(project, spec))
+    assert str(refusal.value) == (
+        f"{project / 'spec.yaml'}:7:15: train.data: 'extdata:make': 'extdata' is an installed "
+        f"package ({(site / 'extdata').resolve()}), outside the spec's project "
+        f"({project.resolve()}); mpgen imports it only if the spec lists 'extdata' under "
+        "'imports:'")
+    config = pipeline.compile_spec(write_spec(project, "imports: [extdata]\n" + spec)).train
+    assert (config.data.factory, config.eval_data.factory) == ("extdata:make", "mydata:load")
 
 
 # Single refusals, beside those of the fixtures (tests/errors/train_*).

@@ -185,9 +185,11 @@ def _python_path() -> list[Path]:
     return list(dict.fromkeys(folders))
 
 
-def _top(project: Project, name: str, op: str) -> tuple[_Module, Path, str]:
+def _top(project: Project, name: str, op: str,
+         noun: str = "op") -> tuple[_Module, Path, str]:
     """The top-level module ``name``, the folder everything of it must lie
-    in, and that folder's description for messages."""
+    in, and that folder's description for messages (``op`` is the ``noun``
+    that names it)."""
     root = f"the spec's project ({_text(project.root)})"
     for folder in project.search:
         found = _find(folder, name, None, op)
@@ -209,7 +211,7 @@ def _top(project: Project, name: str, op: str) -> tuple[_Module, Path, str]:
         raise Refused(f"{op!r}: {name!r} is an installed package "
                       f"({_text(installed.location)}), outside {root}; mpgen imports it "
                       f"only if the spec lists {name!r} under 'imports:'")
-    raise Refused(f"unknown op {op!r}: no module {name!r} in {root}; {HOW}")
+    raise Refused(f"unknown {noun} {op!r}: no module {name!r} in {root}; {HOW}")
 
 
 def _first(folders: Iterable[Path], name: str, op: str) -> Optional[_Module]:
@@ -274,13 +276,15 @@ def _top_level(body: list[ast.stmt]) -> Iterator[ast.stmt]:
 
 
 def _defines(top: _Module, module: _Module, tree: ast.Module, name: str, op: str,
-             depth: int = 0, seen: Optional[set] = None) -> bool:
-    """Whether ``tree`` (the source of ``module``) defines class ``name``,
-    itself or through ``from .x import name`` within the package of ``top``."""
+             depth: int = 0, seen: Optional[set] = None,
+             kinds: tuple[type, ...] = (ast.ClassDef,)) -> bool:
+    """Whether ``tree`` (the source of ``module``) defines ``name`` by a
+    statement of ``kinds`` (a class), itself or through ``from .x import
+    name`` within the package of ``top``."""
     seen = set() if seen is None else seen
     seen.add((module.name, name))
     for stmt in _top_level(tree.body):
-        if isinstance(stmt, ast.ClassDef) and stmt.name == name:
+        if isinstance(stmt, kinds) and stmt.name == name:
             return True
         if not isinstance(stmt, ast.ImportFrom) or depth >= MAX_REEXPORTS:
             continue
@@ -293,7 +297,7 @@ def _defines(top: _Module, module: _Module, tree: ast.Module, name: str, op: str
                 continue
             try:
                 tree = _tree(found, _source(found, op), op)
-                if _defines(top, found, tree, alias.name, op, depth + 1, seen):
+                if _defines(top, found, tree, alias.name, op, depth + 1, seen, kinds):
                     return True
             except (Refused, OSError):
                 continue
@@ -507,9 +511,26 @@ def user_class(op: str, project: Project, base: type = nn.Module,
 def _checked(op: str, parts: list[str], project: Project) -> tuple[list[_Module], list]:
     """Every module of the op's path, found and checked before anything
     runs, and the source of each (None for a namespace package)."""
-    top, allowed, where = _top(project, parts[0], op)
+    chain, sources = _located(op, parts[:-1], project)
+    for module in chain:
+        _already_loaded(module, op)
+    target, class_name = chain[-1], parts[-1]
+    if target.file is None or not _defines(chain[0], target, _tree(target, sources[-1], op),
+                                           class_name, op):
+        raise Refused(f"{op!r} is not a class defined in {target.shown}: a dotted op names a "
+                      f"class its module defines with 'class {class_name}' or imports with "
+                      f"'from .module import {class_name}'")
+    return chain, sources
+
+
+def _located(op: str, parts: list[str], project: Project,
+             noun: str = "op") -> tuple[list[_Module], list]:
+    """The modules ``parts`` names (a package, its subpackages, the module),
+    found on disk and vetted, and the source of each (None for a namespace
+    package); nothing is imported."""
+    top, allowed, where = _top(project, parts[0], op, noun)
     chain = [top]
-    for part in parts[1:-1]:
+    for part in parts[1:]:
         parent = chain[-1]
         if not parent.package:
             raise Refused(f"{op!r}: {parent.shown} is a module, not a package: it has no "
@@ -523,11 +544,38 @@ def _checked(op: str, parts: list[str], project: Project) -> tuple[list[_Module]
     for module in chain:
         _vet(module, allowed, where, op)
         sources.append(_source(module, op) if module.file is not None else None)
-        _already_loaded(module, op)
-    target, class_name = chain[-1], parts[-1]
-    if target.file is None or not _defines(top, target, _tree(target, sources[-1], op),
-                                           class_name, op):
-        raise Refused(f"{op!r} is not a class defined in {target.shown}: a dotted op names a "
-                      f"class its module defines with 'class {class_name}' or imports with "
-                      f"'from .module import {class_name}'")
     return chain, sources
+
+
+def check_factory(text: str, project: Project) -> None:
+    """Refuse a data factory ``package.module:function`` that the training
+    script may not import (:class:`Refused`): the policy of dotted ops
+    (the module in the project or a package listed under ``imports:``; not
+    the standard library, ``torch`` or ``mpgen``; no ``__main__`` or private
+    part; ``.py`` source files inside the project), and ``function`` defined
+    in its source by a top-level ``def`` or ``class`` (or imported there from
+    a module of the same package). The source is read and parsed, never run:
+    the script imports the module when it runs."""
+    module_name, _, function = text.partition(":")
+    parts = module_name.split(".")
+    own = ("a data factory is a function of your own module, in the project or in a "
+           "package listed under 'imports:', e.g. 'mydata:make'")
+    if parts[0] in FORBIDDEN or parts[0] in sys.stdlib_module_names:
+        where = "the standard library" if parts[0] in sys.stdlib_module_names else parts[0]
+        raise Refused(f"{text!r} is in {where}; {own}")
+    if "__main__" in parts:
+        raise Refused(f"{text!r} names a '__main__' module, a program's entry point; {own}")
+    private = next((p for p in (*parts, function) if p.startswith("_")), None)
+    if private is not None:
+        raise Refused(f"{text!r} names a private {'function' if private == function else 'module'}"
+                      f" ({private!r}); {own}")
+    try:
+        chain, sources = _located(text, parts, project, "data factory")
+    except (OSError, RuntimeError) as exc:  # unreadable, a loop of links
+        raise Refused(f"{text!r}: cannot read its module: {_describe(exc)}") from None
+    target = chain[-1]
+    if target.file is None or not _defines(chain[0], target, _tree(target, sources[-1], text),
+                                           function, text, kinds=(ast.FunctionDef, ast.ClassDef)):
+        raise Refused(f"{text!r}: {target.shown} does not define {function!r}: a data factory "
+                      f"is a function its module defines with 'def {function}' (or a class) "
+                      f"or imports with 'from .module import {function}'")

@@ -16,6 +16,8 @@ import keyword
 import re
 import sys
 
+from mpgen import templates
+
 #: Names the generated modules import or use at top level.
 GLOBALS = frozenset({"torch", "nn", "F", "math", "argparse", "time", "pytest", "sys"})
 
@@ -24,15 +26,12 @@ GLOBALS = frozenset({"torch", "nn", "F", "math", "argparse", "time", "pytest", "
 #: in snake case), which must stay within every file system's name limit.
 MAX_MODEL_NAME = 100
 
-#: Top-level modules the generated files import, directly or through torch
-#: and pytest: a generated module of the same name, next to them, would be
-#: imported instead. With the standard library and the spec's user modules,
-#: no generated file may take one of these names.
-IMPORTED_MODULES = frozenset({
-    "torch", "torchgen", "functorch", "triton", "mpgen", "numpy", "pytest", "_pytest",
-    "pluggy", "iniconfig", "packaging", "conftest", "sympy", "mpmath", "networkx", "jinja2",
-    "markupsafe", "filelock", "fsspec", "typing_extensions", "setuptools", "pkg_resources",
-})
+#: Top-level modules the generated files import, directly or through torch,
+#: pytest and TensorBoard (``mpgen.templates``, which keeps the list beside
+#: the templates): a generated module of the same name, next to them, would
+#: be imported instead. With the standard library and the spec's user
+#: modules, no generated file may take one of these names.
+IMPORTED_MODULES = templates.IMPORTS | templates.LOADED
 
 
 def module_name(class_name: str) -> str:
@@ -60,7 +59,7 @@ def model_name_problem(name: str, user_modules: frozenset[str] | set[str] = froz
     for stem in module_stems(name):
         if stem in users:
             what = f"the module {stem!r} this spec's ops import"
-        elif stem in IMPORTED_MODULES:
+        elif stem in {m.lower() for m in IMPORTED_MODULES}:
             what = f"the module {stem!r} the generated code imports"
         elif stem in {m.lower() for m in sys.stdlib_module_names}:
             what = f"the standard library module {stem!r}"

@@ -707,15 +707,23 @@ class InitFunction:
 
 
 def _user_roots(spec: Spec) -> set[str]:
+    """The top-level modules of the spec's own code that the generated files
+    import: those of dotted ops, of a loss or optimizer class, and of data
+    factories (``package.module:function``)."""
     layers = list(spec.layers.values())
     for block in spec.blocks.values():
         layers.extend(block.layers.values())
-    return {
-        layer.op.split(".")[0]
-        for layer in layers
-        if "." in layer.op and not layer.op.startswith(("torch.", "F."))
-        and layer.op.split(".")[0].isidentifier()
-    }
+    ops = [layer.op for layer in layers]
+    modules = []
+    if spec.train is not None:
+        losses = spec.train.loss.values() if isinstance(spec.train.loss, dict) else [
+            spec.train.loss]
+        ops += [loss.op for loss in losses] + [spec.train.optimizer.op]
+        modules += [data.factory.partition(":")[0] for data in (spec.train.data,
+                                                                  spec.train.eval_data)
+                    if data is not None and data.factory is not None]
+    modules += [op for op in ops if "." in op and not op.startswith(("torch.", "F."))]
+    return {module.split(".")[0] for module in modules if module.split(".")[0].isidentifier()}
 
 
 def _flat(args, kwargs):

@@ -7,8 +7,9 @@ is built and computed on a sample batch, and the optimizer is built and takes
 one step on sample parameters (on the CPU, a few elements), so that whatever
 torch says about a bad value (``reduction: bogus``, ``lr: -1``) is a build
 error rather than a crash at the script's first step; so is a scheduler,
-built on that sample optimizer. The data settings are checked as text only: a
-factory's module is never imported at build time. The synthetic targets
+built on that sample optimizer. The data settings are checked without running
+anything: a factory's module must be one the import policy allows (its source
+is read and parsed, never imported at build time). The synthetic targets
 of the generated training script follow from the loss and (filled in by
 ``analysis.targets``) the inferred output shape:
 
@@ -155,8 +156,8 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
                  if spec.scheduler else None)
     if optimizer is not None:
         _optimizer_fits(spec, optimizer, source, errors)
-    data = _data(spec.data, "data", source, errors)
-    eval_data = _data(spec.eval_data, "eval_data", source, errors)
+    data = _data(spec.data, "data", source, errors, project)
+    eval_data = _data(spec.eval_data, "eval_data", source, errors, project)
     if spec.eval_data is not None and spec.eval_split > 0:
         errors.add(source.value(("train", "eval_split")), "train.eval_split: the evaluation "
                    "data is train.eval_data; hold out a split only without it")
@@ -310,11 +311,12 @@ def _optimizer_fits(spec: TrainSpec, optimizer: type, source: SourceMap,
                    "be accumulated; use accumulate: 1 and a larger batch_size")
 
 
-def _data(spec: Optional[DataSpec], key: str, source: SourceMap,
-          errors: Collector) -> Optional[DataSource]:
+def _data(spec: Optional[DataSpec], key: str, source: SourceMap, errors: Collector,
+          project: Optional[imports.Project]) -> Optional[DataSource]:
     """``train.data``/``train.eval_data``: exactly one of ``factory:`` and
-    ``path:``; keyword arguments only with a factory. The text itself was
-    checked by the schema."""
+    ``path:``; keyword arguments only with a factory, whose module follows
+    the import policy of dotted ops (``imports.check_factory``: read, never
+    run). The text itself was checked by the schema."""
     if spec is None:
         return None
     path = ("train", key)
@@ -332,9 +334,23 @@ def _data(spec: Optional[DataSpec], key: str, source: SourceMap,
     elif spec.path is not None and extra:
         errors.add(source.key((*path, extra[0])), f"train.{key}: {extra[0]!r}: only a factory "
                    "takes keyword arguments, not a file")
+    elif spec.factory is not None and not _factory_allowed(spec.factory, key, source, errors,
+                                                            project):
+        return None
     else:
         return DataSource(spec.path, spec.factory, tuple(spec.kwargs.items()))
     return None
+
+
+def _factory_allowed(factory: str, key: str, source: SourceMap, errors: Collector,
+                     project: Optional[imports.Project]) -> bool:
+    """Whether the script may import the factory; else an error at its value."""
+    try:
+        imports.check_factory(factory, project or imports.Project.of("spec.yaml"))
+    except imports.Refused as exc:
+        errors.add(source.value(("train", key, "factory")), f"train.{key}: {exc}")
+        return False
+    return True
 
 
 def needs_closure(optimizer: type) -> bool:

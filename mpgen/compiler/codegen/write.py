@@ -18,6 +18,29 @@
 # (Python handlers, not a signal mask: torch's threads would still take a
 # signal). ``check`` reads the same survey, so it reports exactly what
 # ``build`` would change, byte for byte.
+
+# NOTE: [Every file of the output folder accounted for]
+# CI runs the generated tests (``pytest generated``), so anything in the
+# output folder can run: a ``conftest.py``, a ``.pth``, a ``pytest.ini``, a
+# committed ``__pycache__/*.pyc`` that Python loads without its source. The
+# survey therefore lists every file there and gives each an owner: a file a
+# checked spec generates (a target), or an orphan of one (a renamed model's,
+# a deleted spec's). Every other file is a stranger (:class:`Stranger`),
+# which ``check`` reports (exit 1) and ``build`` leaves in place with a
+# note: no mpgen header; a header naming a spec outside the project (an
+# absolute path, ``..``), or one not found in any project of the checked
+# specs while the folder is outside them; a spec of the project that was
+# not among the specs checked (a pull request that narrowed ``[tool.mpgen]
+# specs`` so that a hand-edited file is no longer compared); anything in a
+# sub-folder (mpgen writes none); a link, a folder, a pipe. Inside a git
+# work tree the files listed are those git tracks or would add (``git
+# ls-files -c -o --exclude-standard``): what a commit can carry, and what
+# is not ignored, less the caches Python and pytest write themselves when
+# untracked (``__pycache__``, ``.pytest_cache``); outside one, every file
+# but those caches. ``build --prune`` removes a deleted spec's files only
+# from an output folder inside that spec's project (its git work tree, or
+# its folder): a header's path is the only evidence the spec is gone, and
+# in another project's folder it is no evidence at all.
 """
 
 from __future__ import annotations
@@ -29,6 +52,7 @@ import re
 import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -37,8 +61,8 @@ from typing import Iterable, Iterator, Mapping, Optional
 
 from mpgen.compiler.codegen import manifest as build_manifest
 from mpgen.errors import Collector, MpgenError, Position
-from mpgen.files import (FileTooLarge, is_project_folder, kind, read_head, read_regular,
-                         reason)
+from mpgen.files import (FileTooLarge, inside, is_project_folder, kind, read_head,
+                         read_regular, reason, work_tree)
 
 #: An existing file is read up to this many bytes more than the generated one.
 MAX_EXTRA_BYTES = 1 << 20
@@ -46,6 +70,11 @@ MAX_EXTRA_BYTES = 1 << 20
 HEAD_BYTES = 4096
 #: The prefix of the staging folder a build writes in (inside the output folder).
 STAGING_PREFIX = ".mpgen-staging-"
+#: At most this many entries of the output folder are looked at for strangers.
+MAX_LISTED = 100_000
+#: Folders Python and pytest write themselves when the generated tests run:
+#: never strangers unless git tracks them.
+CACHES = ("__pycache__", ".pytest_cache")
 
 
 @dataclass(frozen=True)
@@ -82,13 +111,23 @@ class Orphan:
         return prune or not self.gone
 
 
+@dataclass(frozen=True)
+class Stranger:
+    """A file in the output folder that no spec of this build or check owns
+    (NOTE [Every file of the output folder accounted for])."""
+
+    path: Path
+    why: str
+
+
 @dataclass
 class Survey:
-    """The output folder against a build: targets and orphans."""
+    """The output folder against a build: targets, orphans and strangers."""
 
     out_dir: Path
     targets: list[Target] = field(default_factory=list)
     orphans: list[Orphan] = field(default_factory=list)
+    strangers: list[Stranger] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -98,6 +137,7 @@ class Changes:
     written: list[Path]
     removed: list[Path]
     kept: list[Orphan] = field(default_factory=list)  # orphans left in place: no --prune
+    strangers: list[Stranger] = field(default_factory=list)  # left in place, check reports them
 
 
 @dataclass(frozen=True)
@@ -106,9 +146,15 @@ class Differences:
 
     texts: list[str]
     prune: bool = False  # some are orphans only ``build --prune`` removes
+    strangers: int = 0  # the last texts: files no build changes (:class:`Stranger`)
 
     def __bool__(self) -> bool:
         return bool(self.texts)
+
+    @property
+    def build_fixes(self) -> bool:
+        """Whether ``build`` would change anything (strangers it leaves)."""
+        return len(self.texts) > self.strangers
 
 
 #: The first line of every generated file: a Python file's header, or the
@@ -158,9 +204,12 @@ def _target(path: Path, data: bytes) -> Target:
     return Target(path, data, current, exists=True, note=note)
 
 
-def _project_roots(specs: Mapping[str, str | Path]) -> list[Path]:
+def _project_roots(specs: Mapping[str, str | Path], out_dir: Path) -> list[Path]:
     """The project folders the built specs' headers are relative to (the
-    folder with ``.git`` or ``pyproject.toml`` the spec path is shown from)."""
+    folder with ``.git`` or ``pyproject.toml`` the spec path is shown from)
+    that hold ``out_dir`` (in their git work tree, or below them): a header
+    names a spec of such a project only (NOTE [Every file of the output
+    folder accounted for])."""
     roots = []
     for shown, spec in specs.items():
         parts = PurePosixPath(shown).parts
@@ -168,24 +217,32 @@ def _project_roots(specs: Mapping[str, str | Path]) -> list[Path]:
         if len(parts) >= len(full.parts) or full.parts[-len(parts):] != parts:
             continue  # escaped in the header: cannot be matched to the disk
         root = full.parents[len(parts) - 1]
-        if is_project_folder(root):
+        if is_project_folder(root) and inside(out_dir, work_tree(root) or root):
             roots.append(root)
     return roots
 
 
-def _spec_exists(shown: str, roots: list[Path]) -> bool:
-    """Whether the spec a header names may still exist (True when unsure)."""
+def _spellings(shown: str) -> set[str]:
+    """The paths a header's spec may be (the header escapes it)."""
     spellings = {shown, shown.replace("- -", "--")}  # the report's comment escapes "--"
     with contextlib.suppress(UnicodeError):
         spellings.add(shown.replace('\\"', '"').encode("ascii", "backslashreplace")
                       .decode("unicode_escape"))
-    for spelling in spellings:
-        path = PurePosixPath(spelling)
-        if path.is_absolute() or ".." in path.parts:
-            return True
-        if any((root / path).exists() for root in roots):
-            return True
-    return False
+    return spellings
+
+
+def _outside(shown: str) -> bool:
+    """Whether a header names a spec outside any project (``/x``, ``../x``)."""
+    return any(PurePosixPath(s).is_absolute() or ".." in PurePosixPath(s).parts
+               for s in _spellings(shown))
+
+
+def _spec_exists(shown: str, roots: list[Path]) -> bool:
+    """Whether the spec a header names may still exist (True when unsure)."""
+    if _outside(shown):
+        return True
+    return any((root / PurePosixPath(spelling)).exists()
+               for spelling in _spellings(shown) for root in roots)
 
 
 def _orphans(out_dir: Path, files: Mapping[str, str],
@@ -194,7 +251,7 @@ def _orphans(out_dir: Path, files: Mapping[str, str],
     produce, whose header names a spec being built or one that no longer
     exists; files of other specs that exist are never touched."""
     ours = {text.split("\n", 1)[0] for text in files.values()}
-    roots = _project_roots(specs)
+    roots = _project_roots(specs, out_dir)
     found = []
     try:
         entries = sorted(os.scandir(out_dir), key=lambda e: e.name)
@@ -234,7 +291,115 @@ def survey(out_dir: Path, files: Mapping[str, str],
     result.targets = [_target(out_dir / name, text.encode("utf-8"))
                       for name, text in files.items()]
     result.orphans = _orphans(out_dir, files, specs or {})
+    result.strangers = _strangers(out_dir, files, specs or {}, result.orphans)
     return result
+
+
+def _git_listed(out_dir: Path) -> Optional[list[str]]:
+    """The files under ``out_dir`` that git tracks, or would add (untracked,
+    not ignored) but the caches of :data:`CACHES` then, as paths relative to
+    it; None outside a git work tree or when git cannot say."""
+    if work_tree(out_dir) is None:
+        return None
+    try:
+        ran = subprocess.run(
+            ["git", "-c", "core.fsmonitor=false", "ls-files", "-z", "-t", "-c", "-o",
+             "--exclude-standard", "--", "."],
+            cwd=out_dir, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if ran.returncode != 0:
+        return None
+    listed: dict[str, None] = {}
+    for item in ran.stdout.split(b"\0"):
+        if len(item) < 3:
+            continue
+        tag, name = item[:1], os.fsdecode(item[2:]).rstrip("/")
+        if tag == b"?" and any(part in CACHES for part in name.split("/")[:-1]):
+            continue
+        listed.setdefault(name)
+        if len(listed) > MAX_LISTED:
+            break
+    return list(listed)
+
+
+def _walked(out_dir: Path) -> list[str]:
+    """Every file under ``out_dir`` but the caches of :data:`CACHES` (links
+    not followed), at most :data:`MAX_LISTED` + 1, as relative paths."""
+    listed: list[str] = []
+    folders = [""]
+    while folders and len(listed) <= MAX_LISTED:
+        folder = folders.pop()
+        try:
+            with os.scandir(out_dir / folder if folder else out_dir) as entries:
+                found = sorted(entries, key=lambda e: e.name)
+        except OSError:
+            continue
+        for entry in found:
+            name = f"{folder}/{entry.name}" if folder else entry.name
+            try:
+                is_dir = entry.is_dir(follow_symlinks=False)
+            except OSError:
+                is_dir = False
+            if is_dir and entry.name not in CACHES:
+                folders.append(name)
+            elif not is_dir:
+                listed.append(name)
+    return listed
+
+
+def _strangers(out_dir: Path, files: Mapping[str, str], specs: Mapping[str, str | Path],
+               orphans: list[Orphan]) -> list[Stranger]:
+    """Every file in ``out_dir`` that is neither a target nor an orphan
+    (NOTE [Every file of the output folder accounted for])."""
+    if not out_dir.is_dir():
+        return []
+    listed = _git_listed(out_dir)
+    if listed is None:
+        listed = _walked(out_dir)
+    owned = {*files, *(o.path.name for o in orphans)}
+    roots = _project_roots(specs, out_dir)
+    found = []
+    for name in sorted(listed):
+        if name in owned or not os.path.lexists(out_dir / name):
+            continue
+        if len(found) == MAX_LISTED:
+            found.append(Stranger(out_dir, f"holds more than {MAX_LISTED} files mpgen does "
+                                           "not own; the rest were not looked at"))
+            break
+        found.append(Stranger(out_dir / name, _why_stranger(out_dir / name, name, specs,
+                                                             roots)))
+    return found
+
+
+def _why_stranger(path: Path, name: str, specs: Mapping[str, str | Path],
+                  roots: list[Path]) -> str:
+    """Why no spec checked owns the file at ``path`` (``name`` in the folder)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError as exc:
+        return f"cannot look at it: {reason(exc)}"
+    if not stat.S_ISREG(mode):
+        return f"{kind(mode)}, not a file mpgen wrote"
+    if "/" in name:
+        return "in a sub-folder, where mpgen writes nothing"
+    if name == build_manifest.FILE_NAME:
+        return ("the build manifest of an older mpgen, never read now (it is kept in the "
+                "repository's .git folder); delete it")
+    try:
+        spec = generated_from(_first_line(read_head(path, HEAD_BYTES)))
+    except OSError as exc:
+        return f"cannot read it: {reason(exc)}"
+    if spec is None or not name.endswith((".py", ".md")):
+        return "not generated by mpgen (no mpgen header)"
+    if _outside(spec):
+        return f"generated from {spec}, a spec outside the project"
+    if spec in specs:
+        return f"generated from {spec}, which does not generate it"
+    if roots and not _spec_exists(spec, roots):  # an orphan, but for a spelling
+        return f"generated from {spec}, which no longer exists"
+    return (f"generated from {spec}, which is not among the specs checked (check every spec "
+            "of the output folder together)")
 
 
 # -- build -------------------------------------------------------------------
@@ -269,7 +434,7 @@ def write_files(out_dir: Path, files: Mapping[str, str],
     if manifest is not None:  # after the files: NOTE [Build manifest]
         build_manifest.store(out_dir, list(manifest), {*files, *(p.name for p in removed)})
     return Changes(list(changed), removed,
-                   [o for o in found.orphans if not o.removed_by(prune)])
+                   [o for o in found.orphans if not o.removed_by(prune)], found.strangers)
 
 
 @contextlib.contextmanager
@@ -409,7 +574,11 @@ def diff_files(out_dir: Path, files: Mapping[str, str],
     for orphan in found.orphans:
         build = "build" if orphan.removed_by(prune=False) else "build --prune"
         report.append(f"{orphan.path}: {orphan.why}; {build} would remove it\n")
-    return Differences(report, any(not o.removed_by(prune=False) for o in found.orphans))
+    for stranger in found.strangers:
+        report.append(f"{stranger.path}: {stranger.why}; no spec checked owns it, and build "
+                      "leaves it: remove it\n")
+    return Differences(report, any(not o.removed_by(prune=False) for o in found.orphans),
+                       len(found.strangers))
 
 
 def _diff(path: Path, current: bytes, data: bytes) -> str:

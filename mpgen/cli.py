@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 from mpgen import __version__
 from mpgen.errors import MpgenError, Position
 from mpgen.files import reason
-from mpgen.printed import escaped, log_text
+from mpgen.printed import escaped, log_line, log_text
 
 
 class Exit(enum.IntEnum):
@@ -104,8 +104,16 @@ def _project_commands(sub) -> None:
     completion.add_argument("shell", choices=("bash", "zsh"))
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors (which quote the arguments: file
+    names a CI job may take from a pull request) are printed inert."""
+
+    def error(self, message: str):
+        super().error(log_line(message))
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mpgen",
         description="Compile a YAML model spec into standalone model-parallel PyTorch code.",
     )
@@ -561,7 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except MpgenError as exc:
         _say(str(exc), sys.stderr)
     except OSError as exc:  # the environment (a deleted working folder...), not the spec
-        where = f": {exc.filename}" if exc.filename else ""
+        where = f": {escaped(str(exc.filename))}" if exc.filename else ""
         _say(f"mpgen: {reason(exc)}{where}", sys.stderr)
     except KeyboardInterrupt:
         _say("mpgen: interrupted", sys.stderr)

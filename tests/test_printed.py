@@ -147,3 +147,10 @@ def test_the_error_list_escapes_each_position():
     errors = ErrorList([MpgenError(Position("b\n::error::x.yaml", 2, 1), "two"),
                         MpgenError(Position("a\x1b[2J.yaml", 1, 1), "one")])
     assert str(errors) == "a\\x1b[2J.yaml:1:1: one\nb\\n::error::x.yaml:2:1: two"
+
+
+def test_usage_errors_quote_arguments_inert(tmp_path):
+    done = run("check", "--nope=a\n::error::x##[error]y", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.endswith(
+        b"\nmpgen: error: unrecognized arguments: --nope=a\\n::error::x##\\x5berror]y\n")

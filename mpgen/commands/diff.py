@@ -270,7 +270,7 @@ def _renamed(exc: MpgenError, path: str, arg: str) -> MpgenError:
         pos = e.pos
         if pos is not None and pos.file == path:
             pos = dataclasses.replace(pos, file=arg)
-        return MpgenError(pos, e.message.replace(path, arg))
+        return MpgenError(pos, e.message.replace(path, escaped(arg)))
 
     if isinstance(exc, ErrorList):
         return ErrorList([one(e) for e in exc.errors], stopped=exc.stopped)

@@ -129,8 +129,10 @@ def load_blob(blob: GitBlob, device_map: Optional[Mapping[str, str]] = None,
     the working directory's); errors name ``blob.label``. ``root``: as for
     :func:`load_side`."""
     pos = Position(blob.label, 1, 1)
-    if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", blob.commit) or "\0" in blob.path:
+    if not re.fullmatch(r"[0-9a-f]{40}|[0-9a-f]{64}", blob.commit):
         raise MpgenError(pos, f"{blob.commit!r} is not a full commit id")
+    if not blob.path or "\0" in blob.path:
+        raise MpgenError(pos, f"{blob.path!r} is not a path in git")
     text = _read_blob(f"{blob.commit}:{blob.path}", pos, repository)
     return _compile_text(text, blob.path, blob.label, device_map, root, time_limit)
 

@@ -1,0 +1,199 @@
+"""A spec's own code runs in a child process that cannot decide the check.
+
+``mpgen build`` and ``mpgen check`` compile a spec that names a user module
+in a child process (NOTE [User code in a child] in ``commands/isolate.py``):
+the module can exit, sleep, loop, print or read the environment, and the
+check still fails where the generated code is stale, answers in seconds,
+and no secret of the parent's reaches it. Each case is a real module run
+by the real CLI.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import mpgen, write_spec
+from mpgen.commands import isolate
+from mpgen.errors import MpgenError, Position
+
+GATE = """\
+import torch
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        {payload}
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return torch.sigmoid(self.proj(x)) * x
+"""
+
+SPEC = """
+    mpgen: 1
+    name: Gated
+    inputs:
+      x: [batch, 8]
+    layers:
+      gate: {op: gates.Gate, args: [8]}
+      out: {op: Linear, args: [8, 2]}
+"""
+
+
+def project(tmp_path, payload: str = "pass"):
+    """A git project with the spec, its module, and its code built."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "gates.py").write_text(GATE.format(payload="pass"))
+    write_spec(tmp_path, SPEC)
+    built = mpgen("build", "spec.yaml", "-o", "out", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    (tmp_path / "gates.py").write_text(GATE.format(payload=payload))
+    return tmp_path
+
+
+def stale(root):
+    """Hand-edit the generated model, as a hostile pull request would."""
+    model = root / "out" / "gated.py"
+    model.write_text(model.read_text() + "\nimport os\nos.system('touch pwned')\n")
+
+
+def test_a_module_that_exits_with_status_0_cannot_make_check_pass(tmp_path):
+    root = project(tmp_path, "import os; os._exit(0)")
+    stale(root)
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "spec.yaml:6:3: building this spec runs code of the project's own, in a child "
+        "process, which exited with status 0 before it reported a result\n")
+    assert not (root / "pwned").exists()
+
+
+def test_a_module_that_sleeps_is_stopped(tmp_path):
+    root = project(tmp_path, "import time; time.sleep(600)")
+    start = time.monotonic()
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert time.monotonic() - start < 20 + isolate.IDLE_SECONDS  # the idle watchdog, not 600 s
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        f"spec.yaml:6:3: building this spec runs code of the project's own, in a child "
+        f"process, which was stopped after {isolate.IDLE_SECONDS:g} s without using the CPU "
+        "before it reported a result")
+
+
+def test_a_module_that_loops_where_no_check_is_reached_runs_out_of_cpu(tmp_path):
+    """A pure-Python loop reaches none of the budget's checks; RLIMIT_CPU's
+    SIGXCPU turns into the budget's own error, at the layer."""
+    root = project(tmp_path, "while True: pass")
+    result = mpgen("check", "spec.yaml", "-o", "out", "--time-limit", "1", cwd=root)
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "spec.yaml:6:3: analysis of layer 'gate' ran past the 1 s CPU budget of a build; ")
+
+
+def test_a_module_that_ignores_the_cpu_signal_is_killed(tmp_path):
+    root = project(tmp_path, "import signal; signal.signal(signal.SIGXCPU, signal.SIG_IGN)\n"
+                             "        while True: pass")
+    result = mpgen("check", "spec.yaml", "-o", "out", "--time-limit", "1", cwd=root)
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "spec.yaml:6:3: building this spec runs code of the project's own, in a child "
+        "process, which was stopped at its CPU time limit before it reported a result")
+
+
+def test_the_module_sees_no_secret_of_the_environment(tmp_path, monkeypatch):
+    root = project(tmp_path, "import os, json; json.dump(sorted(os.environ), "
+                             "open('seen.json', 'w'))")
+    for name in ("GH_TOKEN", "GITHUB_TOKEN", "ACTIONS_RUNTIME_TOKEN", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(name, "secret")
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    seen = set((root / "seen.json").read_text().strip("[]").replace('"', "").split(", "))
+    assert seen <= set(isolate.KEPT_ENVIRONMENT)
+    assert result.stderr == ("spec.yaml: note: checking it ran the project's own code (the "
+                             "modules its spec names), in a child process without this "
+                             "environment's variables; review changes to that code as code\n")
+
+
+def test_what_the_module_prints_is_not_taken_for_a_result(tmp_path):
+    root = project(tmp_path, 'print(\'{"token": "x", "errors": []}\'); print("{}")')
+    stale(root)
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 1  # the stale file is reported, as without the prints
+    assert "-os.system('touch pwned')" in result.stdout
+
+
+def test_a_module_that_asks_for_too_much_memory_fails_at_its_layer(tmp_path):
+    root = project(tmp_path, "self.big = bytearray(64 << 30)")
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 2
+    assert result.stderr == ("spec.yaml:6:3: layer 'gate': gates.Gate(8) cannot be built: "
+                             "MemoryError\n")
+
+
+def test_a_spec_without_code_of_its_own_is_built_in_process(tmp_path, monkeypatch):
+    """No child, so none of its cost, for a spec that names only torch."""
+    write_spec(tmp_path, SPEC.replace("gates.Gate, args: [8]", "Linear, args: [8, 8]"))
+    monkeypatch.setattr(isolate, "generate", None)  # would fail if called
+    assert mpgen("build", "spec.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+
+
+# -- what the parent takes from a child -------------------------------------------
+
+DIGEST = "0" * 64
+FILES = {name: f"# Code generated by mpgen from spec.yaml. DO NOT EDIT.\n# spec digest: {DIGEST}\n"
+         for name in ("gated.py", "train_gated.py", "test_gated.py", "pp_gated.py",
+                      "gated.placement.md")}
+WHERE = Position("spec.yaml", 2, 7)
+
+
+def result(**changes):
+    fields = {"token": "t", "name": "Gated", "pos": ["spec.yaml", 2, 7], "files": dict(FILES),
+              "entry": {"digest": DIGEST}, "notes": []}
+    return {**fields, **changes}
+
+
+def test_a_verified_result_is_taken():
+    taken = isolate._verified(result(), "spec.yaml", DIGEST, WHERE)
+    assert (taken.name, taken.pos, taken.files) == ("Gated", WHERE, FILES)
+
+
+@pytest.mark.parametrize("changes, problem", [
+    ({"entry": {"digest": "1" * 64}}, "a result for another text of the spec (its digest differs)"),
+    ({"files": {**FILES, "gated.py": "# spec digest: " + "1" * 64}},
+     "gated.py without this spec's digest in its header"),
+    ({"files": {**FILES, "../conftest.py": FILES["gated.py"]}},
+     "a file it cannot write, '../conftest.py'"),
+    ({"files": {**FILES, "conftest.py": FILES["gated.py"]}}, "6 files where a build writes 5"),
+    ({"pos": ["other.yaml", 2, 7]}, "a result for another spec, 'other.yaml'"),
+    ({"files": None}, "a malformed result"),
+    ({"errors": "no"}, "a malformed error"),
+], ids=["digest", "header", "path", "extra-file", "other-spec", "malformed", "bad-errors"])
+def test_a_result_this_spec_cannot_have_given_is_refused(changes, problem):
+    with pytest.raises(MpgenError) as info:
+        isolate._verified(result(**changes), "spec.yaml", DIGEST, WHERE)
+    assert str(info.value) == (f"spec.yaml:2:7: the child process that built this spec "
+                               f"reported {problem}; the spec's own code may be interfering "
+                               "with the build")
+
+
+def test_errors_the_child_reports_keep_their_positions():
+    with pytest.raises(MpgenError) as info:
+        isolate._verified({"errors": [[["spec.yaml", 6, 3], "bad"], [None, "worse"]]},
+                          "spec.yaml", DIGEST, WHERE)
+    assert str(info.value) == "spec.yaml:2:7: worse\nspec.yaml:6:3: bad"
+
+
+def test_the_child_environment_keeps_only_what_python_needs(monkeypatch):
+    monkeypatch.setenv("GH_TOKEN", "secret")
+    monkeypatch.setenv("LC_ALL", "C.UTF-8")
+    env = isolate.child_environment()
+    assert "GH_TOKEN" not in env and env["LC_ALL"] == "C.UTF-8"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(
+        Path(isolate.mpgen.__file__).resolve().parent.parent)  # the child imports this mpgen

@@ -268,6 +268,20 @@ def test_ci_summary_reads_the_base_from_git_not_from_a_file_named_like_it(pull_r
     assert "| `moved.yaml` | changed |" in ran.stdout and "  layer2: cuda:1 -> cuda:0" in ran.stdout
 
 
+def test_ci_summary_does_not_read_a_spec_linked_out_of_the_repository(pull_request, tmp_path):
+    # Its errors would quote the file (a key of a credentials file) in a comment.
+    secret = tmp_path / "credentials.yml"
+    secret.write_text("ghs_secret_value: 1\n")
+    (pull_request / "moved.yaml").unlink()
+    (pull_request / "moved.yaml").symlink_to(secret)
+    for named in ([], ["moved.yaml"]):
+        ran = mpgen("ci-summary", "--base", "main", *named, cwd=pull_request)
+        assert ran.returncode == 2, named
+        assert ("### `moved.yaml` (changed)\n\n```text\ndoes not compile:\nmoved.yaml: a symbolic "
+                "link to a file outside the repository; not read\n```") in ran.stdout
+        assert "ghs_secret" not in ran.stdout + ran.stderr
+
+
 def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     """The installed ``mpgen ARGS`` in a fresh process; output as bytes."""
     return subprocess.run([str(BIN / "mpgen"), *args], cwd=cwd, env=env, capture_output=True,

@@ -26,7 +26,7 @@ from typing import Iterable, Mapping, Optional
 from mpgen.commands import diff as layout_diff
 from mpgen.commands import show
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
-from mpgen.errors import MpgenError
+from mpgen.errors import MpgenError, Position
 from mpgen.files import reason
 from mpgen.printed import code_span, fenced
 
@@ -130,12 +130,25 @@ def changes(root: Path, commit: str, specs: Optional[Iterable[str]] = None) -> l
         found.append(Change(None if status == "A" else old,
                             None if status == "D" else new))
     if specs is not None:
-        wanted = {Path(os.path.relpath(Path(s).resolve(), root.resolve())).as_posix()
-                  for s in specs}
+        # The folder's links followed, not the file's: a spec that is a link is itself.
+        wanted = {Path(os.path.relpath(Path(s).absolute().parent.resolve() / Path(s).name,
+                                       root.resolve())).as_posix() for s in specs}
         return [c for c in found if c.old in wanted or c.new in wanted]
     old_specs = _grep(root, commit)
     new_specs = _grep(root, None)
     return [c for c in found if c.old in old_specs or c.new in new_specs]
+
+
+def _inside(repo: Path, path: str) -> str:
+    """``path`` of the working tree, relative to the working directory, when it
+    is a file inside ``repo`` once links are followed: a spec the pull request
+    links to a file outside (``/proc/self/environ``, a credentials file) is
+    not read, since its errors would quote it in the summary."""
+    here = repo / path
+    if not here.resolve().is_relative_to(repo.resolve()):
+        raise MpgenError(Position(path), "a symbolic link to a file outside the repository; "
+                                         "not read")
+    return os.path.relpath(here)
 
 
 def _grep(root: Path, commit: Optional[str]) -> set[str]:
@@ -170,8 +183,7 @@ def summarize(base: str, specs: Optional[Iterable[str]] = None,
         if change.new is None:
             continue
         try:
-            new = layout_diff.load_file(os.path.relpath(repo / change.new), None, root,
-                                        time_limit)
+            new = layout_diff.load_file(_inside(repo, change.new), None, root, time_limit)
             if change.old is None:
                 body = show.to_table(new.graph)
             else:

@@ -320,9 +320,10 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
         _say(f"\nmpgen check: generated code in {args.out} is not current; "
              f"run: {shlex.join(command)}", sys.stderr)
     if diffs.strangers:
-        _say(f"{'' if diffs.build_fixes else chr(10)}mpgen check: {args.out} holds "
-             f"{diffs.strangers} file{'s' if diffs.strangers != 1 else ''} that no spec checked "
-             "owns; remove them (build leaves them)", sys.stderr)
+        files, them = ("1 file", "it") if diffs.strangers == 1 else (f"{diffs.strangers} files",
+                                                                      "them")
+        _say(f"{'' if diffs.build_fixes else chr(10)}mpgen check: {args.out} holds {files} "
+             f"that no spec checked owns; remove {them} (build leaves {them})", sys.stderr)
     return Exit.DIFF
 
 

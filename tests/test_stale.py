@@ -273,7 +273,7 @@ def test_check_reports_a_file_a_pull_request_adds_to_the_output_folder(tmp_path,
     assert check.stdout.startswith(f"out/{name}: "), check.stdout
     assert "no spec checked owns it, and build leaves it: remove it" in check.stdout
     assert check.stderr == ("\nmpgen check: out holds 1 file that no spec checked owns; "
-                            "remove them (build leaves them)\n")
+                            "remove it (build leaves it)\n")
     # build leaves it, and says so
     build = mpgen("build", "--prune", cwd=root)
     assert build.returncode == 0 and (root / "out" / name).exists()
@@ -317,6 +317,8 @@ def test_a_narrowed_specs_list_does_not_hide_a_hand_edited_file(tmp_path):
             "checked (check every spec of the output folder together); no spec checked owns "
             "it, and build leaves it: remove it") in check.stdout.splitlines()
     assert len(check.stdout.splitlines()) == len(files_of("other"))
+    assert check.stderr == ("\nmpgen check: out holds 5 files that no spec checked owns; "
+                            "remove them (build leaves them)\n")
 
 
 def test_a_committed_old_manifest_is_reported_an_ignored_one_is_not(tmp_path):

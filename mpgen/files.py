@@ -135,8 +135,8 @@ def git_dir(top: Path) -> Optional[Path]:
     its ``.git`` file names (``gitdir: PATH``, relative to ``top``); None when
     neither is a folder."""
     dot_git = top / ".git"
-    if dot_git.is_dir() and not dot_git.is_symlink():
-        return dot_git
+    if dot_git.is_dir():  # a link to one too (git never checks out a path named .git)
+        return Path(os.path.realpath(dot_git))
     try:
         text = read_regular(dot_git, _GIT_FILE_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError):

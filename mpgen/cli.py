@@ -524,10 +524,10 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "import":
         return _import(args)
     if args.command == "show":
+        from mpgen.commands import isolate
         from mpgen.commands import show as summary
-        from mpgen.compiler import pipeline
 
-        graph = pipeline.compile_spec(args.spec, device_map, args.root, args.time_limit)
+        graph = isolate.compile_spec(args.spec, device_map, args.root, args.time_limit)
         _say(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
         return Exit.OK
     if args.command == "place":

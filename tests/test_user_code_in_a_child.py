@@ -10,7 +10,9 @@ by the real CLI.
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import subprocess
 import time
 from pathlib import Path
@@ -197,3 +199,47 @@ def test_the_child_environment_keeps_only_what_python_needs(monkeypatch):
     assert "GH_TOKEN" not in env and env["LC_ALL"] == "C.UTF-8"
     assert env["PYTHONPATH"].split(os.pathsep)[0] == str(
         Path(isolate.mpgen.__file__).resolve().parent.parent)  # the child imports this mpgen
+
+
+# -- diff and ci-summary: a graph from the child ----------------------------------
+
+def test_diff_compiles_a_spec_with_code_of_its_own_in_a_child(tmp_path):
+    """``mpgen diff`` (and so ``ci-summary``) gets the graph from a child: a
+    module that exits cannot end it with status 0, and the layout of a
+    spec whose module behaves is compared as before."""
+    root = project(tmp_path)
+    moved = root / "moved.yaml"
+    moved.write_text((root / "spec.yaml").read_text()
+                     + "placement:\n  gate: cuda:0\n  out: cuda:1\n")
+    result = mpgen("diff", "spec.yaml", "moved.yaml", cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "moved:\n  out: cuda:0 -> cuda:1\n" in result.stdout
+    (root / "gates.py").write_text(GATE.format(payload="import os; os._exit(0)"))
+    result = mpgen("diff", "spec.yaml", "moved.yaml", cwd=root)
+    assert result.returncode == 2
+    assert result.stderr.startswith("spec.yaml:6:3: building this spec runs code of the "
+                                    "project's own, in a child process, which exited with "
+                                    "status 0 before it reported a result")
+
+
+def test_a_graph_from_the_child_can_name_no_function():
+    """The bytes of a graph come from a process that ran the spec's code: a
+    pickle naming any function but the IR's classes is refused unread."""
+    forged = pickle.dumps(os.system)  # what REDUCE would call with a command
+    with pytest.raises(pickle.UnpicklingError, match="posix.system is not allowed"):
+        isolate._GraphUnpickler(io.BytesIO(forged)).load()
+
+
+def test_a_graph_comes_back_as_plain_data(tmp_path):
+    """What the child sends: the IR, its ops' classes left out (the
+    restricted unpickler, which loads no other global, takes it whole)."""
+    from mpgen.compiler import pipeline
+
+    root = project(tmp_path)
+    graph = pipeline.compile_spec(root / "spec.yaml")
+    data = io.BytesIO()
+    isolate._GraphPickler(data).dump(graph)
+    back = isolate._GraphUnpickler(io.BytesIO(data.getvalue())).load()
+    assert back == graph  # Op.target does not take part in equality
+    assert [n.op.target for n in back.nodes] == [None, None]
+    assert pickle.loads(data.getvalue()) == graph

@@ -129,7 +129,7 @@ def _specs(built: Iterable[Built]) -> dict[str, str]:
     return {b.entry.spec: b.spec_path for b in built}
 
 
-def _spec_text(path: str | Path) -> Optional[str]:
+def spec_text(path: str | Path) -> Optional[str]:
     try:
         return read_spec(path)
     except MpgenError:
@@ -142,7 +142,7 @@ def compiled(result: Generated, device_map: Optional[Mapping[str, str]],
     before the compile; its hash is recorded only when the file still holds
     it (a spec edited during the build is never taken as built). ``out_dir``:
     where its code will run from, for its path notes."""
-    text = _spec_text(result.spec_path)
+    text = spec_text(result.spec_path)
     source = manifest.sha256(text.encode("utf-8")) if text is not None and text == before else None
     graph = result.graph
     user_code = any(_user_nodes(graph)) or bool(graph.train and graph.train.modules)
@@ -192,7 +192,7 @@ def _current(path: str | Path, out_dir: Path, entries: Mapping[str, manifest.Ent
     found = entries.get(display_path(path))
     if found is None or found.user_code:
         return None
-    text = _spec_text(path)
+    text = spec_text(path)
     if text is None:
         return None
     source = manifest.sha256(text.encode("utf-8"))
@@ -251,10 +251,10 @@ def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
     from, for the path notes."""
     from mpgen.compiler.pipeline import Model, check_clashes
 
-    texts = {str(p): _spec_text(p) for p in paths}
+    texts = {str(p): spec_text(p) for p in paths}
     children = {} if out_dir is None else {
         str(p): found for p in paths
-        if (found := _child_facts(p, texts[str(p)])) is not None}
+        if (found := child_facts(p, texts[str(p)])) is not None}
     errors = Collector()
     built: dict[str, Built] = {}
     try:
@@ -276,7 +276,7 @@ def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
     return in_order
 
 
-def _child_facts(path: str | Path, text: Optional[str]) -> Optional[tuple[str, Position]]:
+def child_facts(path: str | Path, text: Optional[str]) -> Optional[tuple[str, Position]]:
     """For a spec that names code of its own: its digest and where its name
     is written, computed here without running that code; None for any
     other spec (and for one that does not load or validate: compiling it

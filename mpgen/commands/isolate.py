@@ -40,9 +40,13 @@ and never to give the job that runs ``check`` a secret.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import functools
+import io
 import json
 import os
+import pickle
 import re
 import secrets
 import selectors
@@ -51,12 +55,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import mpgen
 from mpgen.errors import ErrorList, MpgenError, Position, shown
+
+if TYPE_CHECKING:
+    from mpgen.compiler.ir import Graph
 
 #: Environment variables the child keeps (with ``LC_*``): what Python, its
 #: packages and the build need. Anything else (``GITHUB_TOKEN``,
@@ -111,14 +119,53 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]],
     the text, which every file must carry; ``name_pos``: where the model's
     name is written (the fallback position of a failure); ``text``: the
     spec's text as the parent read it (the manifest records its hash only if
-    the child built the same text). Raises
-    MpgenError for the spec's mistakes, and for a child that fails, is
-    killed, or reports what this spec cannot have given."""
-    token = secrets.token_hex(16)
-    request = {"path": str(path), "device_map": dict(device_map or {}),
+    the child built the same text). Raises MpgenError for the spec's
+    mistakes, and for a child that fails, is killed, or reports what this
+    spec cannot have given."""
+    request = {"mode": "generate", "path": str(path), "device_map": dict(device_map or {}),
                "root": None if root is None else str(root), "time_limit": time_limit,
-               "out_dir": str(out_dir), "text": text, "token": token,
-               "sys_path": list(sys.path)}  # the same Python: it imports from where this one would
+               "out_dir": str(out_dir), "text": text}
+    result, where = _ask(request, name_pos)
+    return _verified(result, str(path), digest, where)
+
+
+def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
+                 root: str | Path | None = None,
+                 time_limit: Optional[float] = None) -> "Graph":
+    """``pipeline.compile_spec``, in a child process when the spec names code
+    of its own (``mpgen diff`` and ``ci-summary``, which CI runs on a pull
+    request's specs). The graph comes back without the classes and
+    functions its ops resolved to (``Op.target`` is None): what the layout
+    commands read is plain data, and unpickling it here imports nothing
+    (:class:`_GraphUnpickler`)."""
+    from mpgen.commands import build
+    from mpgen.compiler import pipeline
+
+    facts = build.child_facts(path, build.spec_text(path))
+    if facts is None:
+        return pipeline.compile_spec(path, device_map, root, time_limit)
+    digest, name_pos = facts
+    request = {"mode": "graph", "path": str(path), "device_map": dict(device_map or {}),
+               "root": None if root is None else str(root), "time_limit": time_limit}
+    result, where = _ask(request, name_pos)
+    _raise_errors(result, where)
+    from mpgen.compiler.ir import Graph  # the classes the unpickler may load
+
+    try:
+        graph = _GraphUnpickler(io.BytesIO(base64.b64decode(result["graph"], validate=True))).load()
+    except Exception:  # noqa: BLE001 - whatever the bytes are, they are refused
+        graph = None
+    if not isinstance(graph, Graph) or graph.spec_hash != digest:
+        raise _refused(where, "a graph this spec cannot have given")
+    return graph
+
+
+def _ask(request: dict, name_pos: Position) -> tuple[dict, Position]:
+    """Run a child with ``request``; its verified-to-be-its-own result line
+    and the last position it reported (``name_pos`` if none)."""
+    token = secrets.token_hex(16)
+    # The same Python: it imports from where this one would.
+    request = {**request, "token": token, "sys_path": list(sys.path)}
     with tempfile.TemporaryFile() as stderr:
         outcome = _run(request, stderr)
         stderr.seek(0)
@@ -142,7 +189,7 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]],
         raise MpgenError(where, f"building this spec runs code of the project's own, in a child "
                          f"process, which {why or f'exited with status {code}'} before it "
                          f"reported a result{said}")
-    return _verified(result, str(path), digest, where)
+    return result, where
 
 
 def _run(request: dict, stderr) -> tuple[list[bytes], Optional[int], Optional[str]]:
@@ -225,19 +272,9 @@ def _position(value: Any) -> Optional[Position]:
 def _verified(result: dict, path: str, digest: str, where: Position) -> Isolated:
     """The child's ``result``, if it is one this spec can have given."""
     def refuse(problem: str) -> MpgenError:
-        return MpgenError(where, f"the child process that built this spec reported {problem}; "
-                          "the spec's own code may be interfering with the build")
+        return _refused(where, problem)
 
-    if "errors" in result:
-        errors = result["errors"]
-        if not isinstance(errors, list) or not errors:
-            raise refuse("a malformed error")
-        found = []
-        for item in errors:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], str)):
-                raise refuse("a malformed error")
-            found.append(MpgenError(_position(item[0]) or where, item[1]))
-        raise found[0] if len(found) == 1 else ErrorList(found)
+    _raise_errors(result, where)
     files, entry = result.get("files"), result.get("entry")
     name, pos, notes = result.get("name"), _position(result.get("pos")), result.get("notes")
     if not (isinstance(files, dict) and isinstance(entry, dict) and isinstance(name, str)
@@ -256,6 +293,65 @@ def _verified(result: dict, path: str, digest: str, where: Position) -> Isolated
     if len(files) != 5:
         raise refuse(f"{len(files)} files where a build writes 5")
     return Isolated(path, name, pos, files, entry, tuple(notes))
+
+
+def _refused(where: Position, problem: str) -> MpgenError:
+    return MpgenError(where, f"the child process that built this spec reported {problem}; "
+                      "the spec's own code may be interfering with the build")
+
+
+def _raise_errors(result: dict, where: Position) -> None:
+    """Raise the spec's errors the child reported, if it reported errors."""
+    if "errors" not in result:
+        return
+    errors = result["errors"]
+    if not isinstance(errors, list) or not errors:
+        raise _refused(where, "a malformed error")
+    found = []
+    for item in errors:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], str)):
+            raise _refused(where, "a malformed error")
+        found.append(MpgenError(_position(item[0]) or where, item[1]))
+    raise found[0] if len(found) == 1 else ErrorList(found)
+
+
+def _stripped() -> None:
+    """What a class or function in a graph sent from the child becomes."""
+    return None
+
+
+class _GraphPickler(pickle.Pickler):
+    """Pickles a graph with every class, function and module that is not
+    the IR's own replaced by :func:`_stripped`'s None (``Op.target``: the
+    user's class, or torch's)."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is _stripped or not isinstance(obj, _CODE):
+            return NotImplemented
+        if isinstance(obj, type) and obj.__module__ in _IR_MODULES:
+            return NotImplemented
+        return _stripped, ()
+
+
+class _GraphUnpickler(pickle.Unpickler):
+    """Loads only the IR's own classes and :func:`_stripped`: the bytes come
+    from a process that ran the spec's code, and a pickle that could name
+    any function could run any code here."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == __name__ and name == "_stripped":
+            return _stripped
+        if module in _IR_MODULES:
+            found = getattr(sys.modules[module], name, None)
+            if isinstance(found, type) and found.__module__ == module:
+                return found
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed")
+
+
+_CODE = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+         types.ModuleType, functools.partial)
+#: The modules whose classes a graph is made of.
+_IR_MODULES = ("mpgen.compiler.ir", "mpgen.errors")
 
 
 # -- the child ------------------------------------------------------------------
@@ -287,10 +383,17 @@ def main() -> None:
             say({"at": [pos.file, pos.line, pos.col], "what": what})
 
     limits.WorkBudget.observer = started
+    device_map = request["device_map"] or None
     try:
-        result = pipeline.generate(request["path"], request["device_map"] or None,
-                                   request["root"], limit)
-        built = build.compiled(result, request["device_map"] or None, request.get("text"))
+        if request["mode"] == "graph":
+            graph = pipeline.compile_spec(request["path"], device_map, request["root"], limit)
+            data = io.BytesIO()
+            _GraphPickler(data, protocol=pickle.HIGHEST_PROTOCOL).dump(graph)
+            say({"token": request["token"],
+                 "graph": base64.b64encode(data.getvalue()).decode("ascii")})
+            return
+        result = pipeline.generate(request["path"], device_map, request["root"], limit)
+        built = build.compiled(result, device_map, request.get("text"))
         notes = build.path_notes([result], request["out_dir"])
     except MpgenError as exc:
         errors = exc.errors if isinstance(exc, ErrorList) else [exc]

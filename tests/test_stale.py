@@ -350,10 +350,26 @@ def test_caches_of_running_the_generated_tests_are_not_reported(tmp_path):
 
 
 def test_outside_git_every_file_but_the_caches_is_looked_at(tmp_path):
+    import py_compile
+
     root = project(tmp_path)
-    (root / "out" / "__pycache__").mkdir()
-    (root / "out" / "__pycache__" / "simple_model.cpython-311.pyc").write_bytes(b"\0")
-    assert mpgen("check", cwd=root).returncode == 0
+    model = root / "out" / "simple_model.py"
+    cache = root / "out" / "__pycache__"
+    py_compile.compile(str(model), cfile=str(cache / "simple_model.cpython-311.pyc"))
+    py_compile.compile(str(model), cfile=str(cache / "pp_simple_model.cpython-311.pyc"),
+                       invalidation_mode=py_compile.PycInvalidationMode.CHECKED_HASH)
+    (root / "out" / ".pytest_cache" / "v").mkdir(parents=True)
+    (root / "out" / ".pytest_cache" / "v" / "lastfailed").write_text("{}")
+    assert mpgen("check", cwd=root).returncode == 0  # what Python checks against its source
+    # An unchecked-hash .pyc runs without its source: a stranger.
+    py_compile.compile(str(model), cfile=str(cache / "train_simple_model.cpython-311.pyc"),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    check = mpgen("check", cwd=root)
+    assert check.returncode == 1
+    assert check.stdout == ("out/__pycache__/train_simple_model.cpython-311.pyc: in a sub-folder, "
+                            "where mpgen writes nothing; no spec checked owns it, and build "
+                            "leaves it: remove it\n")
+    (cache / "train_simple_model.cpython-311.pyc").unlink()
     (root / "out" / "conftest.py").write_text("")
     (root / "out" / "link.py").symlink_to(root / "specs" / "seed.yaml")
     check = mpgen("check", cwd=root)
@@ -380,3 +396,36 @@ def test_prune_in_another_project_s_folder_deletes_nothing(tmp_path):
     assert [n for n in listing(other / "out") if not n.startswith(("mine", "train_mine",
             "test_mine", "pp_mine"))] == before
     assert "which is not among the specs checked" in build.stderr
+
+
+def test_without_git_a_committed_unchecked_pyc_is_still_reported(tmp_path, monkeypatch):
+    """Where git cannot answer (not installed, a repository of another
+    owner), the walk reports a .pyc that Python would run without its source."""
+    import py_compile
+
+    root = committed(tmp_path)
+    model = root / "out" / "simple_model.py"
+    pyc = root / "out" / "__pycache__" / "simple_model.cpython-311.pyc"
+    py_compile.compile(str(model), cfile=str(pyc),
+                       invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    git("add", "-f", str(pyc), cwd=root)
+    git("commit", "-qm", "a pull request", cwd=root)
+    assert mpgen("check", cwd=root).stdout.startswith("out/__pycache__/simple_model.")
+    monkeypatch.setenv("PATH", str(tmp_path / "no-git-here"))
+    check = mpgen("check", cwd=root)
+    assert check.returncode == 1
+    assert check.stdout.startswith("out/__pycache__/simple_model.cpython-311.pyc: ")
+
+
+def test_an_output_folder_too_large_to_look_at_is_reported(tmp_path, monkeypatch):
+    from mpgen.compiler.codegen import write
+
+    root = project(tmp_path)
+    monkeypatch.setattr(write, "MAX_LISTED", 8)
+    for i in range(5):
+        (root / "out" / "__pycache__").mkdir(exist_ok=True)
+        (root / "out" / "__pycache__" / f"m{i}.pyc").write_bytes(b"")
+    check = mpgen("check", cwd=root)
+    assert check.returncode == 1
+    assert check.stdout == ("out: holds more than 8 files and folders, more than mpgen looks at "
+                            "for files it does not own\n")

@@ -36,8 +36,11 @@
 # work tree the files listed are those git tracks or would add (``git
 # ls-files -c -o --exclude-standard``): what a commit can carry, and what
 # is not ignored, less the caches Python and pytest write themselves when
-# untracked (``__pycache__``, ``.pytest_cache``); outside one, every file
-# but those caches. ``build --prune`` removes a deleted spec's files only
+# untracked (``__pycache__``, ``.pytest_cache``); outside one (or when git
+# cannot say: a repository of another owner), every file but
+# ``.pytest_cache`` and, in a ``__pycache__``, the ``.pyc`` files Python
+# checks against their source (an unchecked-hash one, PEP 552, would run
+# as it is: a stranger). ``build --prune`` removes a deleted spec's files only
 # from an output folder inside that spec's project (its git work tree, or
 # its folder): a header's path is the only evidence the spec is gone, and
 # in another project's folder it is no evidence at all.
@@ -73,7 +76,7 @@ STAGING_PREFIX = ".mpgen-staging-"
 #: At most this many entries of the output folder are looked at for strangers.
 MAX_LISTED = 100_000
 #: Folders Python and pytest write themselves when the generated tests run:
-#: never strangers unless git tracks them.
+#: never strangers when git neither tracks them nor would add them.
 CACHES = ("__pycache__", ".pytest_cache")
 
 
@@ -323,29 +326,50 @@ def _git_listed(out_dir: Path) -> Optional[list[str]]:
     return list(listed)
 
 
-def _walked(out_dir: Path) -> list[str]:
-    """Every file under ``out_dir`` but the caches of :data:`CACHES` (links
-    not followed), at most :data:`MAX_LISTED` + 1, as relative paths."""
+def _walked(out_dir: Path) -> Optional[list[str]]:
+    """Every file under ``out_dir`` as relative paths (links not followed),
+    but ``.pytest_cache`` and, in a ``__pycache__``, the files Python would
+    check against their source (:func:`_python_s_own`); None when there are
+    more than :data:`MAX_LISTED` entries."""
     listed: list[str] = []
     folders = [""]
-    while folders and len(listed) <= MAX_LISTED:
+    seen = 0
+    while folders:
         folder = folders.pop()
+        cache = folder.rsplit("/", 1)[-1] == "__pycache__"
         try:
             with os.scandir(out_dir / folder if folder else out_dir) as entries:
-                found = sorted(entries, key=lambda e: e.name)
+                for entry in entries:
+                    seen += 1
+                    if seen > MAX_LISTED:
+                        return None
+                    name = f"{folder}/{entry.name}" if folder else entry.name
+                    try:
+                        is_dir = entry.is_dir(follow_symlinks=False)
+                    except OSError:
+                        is_dir = False
+                    if is_dir:
+                        if entry.name != ".pytest_cache":
+                            folders.append(name)
+                    elif not (cache and _python_s_own(entry)):
+                        listed.append(name)
         except OSError:
             continue
-        for entry in found:
-            name = f"{folder}/{entry.name}" if folder else entry.name
-            try:
-                is_dir = entry.is_dir(follow_symlinks=False)
-            except OSError:
-                is_dir = False
-            if is_dir and entry.name not in CACHES:
-                folders.append(name)
-            elif not is_dir:
-                listed.append(name)
     return listed
+
+
+def _python_s_own(entry: os.DirEntry) -> bool:
+    """Whether a file in a ``__pycache__`` is a compiled module Python checks
+    against its source before using it (a timestamp or checked-hash ``.pyc``,
+    as Python and pytest write them), not one it would run as it is (an
+    unchecked-hash ``.pyc``, PEP 552) or anything else."""
+    if not entry.name.endswith(".pyc") or not entry.is_file(follow_symlinks=False):
+        return False
+    try:
+        head = read_head(entry.path, 8)
+    except OSError:
+        return False
+    return len(head) == 8 and int.from_bytes(head[4:8], "little") in (0, 3)
 
 
 def _strangers(out_dir: Path, files: Mapping[str, str], specs: Mapping[str, str | Path],
@@ -357,6 +381,9 @@ def _strangers(out_dir: Path, files: Mapping[str, str], specs: Mapping[str, str 
     listed = _git_listed(out_dir)
     if listed is None:
         listed = _walked(out_dir)
+    if listed is None:
+        return [Stranger(out_dir, f"holds more than {MAX_LISTED} files and folders, more "
+                                  "than mpgen looks at for files it does not own")]
     owned = {*files, *(o.path.name for o in orphans)}
     roots = _project_roots(specs, out_dir)
     found = []
@@ -575,8 +602,9 @@ def diff_files(out_dir: Path, files: Mapping[str, str],
         build = "build" if orphan.removed_by(prune=False) else "build --prune"
         report.append(f"{orphan.path}: {orphan.why}; {build} would remove it\n")
     for stranger in found.strangers:
-        report.append(f"{stranger.path}: {stranger.why}; no spec checked owns it, and build "
-                      "leaves it: remove it\n")
+        owner = ("" if stranger.path == out_dir else  # the folder itself: too large
+                 "; no spec checked owns it, and build leaves it: remove it")
+        report.append(f"{stranger.path}: {stranger.why}{owner}\n")
     return Differences(report, any(not o.removed_by(prune=False) for o in found.orphans),
                        len(found.strangers))
 

@@ -300,7 +300,7 @@ def survey(out_dir: Path, files: Mapping[str, str],
 
 def _git_listed(out_dir: Path) -> Optional[list[str]]:
     """The files under ``out_dir`` that git tracks, or would add (untracked,
-    not ignored) but the caches of :data:`CACHES` then, as paths relative to
+    not ignored, and not in one of the :data:`CACHES`), as paths relative to
     it; None outside a git work tree or when git cannot say."""
     if work_tree(out_dir) is None:
         return None
@@ -411,8 +411,8 @@ def _why_stranger(path: Path, name: str, specs: Mapping[str, str | Path],
     if "/" in name:
         return "in a sub-folder, where mpgen writes nothing"
     if name == build_manifest.FILE_NAME:
-        return ("the build manifest of an older mpgen, never read now (it is kept in the "
-                "repository's .git folder); delete it")
+        return ("the build manifest of an older mpgen, never read now (mpgen keeps it "
+                "outside the output folder)")
     try:
         spec = generated_from(_first_line(read_head(path, HEAD_BYTES)))
     except OSError as exc:

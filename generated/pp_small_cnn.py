@@ -210,13 +210,23 @@ def placement(schedule: str) -> list[int]:
 
 def merge(folder: str, out: str) -> None:
     """Write one state dict of SmallCNN from FOLDER/stage_K.pt (it loads with strict=True)."""
+    if pathlib.Path(out).is_dir():
+        sys.exit(f"--merge: {out} is a folder; give the file to write")
     state = {}
     for k in range(len(STAGES)):
         path = pathlib.Path(folder, f"stage_{k}.pt")
         if not path.is_file():
             sys.exit(f"--merge: no checkpoint {path}")
-        state.update(torch.load(path, map_location="cpu", weights_only=True)["model"])
-    single.save_checkpoint(state, pathlib.Path(out))
+        try:
+            state.update(
+                torch.load(path, map_location="cpu", weights_only=True)["model"]
+            )
+        except Exception as error:  # not a stage checkpoint of this program
+            sys.exit(f"--merge: cannot read {path} ({single.one_line(error)})")
+    try:
+        single.save_checkpoint(state, pathlib.Path(out))
+    except OSError as error:
+        sys.exit(f"--merge: cannot write {out} ({error})")
     print(f"merged {len(STAGES)} stages into {out} ({len(state)} tensors)")
 
 
@@ -339,7 +349,10 @@ def run(args: argparse.Namespace, ranks: list[int], device: torch.device) -> Non
         torch.manual_seed(args.seed * 1_000_003 + k)  # a stage's own initialisation
         modules[k] = STAGES[k]().to(device)
     if args.init:
-        full = torch.load(args.init, map_location="cpu", weights_only=True)
+        try:
+            full = dict(torch.load(args.init, map_location="cpu", weights_only=True))
+        except Exception as error:  # not a state dict
+            stop(f"--init {args.init}: cannot read it ({single.one_line(error)})")
         for k in mine:
             missing = [key for key in modules[k].state_dict() if key not in full]
             if missing:
@@ -378,13 +391,16 @@ def run(args: argparse.Namespace, ranks: list[int], device: torch.device) -> Non
             path = pathlib.Path(args.checkpoint, f"stage_{k}.pt")
             if not path.is_file():
                 stop(f"--resume: no checkpoint {path}")
-            state = torch.load(path, map_location="cpu", weights_only=True)
-            modules[k].load_state_dict(state["model"])
-            optimizers[k].load_state_dict(state["optimizer"])
-            if schedulers[k] is not None:
-                schedulers[k].load_state_dict(state["scheduler"])
-            single.set_rng_states(state["rng"])
-            done = state["step"]
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True)
+                modules[k].load_state_dict(state["model"])
+                optimizers[k].load_state_dict(state["optimizer"])
+                if schedulers[k] is not None:
+                    schedulers[k].load_state_dict(state["scheduler"])
+                single.set_rng_states(state["rng"])
+                done = state["step"]
+            except Exception as error:  # not this stage's checkpoint
+                stop(f"--resume: cannot resume from {path} ({single.one_line(error)})")
         if rank == ranks[-1]:
             print(f"resumed from {args.checkpoint} at step {done}")
 
@@ -460,13 +476,16 @@ def run(args: argparse.Namespace, ranks: list[int], device: torch.device) -> Non
             f"SmallCNN: {len(STAGES)} stages on {dist.get_world_size()} ranks, --schedule {args.schedule}; "
             f"{last} steps of {args.batch_size} samples in {args.microbatches} micro-batches"
         )
-        log = Log(
-            pathlib.Path(args.log_dir or args.checkpoint or "runs/pp_small_cnn"),
-            last,
-            done,
-            args.log_every,
-            args.batch_size,
-        )
+        try:
+            log = Log(
+                pathlib.Path(args.log_dir or args.checkpoint or "runs/pp_small_cnn"),
+                last,
+                done,
+                args.log_every,
+                args.batch_size,
+            )
+        except OSError as error:  # a folder that cannot be made or written
+            stop(f"cannot write the log ({error})")
     started = done
     try:
         for step in range(done + 1, last + 1):
@@ -620,6 +639,7 @@ def main(argv: list[str] | None = None) -> None:
         help="write one state dict of SmallCNN from DIR/stage_K.pt to OUT and exit (no torchrun)",
     )
     args = parser.parse_args(argv)
+    single.check_args(parser, args)
     if args.merge:
         merge(*args.merge)
         return

@@ -137,7 +137,11 @@ def load_data(source: str, kwargs: dict, flag: str) -> Dataset | DataLoader:
         path = pathlib.Path(source)
         if not path.is_file():
             sys.exit(f"{flag}: no file {path}")
-        return TensorData(read_tensors(path), str(path))
+        try:
+            tensors = read_tensors(path)
+        except Exception as error:  # torch, numpy and safetensors each raise their own
+            sys.exit(f"{flag}: cannot read {path} ({one_line(error)})")
+        return TensorData(tensors, str(path))
     module, colon, function = source.partition(":")
     if not (module and colon and function):
         sys.exit(
@@ -349,6 +353,51 @@ def save_checkpoint(state: dict, path: pathlib.Path) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse with argparse's usage error (exit 2) a value the run cannot
+    use: a count below its least, a learning rate or clip norm that is
+    negative or not finite, a seed torch cannot take, a file where a folder
+    goes, a file to read that is not there."""
+    least = {
+        "steps": 1,
+        "epochs": 1,
+        "batch_size": 1,
+        "accumulate": 1,
+        "microbatches": 1,
+        "decay_steps": 1,
+        "log_every": 1,
+        "samples": 1,
+        "workers": 0,
+        "save_every": 0,
+        "eval_every": 0,
+    }
+    for name, low in least.items():
+        value = getattr(args, name, None)
+        if value is not None and value < low:
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least {low}, got {value}"
+            )
+    for name in ("lr", "grad_clip"):
+        if not 0 <= getattr(args, name) < math.inf:
+            parser.error(
+                f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(args, name)}"
+            )
+    if not -(2**63) <= args.seed < 2**64:
+        parser.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+    for name in ("checkpoint", "log_dir"):
+        folder = pathlib.Path(getattr(args, name) or ".")  # "." for none
+        if folder.exists() and not folder.is_dir():
+            parser.error(f"--{name.replace('_', '-')} {folder}: not a folder")
+    init = getattr(args, "init", None)
+    if init is not None and not pathlib.Path(init).is_file():
+        parser.error(f"--init: no file {init}")
+
+
+def one_line(error: BaseException) -> str:
+    """``Type: message`` of an exception, on one line of at most 300 characters."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
 
 
 def check_devices() -> None:
@@ -583,6 +632,7 @@ def main(argv: list[str] | None = None) -> None:
         "--workers", type=int, default=0, help="DataLoader worker processes"
     )
     args = parser.parse_args(argv)
+    check_args(parser, args)
     if args.resume and not args.checkpoint:
         parser.error("--resume needs --checkpoint DIR")
     if args.steps is None and args.epochs is None:
@@ -656,14 +706,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.resume:
         if not path.exists():
             sys.exit(f"--resume: no checkpoint {path}")
-        state = torch.load(path, map_location="cpu", weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        if scheduler is not None:
-            scheduler.load_state_dict(state["scheduler"])
-        scaler.load_state_dict(state["scaler"])
-        set_rng_states(state["rng"])
-        done = state["step"]
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            if scheduler is not None:
+                scheduler.load_state_dict(state["scheduler"])
+            scaler.load_state_dict(state["scaler"])
+            set_rng_states(state["rng"])
+            done = state["step"]
+        except Exception as error:  # not a checkpoint of this script's model
+            sys.exit(f"--resume: cannot resume from {path} ({one_line(error)})")
         print(f"resumed from {path} at step {done}")
     started = done
 
@@ -692,13 +745,16 @@ def main(argv: list[str] | None = None) -> None:
         interrupted.append(signum)
         signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    log = Log(
-        pathlib.Path(args.log_dir or args.checkpoint or "runs/gpt2_small"),
-        last,
-        done,
-        args.log_every,
-        args.accumulate * args.batch_size,
-    )
+    try:
+        log = Log(
+            pathlib.Path(args.log_dir or args.checkpoint or "runs/gpt2_small"),
+            last,
+            done,
+            args.log_every,
+            args.accumulate * args.batch_size,
+        )
+    except OSError as error:  # a folder that cannot be made or written
+        parser.error(f"cannot write the log ({error})")
     stream = batches(
         data, args.batch_size, args.seed, done * args.accumulate, args.workers
     )

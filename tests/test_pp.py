@@ -240,6 +240,35 @@ def test_interleaved_needs_a_repeating_layout(tmp_path):
     assert "Traceback" not in run.stderr
 
 
+@pytest.mark.parametrize("args, status, message", [
+    # argparse's usage error, before torchrun is looked for (each was a traceback in a rank)
+    (["--steps", "1", "--init", "missing.pt"], 2,
+     "pp_simple_model.py: error: --init: no file missing.pt"),
+    (["--steps", "-1"], 2, "pp_simple_model.py: error: --steps must be at least 1, got -1"),
+    (["--steps", "1", "--checkpoint", "afile"], 2,
+     "pp_simple_model.py: error: --checkpoint afile: not a folder"),
+    (["--steps", "1", "--lr", "inf"], 2,
+     "pp_simple_model.py: error: --lr must be a finite number >= 0, got inf"),
+    # --merge runs without torchrun: a damaged stage, a folder to write
+    (["--merge", "junk", "out.pt"], 1,
+     "--merge: cannot read junk/stage_0.pt (error: unpack requires a buffer of 4 bytes)"),
+    (["--merge", "junk", "junk"], 1, "--merge: junk is a folder; give the file to write"),
+], ids=["init", "steps", "checkpoint", "lr", "merge-junk", "merge-into-a-folder"])
+def test_a_bad_argument_is_one_message(tmp_path, args, status, message):
+    build_to(ROOT / "examples" / "seed.yaml", tmp_path, CPU)
+    (tmp_path / "afile").write_text("")
+    (tmp_path / "junk").mkdir()
+    for k in range(2):
+        (tmp_path / "junk" / f"stage_{k}.pt").write_bytes(b"junk")
+    run = subprocess.run([sys.executable, "pp_simple_model.py", *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == status, run.stderr
+    assert run.stderr.splitlines()[-1] == message
+    assert "Traceback" not in run.stderr
+    if status == 1:
+        assert len(run.stderr.splitlines()) == 1
+
+
 def test_outside_torchrun_says_how_to_launch(tmp_path):
     build_to(ROOT / "examples" / "seed.yaml", tmp_path, CPU)
     run = subprocess.run([sys.executable, "pp_simple_model.py", "--steps", "1"], cwd=tmp_path,

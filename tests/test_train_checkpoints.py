@@ -230,3 +230,84 @@ def test_a_model_without_parameters_checkpoints_and_resumes_without_an_optimizer
                                              "resumed from c/last.pt at step 1"]
     state = load(tmp_path / "out" / "c" / "last.pt")
     assert (state["step"], state["model"], state["optimizer"]) == (2, {}, None)
+
+
+# Bad arguments: a message, never a traceback ------------------------------------
+
+
+def usage_error(run: subprocess.CompletedProcess, script: str) -> str:
+    """The message of argparse's usage error (exit 2): argparse's usage lines,
+    then one line naming the script; no traceback."""
+    assert run.returncode == 2, run.stderr
+    *usage, last = run.stderr.splitlines()
+    assert usage[0].startswith("usage: ") and all(
+        line.startswith(("usage: ", " ")) for line in usage), run.stderr
+    assert last.startswith(f"{script}: error: "), run.stderr
+    return last.removeprefix(f"{script}: error: ")
+
+
+@pytest.mark.parametrize("args, message", [
+    # Each was a traceback (FileExistsError, ZeroDivisionError, TypeError, ValueError...).
+    (["--checkpoint", "afile"], "--checkpoint afile: not a folder"),
+    (["--log-dir", "afile"], "--log-dir afile: not a folder"),
+    (["--checkpoint", "afile/sub"],
+     "cannot write the log ([Errno 20] Not a directory: 'afile/sub')"),
+    (["--steps", "0"], "--steps must be at least 1, got 0"),
+    (["--steps", "-1"], "--steps must be at least 1, got -1"),
+    (["--epochs", "-1"], "--epochs must be at least 1, got -1"),
+    (["--batch-size", "0"], "--batch-size must be at least 1, got 0"),
+    (["--accumulate", "0"], "--accumulate must be at least 1, got 0"),
+    (["--log-every", "0"], "--log-every must be at least 1, got 0"),
+    (["--samples", "-5"], "--samples must be at least 1, got -5"),
+    (["--workers", "-1"], "--workers must be at least 0, got -1"),
+    (["--save-every", "-1"], "--save-every must be at least 0, got -1"),
+    (["--eval-every", "-1"], "--eval-every must be at least 0, got -1"),
+    (["--lr", "-1"], "--lr must be a finite number >= 0, got -1.0"),
+    (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0, got nan"),
+    (["--seed", "99999999999999999999999"],
+     "--seed must be in [-2**63, 2**64), got 99999999999999999999999"),
+], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
+def test_a_bad_argument_is_a_usage_error(simple, tmp_path, args, message):
+    (tmp_path / "afile").write_text("")
+    run = subprocess.run([sys.executable, str(simple), "--steps", "1", *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert usage_error(run, "train_simple_model.py") == message
+    assert "Traceback" not in run.stdout
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("args, files, message", [
+    (["--data", "bad.npz"], {"bad.npz": b"not a zip"},
+     "--data: cannot read bad.npz (ValueError: "),
+    (["--data", "bad.pt"], {"bad.pt": b"x"}, "--data: cannot read bad.pt (UnpicklingError: "),
+    (["--data", "bad.safetensors"], {"bad.safetensors": b"\xff" * 16},
+     "--data: cannot read bad.safetensors ("),
+    (["--eval-data", "bad.pt", "--eval-every", "1"], {"bad.pt": b"x"},
+     "--eval-data: cannot read bad.pt (UnpicklingError: "),
+    (["--checkpoint", "c", "--resume"], {"c/last.pt": b"junk"},
+     "--resume: cannot resume from c/last.pt ("),
+    (["--checkpoint", "c", "--resume"], {"c/last.pt": "a dict"},
+     "--resume: cannot resume from c/last.pt (KeyError: 'model')"),
+    (["--checkpoint", "c", "--resume"], {"c/last.pt": "another model"},
+     "--resume: cannot resume from c/last.pt (RuntimeError: Error(s) in loading state_dict "
+     "for SimpleModel: Missing key(s) in state_dict: "),
+], ids=["npz", "pt", "safetensors", "eval-data", "resume-junk", "resume-dict",
+        "resume-another-model"])
+def test_a_file_that_cannot_be_read_is_one_line(simple, tmp_path, args, files, message):
+    """A damaged data file or checkpoint stops the run with one line (exit 1,
+    as a missing one does), not the loader's traceback."""
+    for name, content in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        if content == "a dict":
+            torch.save({"step": 1}, path)
+        elif content == "another model":
+            torch.save({"model": {"w": torch.zeros(1)}}, path)
+        else:
+            path.write_bytes(content)
+    run = subprocess.run([sys.executable, str(simple), "--steps", "1", *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert run.stderr.startswith(message), run.stderr
+    assert len(run.stderr) < 400

@@ -95,8 +95,8 @@ _SCAFFOLD_GLOBALS = (
     "DEVICES", "DEVICE_TYPE", "KEYS", "BATCH_DIMS", "AMP_DTYPES", "DATA_FILES", "SPEC",
     "make_batch", "SyntheticData", "TensorData", "read_tensors", "load_data", "as_batch",
     "collate", "epoch_batches", "batches", "forward_loss", "hits", "evaluate", "param_groups",
-    "lr_factor", "rng_states", "set_rng_states", "save_checkpoint", "check_devices", "Log",
-    "main",
+    "lr_factor", "rng_states", "set_rng_states", "save_checkpoint", "check_args", "check_devices",
+    "one_line", "Log", "main",
 )
 _SCAFFOLD_LOCALS = (
     "parser", "args", "path", "data", "eval_data", "held_out", "cut", "per_epoch", "last",

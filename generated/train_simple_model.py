@@ -313,6 +313,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     use: a count below its least, a learning rate or clip norm that is
     negative or not finite, a seed torch cannot take, a file where a folder
     goes, a file to read that is not there."""
+    given = vars(args)
     least = {
         "steps": 1,
         "epochs": 1,
@@ -327,25 +328,24 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         "eval_every": 0,
     }
     for name, low in least.items():
-        value = getattr(args, name, None)
+        value = given.get(name)
         if value is not None and value < low:
             parser.error(
                 f"--{name.replace('_', '-')} must be at least {low}, got {value}"
             )
     for name in ("lr", "grad_clip"):
-        if not 0 <= getattr(args, name) < math.inf:
+        if not 0 <= given[name] < math.inf:
             parser.error(
-                f"--{name.replace('_', '-')} must be a finite number >= 0, got {getattr(args, name)}"
+                f"--{name.replace('_', '-')} must be a finite number >= 0, got {given[name]}"
             )
     if not -(2**63) <= args.seed < 2**64:
         parser.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     for name in ("checkpoint", "log_dir"):
-        folder = pathlib.Path(getattr(args, name) or ".")  # "." for none
+        folder = pathlib.Path(given[name] or ".")  # "." for none
         if folder.exists() and not folder.is_dir():
             parser.error(f"--{name.replace('_', '-')} {folder}: not a folder")
-    init = getattr(args, "init", None)
-    if init is not None and not pathlib.Path(init).is_file():
-        parser.error(f"--init: no file {init}")
+    if given.get("init") is not None and not pathlib.Path(args.init).is_file():
+        parser.error(f"--init: no file {args.init}")
 
 
 def one_line(error: BaseException) -> str:

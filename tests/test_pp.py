@@ -229,6 +229,17 @@ def test_examples_run_under_torchrun(tmp_path, example, script):
     assert len(losses(tmp_path / "runs" / script[:-3] / "log.csv")) == 2
 
 
+def test_a_damaged_init_file_stops_every_rank_with_one_message(pipe):
+    (pipe / "damaged.pt").write_bytes(b"junk")
+    run = torchrun(4, pipe / "pp_pipe_net.py", "--schedule", "gpipe", "--steps", "1",
+                   "--data", "data.pt", "--init", "damaged.pt", "--log-dir", "damaged")
+    assert run.returncode != 0
+    # Printed once, by rank 0; not the traceback of torch.load in every rank.
+    assert [line for line in run.stderr.splitlines() if line.startswith("--init")] == [
+        "--init damaged.pt: cannot read it (error: unpack requires a buffer of 4 bytes)"]
+    assert "torch.load(" not in run.stderr
+
+
 def test_interleaved_needs_a_repeating_layout(tmp_path):
     build_to(ROOT / "examples" / "seed.yaml", tmp_path, CPU)
     run = subprocess.run([sys.executable, "pp_simple_model.py", "--schedule", "interleaved",

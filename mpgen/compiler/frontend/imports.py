@@ -28,6 +28,10 @@ and anything raised while importing, ``SystemExit`` and ``KeyboardInterrupt``
 included (but not a real Ctrl-C), is the op's error. Code in the project or
 in a listed package is trusted once imported: the policy decides which files
 a spec can make mpgen run, not what those files do.
+
+A data factory ``a.b:make`` (``train.data``) is code the generated training
+script imports: :func:`check_factory` applies the same policy to its modules
+and finds ``def make`` in the parsed source, importing nothing.
 """
 
 from __future__ import annotations
@@ -188,8 +192,8 @@ def _python_path() -> list[Path]:
 def _top(project: Project, name: str, op: str,
          noun: str = "op") -> tuple[_Module, Path, str]:
     """The top-level module ``name``, the folder everything of it must lie
-    in, and that folder's description for messages (``op`` is the ``noun``
-    that names it)."""
+    in, and that folder's description for messages (where ``noun`` says
+    what ``op`` is: an op, a data factory)."""
     root = f"the spec's project ({_text(project.root)})"
     for folder in project.search:
         found = _find(folder, name, None, op)

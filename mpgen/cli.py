@@ -278,10 +278,10 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     if not changes.written and not changes.removed and not changes.kept:
         _say(f"{args.out}: up to date")
     for orphan in changes.kept:
-        _say(f"{orphan.path}: note: {orphan.why}; left in place (mpgen build --prune "
+        _say(f"{escaped(str(orphan.path))}: note: {orphan.why}; left in place (mpgen build --prune "
              "removes it)", sys.stderr)
     for stranger in changes.strangers:
-        _say(f"{stranger.path}: note: {stranger.why}; no spec built owns it: left in place "
+        _say(f"{escaped(str(stranger.path))}: note: {stranger.why}; no spec built owns it: left in place "
              "(mpgen check reports it)", sys.stderr)
     for spec in built:
         _say(spec.line)

@@ -66,6 +66,7 @@ from mpgen.compiler.codegen import manifest as build_manifest
 from mpgen.errors import Collector, MpgenError, Position
 from mpgen.files import (FileTooLarge, inside, is_project_folder, kind, read_head,
                          read_regular, reason, work_tree)
+from mpgen.printed import escaped
 
 #: An existing file is read up to this many bytes more than the generated one.
 MAX_EXTRA_BYTES = 1 << 20
@@ -590,30 +591,30 @@ def diff_files(out_dir: Path, files: Mapping[str, str],
     report = []
     for t in found.targets:
         if t.foreign:
-            report.append(f"{t.path}: {t.foreign}; build would refuse to overwrite it "
+            report.append(f"{escaped(str(t.path))}: {t.foreign}; build would refuse to overwrite it "
                           "(move it away, or build with --force)\n")
         elif not t.exists:
-            report.append(f"missing: {t.path}\n")
+            report.append(f"missing: {escaped(str(t.path))}\n")
         elif t.note:
-            report.append(f"{t.path}: {t.note}\n")
+            report.append(f"{escaped(str(t.path))}: {t.note}\n")
         elif t.changed:
             report.append(_diff(t.path, t.current or b"", t.data))
     for orphan in found.orphans:
         build = "build" if orphan.removed_by(prune=False) else "build --prune"
-        report.append(f"{orphan.path}: {orphan.why}; {build} would remove it\n")
+        report.append(f"{escaped(str(orphan.path))}: {orphan.why}; {build} would remove it\n")
     for stranger in found.strangers:
         owner = ("" if stranger.path == out_dir else  # the folder itself: too large
                  "; no spec checked owns it, and build leaves it: remove it")
-        report.append(f"{stranger.path}: {stranger.why}{owner}\n")
+        report.append(f"{escaped(str(stranger.path))}: {stranger.why}{owner}\n")
     return Differences(report, any(not o.removed_by(prune=False) for o in found.orphans),
                        len(found.strangers))
 
 
 def _diff(path: Path, current: bytes, data: bytes) -> str:
     if current.replace(b"\r\n", b"\n") == data:
-        return f"{path}: line endings differ (\\r\\n on disk; mpgen writes \\n)\n"
+        return f"{escaped(str(path))}: line endings differ (\\r\\n on disk; mpgen writes \\n)\n"
     old = current.decode("utf-8", "replace").splitlines(keepends=True)
     new = data.decode("utf-8").splitlines(keepends=True)
-    text = "".join(difflib.unified_diff(old, new, fromfile=f"{path} (on disk)",
-                                        tofile=f"{path} (generated)"))
+    text = "".join(difflib.unified_diff(old, new, fromfile=f"{escaped(str(path))} (on disk)",
+                                        tofile=f"{escaped(str(path))} (generated)"))
     return text if text.endswith("\n") else text + "\n"

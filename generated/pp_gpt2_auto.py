@@ -671,14 +671,10 @@ def main(argv: list[str] | None = None) -> None:
         help="write one state dict of GPT2Auto from DIR/stage_K.pt to OUT and exit (no torchrun)",
     )
     args = parser.parse_args(argv)
-    single.check_args(parser, args)
     if args.merge:
         merge(*args.merge)
         return
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint DIR")
-    if args.steps is None and args.epochs is None:
-        parser.error("give --steps or --epochs")
+    single.check_args(parser, args)
     if (
         args.microbatches is None
     ):  # the smallest divisor of the batch from the default on

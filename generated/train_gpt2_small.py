@@ -356,11 +356,22 @@ def save_checkpoint(state: dict, path: pathlib.Path) -> None:
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Refuse with argparse's usage error (exit 2) a value the run cannot
-    use: a count below its least, a learning rate or clip norm that is
+    """Stop on arguments the run cannot use, in one line as argparse's usage
+    errors end (``PROG: error: ...``, exit 2): --resume without --checkpoint,
+    no length, a count below its least, a learning rate or clip norm that is
     negative or not finite, a seed torch cannot take, a file where a folder
     goes, a file to read that is not there."""
+
+    def refuse(message: str) -> None:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
     given = vars(args)
+    if given["resume"] and not given["checkpoint"]:
+        refuse("--resume needs --checkpoint DIR")
+    if given["steps"] is None and given["epochs"] is None:
+        refuse("give --steps or --epochs")
+    if not 0 <= given.get("eval_split", 0) < 1:
+        refuse("--eval-split takes a fraction in [0, 1)")
     least = {
         "steps": 1,
         "epochs": 1,
@@ -377,22 +388,20 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for name, low in least.items():
         value = given.get(name)
         if value is not None and value < low:
-            parser.error(
-                f"--{name.replace('_', '-')} must be at least {low}, got {value}"
-            )
+            refuse(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
     for name in ("lr", "grad_clip"):
         if not 0 <= given[name] < math.inf:
-            parser.error(
+            refuse(
                 f"--{name.replace('_', '-')} must be a finite number >= 0, got {given[name]}"
             )
     if not -(2**63) <= args.seed < 2**64:
-        parser.error(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+        refuse(f"--seed must be in [-2**63, 2**64), got {args.seed}")
     for name in ("checkpoint", "log_dir"):
         folder = pathlib.Path(given[name] or ".")  # "." for none
         if folder.exists() and not folder.is_dir():
-            parser.error(f"--{name.replace('_', '-')} {folder}: not a folder")
+            refuse(f"--{name.replace('_', '-')} {folder}: not a folder")
     if given.get("init") is not None and not pathlib.Path(args.init).is_file():
-        parser.error(f"--init: no file {args.init}")
+        refuse(f"--init: no file {args.init}")
 
 
 def one_line(error: BaseException) -> str:
@@ -633,12 +642,6 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     check_args(parser, args)
-    if args.resume and not args.checkpoint:
-        parser.error("--resume needs --checkpoint DIR")
-    if args.steps is None and args.epochs is None:
-        parser.error("give --steps or --epochs")
-    if not 0 <= args.eval_split < 1:
-        parser.error("--eval-split takes a fraction in [0, 1)")
     path = pathlib.Path(args.checkpoint, "last.pt") if args.checkpoint else None
     check_devices()
 
@@ -754,7 +757,7 @@ def main(argv: list[str] | None = None) -> None:
             args.accumulate * args.batch_size,
         )
     except OSError as error:  # a folder that cannot be made or written
-        parser.error(f"cannot write the log ({error})")
+        sys.exit(f"cannot write the log ({error})")
     stream = batches(
         data, args.batch_size, args.seed, done * args.accumulate, args.workers
     )

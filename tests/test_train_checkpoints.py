@@ -236,22 +236,18 @@ def test_a_model_without_parameters_checkpoints_and_resumes_without_an_optimizer
 
 
 def usage_error(run: subprocess.CompletedProcess, script: str) -> str:
-    """The message of argparse's usage error (exit 2): argparse's usage lines,
-    then one line naming the script; no traceback."""
+    """The message of a usage error: one line naming the script, as argparse
+    ends its own, exit 2, no traceback."""
     assert run.returncode == 2, run.stderr
-    *usage, last = run.stderr.splitlines()
-    assert usage[0].startswith("usage: ") and all(
-        line.startswith(("usage: ", " ")) for line in usage), run.stderr
-    assert last.startswith(f"{script}: error: "), run.stderr
-    return last.removeprefix(f"{script}: error: ")
+    assert len(run.stderr.splitlines()) == 1, run.stderr
+    assert run.stderr.startswith(f"{script}: error: "), run.stderr
+    return run.stderr.removeprefix(f"{script}: error: ").removesuffix("\n")
 
 
 @pytest.mark.parametrize("args, message", [
     # Each was a traceback (FileExistsError, ZeroDivisionError, TypeError, ValueError...).
     (["--checkpoint", "afile"], "--checkpoint afile: not a folder"),
     (["--log-dir", "afile"], "--log-dir afile: not a folder"),
-    (["--checkpoint", "afile/sub"],
-     "cannot write the log ([Errno 20] Not a directory: 'afile/sub')"),
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--steps", "-1"], "--steps must be at least 1, got -1"),
     (["--epochs", "-1"], "--epochs must be at least 1, got -1"),
@@ -266,6 +262,8 @@ def usage_error(run: subprocess.CompletedProcess, script: str) -> str:
     (["--grad-clip", "nan"], "--grad-clip must be a finite number >= 0, got nan"),
     (["--seed", "99999999999999999999999"],
      "--seed must be in [-2**63, 2**64), got 99999999999999999999999"),
+    (["--resume"], "--resume needs --checkpoint DIR"),
+    (["--eval-split", "1.5"], "--eval-split takes a fraction in [0, 1)"),
 ], ids=lambda v: " ".join(v) if isinstance(v, list) else None)
 def test_a_bad_argument_is_a_usage_error(simple, tmp_path, args, message):
     (tmp_path / "afile").write_text("")
@@ -284,6 +282,8 @@ def test_a_bad_argument_is_a_usage_error(simple, tmp_path, args, message):
      "--data: cannot read bad.safetensors ("),
     (["--eval-data", "bad.pt", "--eval-every", "1"], {"bad.pt": b"x"},
      "--eval-data: cannot read bad.pt (UnpicklingError: "),
+    (["--checkpoint", "afile/sub"], {"afile": b""},
+     "cannot write the log ([Errno 20] Not a directory: 'afile/sub')"),
     (["--checkpoint", "c", "--resume"], {"c/last.pt": b"junk"},
      "--resume: cannot resume from c/last.pt ("),
     (["--checkpoint", "c", "--resume"], {"c/last.pt": "a dict"},
@@ -291,11 +291,12 @@ def test_a_bad_argument_is_a_usage_error(simple, tmp_path, args, message):
     (["--checkpoint", "c", "--resume"], {"c/last.pt": "another model"},
      "--resume: cannot resume from c/last.pt (RuntimeError: Error(s) in loading state_dict "
      "for SimpleModel: Missing key(s) in state_dict: "),
-], ids=["npz", "pt", "safetensors", "eval-data", "resume-junk", "resume-dict",
+], ids=["npz", "pt", "safetensors", "eval-data", "log", "resume-junk", "resume-dict",
         "resume-another-model"])
 def test_a_file_that_cannot_be_read_is_one_line(simple, tmp_path, args, files, message):
-    """A damaged data file or checkpoint stops the run with one line (exit 1,
-    as a missing one does), not the loader's traceback."""
+    """A damaged data file or checkpoint, or a log folder that cannot be
+    made, stops the run with one line (exit 1, as a missing checkpoint
+    does), not a traceback."""
     for name, content in files.items():
         path = tmp_path / name
         path.parent.mkdir(exist_ok=True)

@@ -265,6 +265,22 @@ def test_no_generated_file_shadows_the_data_factorys_module(tmp_path, factory, s
     assert not (tmp_path / "out").exists()
 
 
+def test_a_model_named_like_its_loss_module_is_refused(tmp_path):
+    """The training script imports a loss class of the spec's: its module
+    counts as the spec's own, as an op's does."""
+    (tmp_path / "pyproject.toml").write_text("")
+    (tmp_path / "mylosses.py").write_text(
+        "from torch import nn\n\n\nclass Focal(nn.Module):\n"
+        "    def forward(self, x, t):\n        return nn.functional.mse_loss(x, t)\n")
+    write_spec(tmp_path, MODEL.format(name="Mylosses") + "train: {loss: mylosses.Focal}\n")
+    result = mpgen("build", "spec.yaml", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == ("spec.yaml:2:7: name: 'Mylosses' would generate mylosses.py, "
+                             "which shadows the module 'mylosses' this spec's ops import; "
+                             "choose another name (e.g. 'MylossesModel')\n")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_named_like_its_user_module_is_refused(tmp_path):
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "mylayers.py").write_text(GATE)

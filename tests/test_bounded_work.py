@@ -446,6 +446,17 @@ def test_code_generation_is_under_the_budget(tmp_path):
                         r"time \(--time-limit SECONDS raises the budget\)", str(info.value))
 
 
+def test_a_huge_size_is_cut_in_the_layer_s_message(tmp_path):
+    """A 4,000-digit size (YAML reads up to Python's digit limit) fails to
+    build; the message names the call without spelling the number out."""
+    spec = write_spec(tmp_path, TINY.replace("[8, 8]", f"[8, {'9' * 4000}]"))
+    result = mpgen("show", str(spec))
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"{spec}:6:3: layer 'fc': Linear(8, {'9' * 56}...9) "
+                                    "cannot be built: ")
+    assert len(result.stderr) < 400
+
+
 def test_the_limits_are_documented_with_their_numbers():
     section = (ROOT / "docs" / "spec.md").read_text().split("## Limits")[1].split("\n## ")[0]
     numbers = [limits.MAX_REPEAT, limits.MAX_INSTANCES, limits.MAX_BLOCK_DEPTH,

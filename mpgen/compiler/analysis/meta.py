@@ -20,7 +20,7 @@ from torch import nn
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.frontend import expressions
 from mpgen.compiler.frontend.imports import user_code
-from mpgen.errors import MpgenError
+from mpgen.errors import MpgenError, shown
 from mpgen.compiler.ir import (
     Args,
     BinOp,
@@ -171,7 +171,7 @@ def call_text(node: Node, params: Mapping[str, Any]) -> str:
     ``Linear(64, 3 * $dim)``, ``LSTM(8, 8, 2, batch_first=True)``."""
     def show(v):
         if isinstance(v, Param):
-            return repr(params[v.name]) if v.name in params else f"${v.name}"
+            return shown(params[v.name]) if v.name in params else f"${v.name}"
         if isinstance(v, Expr):
             return v.code
         if isinstance(v, Size):
@@ -180,7 +180,7 @@ def call_text(node: Node, params: Mapping[str, Any]) -> str:
             return expression_text(v, show)
         if isinstance(v, list):
             return "[" + ", ".join(show(x) for x in v) + "]"
-        return repr(v)
+        return shown(v)  # a 4,000-digit size is cut, not spelled out
     given = node.init or node.call
     parts = ([show(a) for a in given.positional]
              + [f"{k}={show(v)}" for k, v in given.keyword])

@@ -211,7 +211,8 @@ def _run(request: dict, stderr) -> tuple[list[bytes], Optional[int], Optional[st
             child.stdin.close()
         selector = selectors.DefaultSelector()
         selector.register(child.stdout, selectors.EVENT_READ)
-        last_cpu, last_change = _cpu(child.pid), time.monotonic()
+        started = time.monotonic()
+        last_cpu, last_change = _cpu(child.pid), started
         while True:
             if selector.select(timeout=0.25):
                 chunk = os.read(child.stdout.fileno(), 1 << 16)
@@ -223,7 +224,10 @@ def _run(request: dict, stderr) -> tuple[list[bytes], Optional[int], Optional[st
                     break
                 chunks.append(chunk)
             cpu = _cpu(child.pid)
-            if cpu is None:
+            if cpu is None:  # no /proc: wall-clock time stands in, generously
+                if cpu_cap is not None and time.monotonic() - started > 4 * cpu_cap:
+                    why = f"was stopped after {4 * cpu_cap:g} s"
+                    break
                 continue
             if cpu_cap is not None and cpu > cpu_cap:
                 why = f"was stopped after {cpu:.0f} s of CPU time"

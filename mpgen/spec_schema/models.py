@@ -734,8 +734,10 @@ class DataSpec(_Model):
     ``target``; or a factory ``package.module:function`` returning a
     ``Dataset`` or ``DataLoader`` (or ``{factory: ..., KEYWORD: VALUE}``: the
     other keys are its keyword arguments). A mapping gives exactly one of
-    ``factory`` and ``path``. The build checks the text only: it never imports
-    the factory's module."""
+    ``factory`` and ``path``. The factory's module follows the import policy
+    of user modules (a module of the project, or of a package listed under
+    ``imports:``; never the standard library), checked on disk: the build
+    never imports it."""
 
     # Which of ``factory``/``path`` is given, and that only a factory takes
     # keyword arguments, the front end checks (at the keys).

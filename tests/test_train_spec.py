@@ -19,7 +19,7 @@ import pytest
 from helpers import ROOT, write_factory, write_spec
 from mpgen.compiler import pipeline
 from mpgen.compiler.frontend.training import scheduler_names
-from mpgen.compiler.ir import DataSource, Scheduler, TensorType, TrainConfig
+from mpgen.compiler.ir import DataSource, Scheduler, TrainConfig
 from mpgen.errors import MpgenError
 from test_training_specs import MODEL, build, refused
 

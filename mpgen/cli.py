@@ -278,11 +278,11 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
     if not changes.written and not changes.removed and not changes.kept:
         _say(f"{args.out}: up to date")
     for orphan in changes.kept:
-        _say(f"{escaped(str(orphan.path))}: note: {orphan.why}; left in place (mpgen build --prune "
-             "removes it)", sys.stderr)
+        _say(f"{escaped(str(orphan.path))}: note: {orphan.why}; left in place (mpgen build "
+             "--prune removes it)", sys.stderr)
     for stranger in changes.strangers:
-        _say(f"{escaped(str(stranger.path))}: note: {stranger.why}; no spec built owns it: left in place "
-             "(mpgen check reports it)", sys.stderr)
+        _say(f"{escaped(str(stranger.path))}: note: {stranger.why}; no spec built owns it: "
+             "left in place (mpgen check reports it)", sys.stderr)
     for spec in built:
         _say(spec.line)
     for note in (note for spec in built for note in spec.notes):
@@ -297,9 +297,9 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
                                        time_limit=args.time_limit)
     for spec in checked:
         if spec.ran_user_code:
-            _say(f"{spec.spec_path}: note: checking it ran the project's own code (the modules "
-                 "its spec names), in a child process without this environment's variables; "
-                 "review changes to that code as code", sys.stderr)
+            _say(f"{escaped(spec.spec_path)}: note: checking it ran the project's own code (the "
+                 "modules its spec names), in a child process without this environment's "
+                 "variables; review changes to that code as code", sys.stderr)
     if not diffs:
         _say(f"{args.out}: up to date")
         return Exit.OK

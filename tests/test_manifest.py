@@ -25,20 +25,14 @@ def compiles(monkeypatch) -> list[list[str]]:
     """The specs each compile of a build or check was asked for, in this
     process or a child (the real compiler still runs)."""
     calls: list[list[str]] = []
-    real = build_command._generate_all
-    real_child = build_command._compile_in_child
+    # Each spec, compiled in this process or a child (NOTE [User code in a child]).
+    real = build_command._compile
 
     def spy(paths, *args):
-        if paths:  # none: every spec went to a child (NOTE [User code in a child])
-            calls.append([Path(p).name for p in paths])
+        calls.append([Path(p).name for p in paths])
         return real(paths, *args)
 
-    def spy_child(path, *args):
-        calls.append([Path(path).name])
-        return real_child(path, *args)
-
-    monkeypatch.setattr(build_command, "_generate_all", spy)
-    monkeypatch.setattr(build_command, "_compile_in_child", spy_child)
+    monkeypatch.setattr(build_command, "_compile", spy)
     return calls
 
 

@@ -53,13 +53,12 @@ class Built:
         return f"{escaped(self.spec_path)}: {self.entry.summary}"
 
 
-def _generate_all(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
-                  root: str | Path | None, time_limit: TimeLimit) -> list[Generated]:
+def _seconds(time_limit: TimeLimit) -> Optional[float]:
+    """``time_limit`` with ``...`` as the default budget (imported only now:
+    a check of current specs imports no compiler)."""
     from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
-    from mpgen.compiler.pipeline import generate_all
 
-    return generate_all(paths, device_map, root,
-                        DEFAULT_TIME_LIMIT if time_limit is ... else time_limit)
+    return DEFAULT_TIME_LIMIT if time_limit is ... else time_limit
 
 
 def build(paths: Iterable[str | Path], out_dir: str | Path,
@@ -249,31 +248,25 @@ def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
     of its own is compiled in a child process (NOTE [User code in a child]),
     the others in this one; ``out_dir``: where the generated code will run
     from, for the path notes."""
-    from mpgen.compiler.pipeline import Model, check_clashes
+    from mpgen.compiler.pipeline import Model, check_clashes, generate
 
-    texts = {str(p): spec_text(p) for p in paths}
-    children = {} if out_dir is None else {
-        str(p): found for p in paths
-        if (found := child_facts(p, texts[str(p)])) is not None}
     errors = Collector()
-    built: dict[str, Built] = {}
-    try:
-        for result in _generate_all([p for p in paths if str(p) not in children], device_map,
-                                    root, time_limit):
-            built[str(result.spec_path)] = compiled(result, device_map,
-                                                    texts[str(result.spec_path)], out_dir)
-    except MpgenError as exc:
-        errors.extend(exc)
-    for path, (digest, name_pos) in children.items():
+    built: list[Built] = []
+    for path in paths:
+        text = spec_text(path)
+        facts = None if out_dir is None else child_facts(path, text)
         try:
-            built[path] = _compile_in_child(path, device_map, root, time_limit, out_dir,
-                                            digest, name_pos, texts[path])
+            if facts is None:
+                result = generate(path, device_map, root, _seconds(time_limit))
+                built.append(compiled(result, device_map, text, out_dir))
+            else:
+                built.append(_compile_in_child(str(path), device_map, root, time_limit,
+                                               out_dir, *facts, text))
         except MpgenError as exc:
             errors.extend(exc)
-    in_order = [built[str(p)] for p in paths if str(p) in built]
-    check_clashes([Model(b.spec_path, *b.model, tuple(b.files)) for b in in_order], errors)
+    check_clashes([Model(b.spec_path, *b.model, tuple(b.files)) for b in built], errors)
     errors.raise_if_any()
-    return in_order
+    return built
 
 
 def child_facts(path: str | Path, text: Optional[str]) -> Optional[tuple[str, Position]]:
@@ -301,11 +294,9 @@ def _compile_in_child(path: str, device_map: Optional[Mapping[str, str]],
                       root: str | Path | None, time_limit: TimeLimit, out_dir: Path,
                       digest: str, name_pos: Position, text: Optional[str]) -> Built:
     from mpgen.commands import isolate
-    from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 
-    child = isolate.generate(path, device_map, root,
-                             DEFAULT_TIME_LIMIT if time_limit is ... else time_limit, out_dir,
-                             digest, name_pos, text)
+    child = isolate.generate(path, device_map, root, _seconds(time_limit), out_dir, digest,
+                             name_pos, text)
     entry = manifest.Entry(**child.entry)
     return Built(path, child.files, entry, None, child.notes, True, (child.name, child.pos))
 

@@ -76,8 +76,9 @@ KEPT_ENVIRONMENT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "
 #: Python and importing torch and the compiler (about 3 s on a 2-core
 #: machine).
 STARTUP_CPU_SECONDS = 20
-#: CPU seconds the child may go on past its budget before it is killed
-#: (``SIGXCPU`` is raised first; the parent kills it at twice this).
+#: CPU seconds the child may go on after ``SIGXCPU`` (one second past its
+#: budget) before ``RLIMIT_CPU`` kills it; the parent kills it past its
+#: start-up allowance, its budget and twice this.
 GRACE_CPU_SECONDS = 3
 #: Seconds the child may spend no CPU at all (sleeping, waiting on a
 #: pipe) before the parent kills it. A child that computes, however slowly
@@ -94,7 +95,6 @@ _FILE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.py|\.placement\.md)")
 class Isolated:
     """What a child reported for one spec, verified."""
 
-    spec_path: str
     name: str  # the model's name
     pos: Position  # where it is written
     files: dict[str, str]
@@ -122,9 +122,8 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]],
     the child built the same text). Raises MpgenError for the spec's
     mistakes, and for a child that fails, is killed, or reports what this
     spec cannot have given."""
-    request = {"mode": "generate", "path": str(path), "device_map": dict(device_map or {}),
-               "root": None if root is None else str(root), "time_limit": time_limit,
-               "out_dir": str(out_dir), "text": text}
+    request = _request("generate", path, device_map, root, time_limit,
+                       out_dir=str(out_dir), text=text)
     result, where = _ask(request, name_pos)
     return _verified(result, str(path), digest, where)
 
@@ -145,19 +144,26 @@ def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = Non
     if facts is None:
         return pipeline.compile_spec(path, device_map, root, time_limit)
     digest, name_pos = facts
-    request = {"mode": "graph", "path": str(path), "device_map": dict(device_map or {}),
-               "root": None if root is None else str(root), "time_limit": time_limit}
+    request = _request("graph", path, device_map, root, time_limit)
     result, where = _ask(request, name_pos)
     _raise_errors(result, where)
     from mpgen.compiler.ir import Graph  # the classes the unpickler may load
 
     try:
-        graph = _GraphUnpickler(io.BytesIO(base64.b64decode(result["graph"], validate=True))).load()
+        data = base64.b64decode(result["graph"], validate=True)
+        graph = _GraphUnpickler(io.BytesIO(data)).load()
     except Exception:  # noqa: BLE001 - whatever the bytes are, they are refused
         graph = None
     if not isinstance(graph, Graph) or graph.spec_hash != digest:
         raise _refused(where, "a graph this spec cannot have given")
     return graph
+
+
+def _request(mode: str, path: str | Path, device_map: Optional[Mapping[str, str]],
+             root: str | Path | None, time_limit: Optional[float], **more: Any) -> dict:
+    """What the child is asked to do, as JSON data."""
+    return {"mode": mode, "path": str(path), "device_map": dict(device_map or {}),
+            "root": None if root is None else str(root), "time_limit": time_limit, **more}
 
 
 def _ask(request: dict, name_pos: Position) -> tuple[dict, Position]:
@@ -296,7 +302,7 @@ def _verified(result: dict, path: str, digest: str, where: Position) -> Isolated
             raise refuse(f"{file_name} without this spec's digest in its header")
     if len(files) != 5:
         raise refuse(f"{len(files)} files where a build writes 5")
-    return Isolated(path, name, pos, files, entry, tuple(notes))
+    return Isolated(name, pos, files, entry, tuple(notes))
 
 
 def _refused(where: Position, problem: str) -> MpgenError:
@@ -384,7 +390,7 @@ def main() -> None:
 
     def started(pos: Optional[Position], what: str) -> None:
         if pos is not None:
-            say({"at": [pos.file, pos.line, pos.col], "what": what})
+            say({"at": _at(pos), "what": what})
 
     limits.WorkBudget.observer = started
     device_map = request["device_map"] or None
@@ -397,18 +403,20 @@ def main() -> None:
                  "graph": base64.b64encode(data.getvalue()).decode("ascii")})
             return
         result = pipeline.generate(request["path"], device_map, request["root"], limit)
-        built = build.compiled(result, device_map, request.get("text"))
-        notes = build.path_notes([result], request["out_dir"])
+        built = build.compiled(result, device_map, request["text"], request["out_dir"])
     except MpgenError as exc:
         errors = exc.errors if isinstance(exc, ErrorList) else [exc]
         say({"token": request["token"], "errors": [
-            [None if e.pos is None else [e.pos.file, e.pos.line, e.pos.col], e.message]
-            for e in errors]})
+            [None if e.pos is None else _at(e.pos), e.message] for e in errors]})
         return
     graph = result.graph
-    say({"token": request["token"], "name": graph.name,
-         "pos": [graph.pos.file, graph.pos.line, graph.pos.col], "files": result.files,
-         "entry": _fields(built.entry), "notes": notes})
+    say({"token": request["token"], "name": graph.name, "pos": _at(graph.pos),
+         "files": result.files, "entry": _fields(built.entry), "notes": list(built.notes)})
+
+
+def _at(pos: Position) -> list:
+    """A position as the child reports it (:func:`_position` reads it back)."""
+    return [pos.file, pos.line, pos.col]
 
 
 def _fields(entry) -> dict:

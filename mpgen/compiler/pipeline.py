@@ -96,10 +96,10 @@ def generate_all(paths: Iterable[str | Path],
             results.append(generate(path, device_map, root, time_limit))
         except MpgenError as exc:
             errors.extend(exc)
-    kept = check_clashes([Model(r.spec_path, r.graph.name, r.graph.pos, tuple(r.files))
-                          for r in results], errors)
+    check_clashes([Model(r.spec_path, r.graph.name, r.graph.pos, tuple(r.files))
+                   for r in results], errors)
     errors.raise_if_any()
-    return [r for r, keep in zip(results, kept) if keep]
+    return results
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,12 @@ class Model:
     files: tuple[str, ...]
 
 
-def check_clashes(models: Sequence[Model], errors: Collector) -> list[bool]:
+def check_clashes(models: Sequence[Model], errors: Collector) -> None:
     """An error in ``errors`` for each model that would generate a file of
-    an earlier one; whether each is kept (the first of a clash is)."""
+    an earlier one."""
     owners: dict[str, Model] = {}
-    kept = []
     for model_ in models:
         clash = next((n for n in model_.files if n in owners), None)
-        kept.append(clash is None)
         if clash is None:
             owners.update(dict.fromkeys(model_.files, model_))
             continue
@@ -129,4 +127,3 @@ def check_clashes(models: Sequence[Model], errors: Collector) -> list[bool]:
                 f"and {other.name!r} in {other.spec_path} have the same file name")
         errors.add(model_.pos, f"name: {model_.name!r} {what}, and both would generate "
                    f"{clash}; give the models different names")
-    return kept

@@ -274,11 +274,9 @@ def folder_problem(path: Path, bound: Path, outside_ok: bool = False) -> Optiona
 
 def find(start: Path) -> Optional[Path]:
     """The ``pyproject.toml`` of the project ``start`` is in, if it has one."""
-    for folder in (start, *start.parents):
-        if is_project_folder(folder):
-            candidate = folder / FILE_NAME
-            return candidate if candidate.exists() else None
-    return None
+    folder = project_folder(start)
+    candidate = None if folder is None else folder / FILE_NAME
+    return candidate if candidate is not None and candidate.exists() else None
 
 
 def load(start: Optional[Path] = None) -> Optional[ProjectConfig]:

@@ -219,7 +219,7 @@ def _display(path: str) -> str:
 def _user_frame(exc: BaseException) -> Optional[Position]:
     """The innermost frame of ``exc``'s traceback outside torch and mpgen."""
     found = None
-    mpgen_dir = str(Path(__file__).resolve().parent.parent)
+    mpgen_dir = str(Path(__file__).resolve().parents[2])  # mpgen/
     for frame in traceback.extract_tb(exc.__traceback__):
         where = str(Path(frame.filename).resolve()) if frame.filename else ""
         if where.startswith((_TORCH_DIR, mpgen_dir)) or not frame.lineno:

@@ -63,7 +63,7 @@ def import_generated(path: Path):
 def build_to(spec: Path, out: Path, device_map: dict | None = None) -> build.Generated:
     """Generate one spec and write its files to ``out``."""
     result = build.generate(spec, device_map)
-    from mpgen.compiler.codegen.write import write_files
+    from mpgen.output.write import write_files
 
     write_files(out, result.files)
     return result

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from helpers import EXAMPLES, ROOT, listing, mpgen, time_limit, write_factory, write_spec
-from mpgen.compiler.codegen import manifest, write
+from mpgen.output import manifest, write
 from mpgen.spec_schema.load import MAX_BYTES
 
 SEED = EXAMPLES / "seed.yaml"

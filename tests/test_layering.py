@@ -24,6 +24,7 @@ LAYERS = [
     ("mpgen.compiler.placement",),
     ("mpgen.compiler.codegen",),
     ("mpgen.compiler.pipeline",),
+    ("mpgen.output",),  # the output folder: above the compiler, under the commands
     ("mpgen.commands",),
     ("mpgen.cli", "mpgen.__main__"),
 ]
@@ -114,6 +115,7 @@ def test_the_checker_sees_a_violation():
     assert _layer("mpgen.compiler.codegen.model") > _layer("mpgen.compiler.placement.auto")
     assert "mpgen.compiler.pipeline" in _imports("mpgen.commands.place")
     assert _layer("mpgen.compiler.pipeline") > _layer("mpgen.compiler.codegen.common")
+    assert _layer("mpgen.output.write") > _layer("mpgen.compiler.pipeline")
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if not _within(m, "mpgen.testing")])

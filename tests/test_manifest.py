@@ -15,7 +15,7 @@ import pytest
 
 from helpers import EXAMPLES, mpgen, write_spec
 from mpgen.commands import build as build_command
-from mpgen.compiler.codegen import manifest
+from mpgen.output import manifest
 
 SEED = EXAMPLES / "seed.yaml"
 

@@ -418,7 +418,7 @@ def test_without_git_a_committed_unchecked_pyc_is_still_reported(tmp_path, monke
 
 
 def test_an_output_folder_too_large_to_look_at_is_reported(tmp_path, monkeypatch):
-    from mpgen.compiler.codegen import write
+    from mpgen.output import write
 
     root = project(tmp_path)
     monkeypatch.setattr(write, "MAX_LISTED", 8)

@@ -1,7 +1,7 @@
 """``mpgen build`` and ``mpgen check``: generate every spec, then write or compare.
 
 A spec whose files the output folder's manifest shows current is not
-compiled (NOTE [Build manifest] in ``compiler/codegen/manifest.py``): this
+compiled (NOTE [Build manifest] in ``output/manifest.py``): this
 module imports the compiler (torch, jinja2, black) only when a spec needs it.
 """
 
@@ -15,8 +15,8 @@ from pathlib import Path
 from types import EllipsisType
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
-from mpgen.compiler.codegen import manifest
-from mpgen.compiler.codegen.write import Changes, Differences, diff_files, write_files
+from mpgen.output import manifest
+from mpgen.output.write import Changes, Differences, diff_files, write_files
 from mpgen.errors import Collector, MpgenError, Position
 from mpgen.printed import escaped
 from mpgen.spec_schema.digest import display_path

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator, Mapping, Optional
 
-from mpgen.compiler.codegen import manifest as build_manifest
+from mpgen.output import manifest as build_manifest
 from mpgen.errors import Collector, MpgenError, Position
 from mpgen.files import (FileTooLarge, inside, is_project_folder, kind, read_head,
                          read_regular, reason, work_tree)

@@ -87,7 +87,7 @@ _SOURCE_SUFFIXES = (".py", ".jinja")
 #: The package's folders that do not: the generated tests' runtime.
 _RUNTIME = ("testing",)
 
-_PACKAGE = Path(__file__).resolve().parents[2]
+_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)

@@ -124,3 +124,20 @@ def test_nothing_outside_the_runtime_imports_it(module):
     # manifest]): sound only while no code that generates files imports it.
     found = sorted(i for i in _imports(module) if _within(i, "mpgen.testing"))
     assert not found, f"{module} imports the generated tests' runtime: {found}"
+
+
+#: The modules of ``mpgen import``, first to last: its passes and the spec they
+#: build (docs/architecture.md); the package itself is the command.
+IMPORTER = [*(f"mpgen.commands.importer.{m}" for m in
+              ("trace", "arguments", "layers", "nodes", "order", "fold", "emit")),
+            "mpgen.commands.importer"]
+
+
+@pytest.mark.parametrize("module", IMPORTER)
+def test_the_importer_passes_import_only_earlier_passes(module):
+    later = sorted(_imports(module) & set(IMPORTER[IMPORTER.index(module) + 1:]))
+    assert not later, f"{module} imports later passes: {later}"
+
+
+def test_every_module_of_the_importer_is_in_its_order():
+    assert sorted(m for m in MODULES if _within(m, "mpgen.commands.importer")) == sorted(IMPORTER)

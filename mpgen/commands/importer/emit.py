@@ -1,0 +1,75 @@
+"""The output of ``mpgen import``: the spec's text, compiled once to check
+that it builds, and written."""
+
+from __future__ import annotations
+
+import re
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from mpgen.commands.importer.layers import Layer, layer_lines, scalar
+from mpgen.commands.importer.nodes import Importer
+from mpgen.compiler import driver
+from mpgen.compiler.frontend.namespace import model_name_problem
+from mpgen.errors import MpgenError
+
+
+def model_name(cls: type) -> str:
+    """The spec's ``name:``: the class's name, else with ``Model`` or ``Net`` added."""
+    for name in (cls.__name__, f"{cls.__name__}Model", f"{cls.__name__}Net"):
+        if model_name_problem(name) is None:
+            return name
+    raise MpgenError(None, f"{cls.__name__}: {model_name_problem(cls.__name__)}")
+
+
+def render(root: nn.Module, importer: Importer, layers: list[Layer],
+           blocks: dict[str, list[str]], command: str, devices: Optional[int]) -> str:
+    cls = type(root)
+    lines = [f"# Made by `{command}`:",
+             f"# {cls.__module__}.{cls.__qualname__} traced with torch.fx (docs/import.md).",
+             "mpgen: 1", f"name: {model_name(cls)}", "", "inputs:"]
+    for spec in importer.inputs:
+        shape = scalar(list(spec.dims))
+        lines.append(f"  {spec.name}: " + (shape if spec.dtype == "float32"
+                                           else f"{{shape: {shape}, dtype: {spec.dtype}}}"))
+    if blocks:
+        lines += ["", "blocks:"]
+        for name, block in blocks.items():
+            lines += [f"  {name}:", "    layers:", *(f"    {line}" for line in block)]
+    lines += ["", "layers:", *layer_lines(layers, importer.inputs[0].name)]
+    outputs = importer.outputs
+    if outputs != [layers[-1].name] or layers[-1].elements is not None:
+        lines += ["", f"outputs: {scalar(outputs)}"]
+    if devices:
+        lines += ["", "placement:", "  auto:",
+                  f"    devices: {scalar([f'cuda:{i}' for i in range(devices)])}"]
+    return "\n".join(lines) + "\n"
+
+
+def check_builds(text: str, time_limit: Optional[float]) -> None:
+    """Compile the spec; a failure is mpgen import's, reported as such."""
+    with tempfile.TemporaryDirectory(prefix="mpgen-import-") as folder:
+        path = Path(folder) / "imported.yaml"
+        path.write_text(text, encoding="utf-8")
+        try:
+            driver.compile_spec(path, {"*": "cpu"}, root=folder, time_limit=time_limit)
+        except MpgenError as exc:
+            shown = str(exc).replace(str(path), "<imported spec>")
+            lines = text.splitlines()
+            quoted = [f"  line {n}: {lines[int(n) - 1].strip()}"
+                      for n in dict.fromkeys(re.findall(r"<imported spec>:(\d+):", shown))
+                      if 0 < int(n) <= len(lines)]
+            raise MpgenError(None, "the imported spec does not build (a model mpgen import "
+                                   "cannot express yet; please report it):\n"
+                                   + "\n".join([shown, *quoted])) from None
+
+
+def write_spec(text: str, out: Optional[str], force: bool) -> None:
+    """Write ``text`` to ``out`` (not over an existing file unless ``force``)."""
+    path = Path(out)
+    if path.exists() and not force:
+        raise MpgenError(None, f"{out}: exists; refusing to overwrite it (pass --force)")
+    path.write_text(text, encoding="utf-8")

@@ -1,0 +1,387 @@
+"""``mpgen import`` reads the trace: each node becomes a layer of the spec, a
+size expression, or the ``outputs:`` names of a layer's tuple (the list in
+the package's docstring)."""
+
+from __future__ import annotations
+
+import builtins
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from mpgen.commands.importer.arguments import (
+    LAYER_FIELDS, MISSING, argument_names, constructor, drop_defaults, yaml_value)
+from mpgen.commands.importer.layers import Layer, Leaf, Ref, flat, rename_reads, swap
+from mpgen.commands.importer.trace import InputSpec, node_error, node_position, trace
+from mpgen.compiler.frontend import ops
+from mpgen.compiler.frontend.namespace import Namespace
+from mpgen.compiler.frontend.resolve import _TRAINING_FLAG  # the dropout-like functions
+from mpgen.errors import MpgenError
+
+_OPERATORS = {operator.add: "torch.add", operator.iadd: "torch.add",
+              operator.sub: "torch.sub", operator.isub: "torch.sub",
+              operator.mul: "torch.mul", operator.imul: "torch.mul",
+              operator.truediv: "torch.div", operator.itruediv: "torch.div",
+              operator.floordiv: "torch.floor_divide", operator.matmul: "torch.matmul",
+              operator.pow: "torch.pow", operator.mod: "torch.remainder",
+              operator.neg: "torch.neg", operator.eq: "torch.eq", operator.ne: "torch.ne",
+              operator.lt: "torch.lt", operator.le: "torch.le", operator.gt: "torch.gt",
+              operator.ge: "torch.ge"}
+#: ``2 * x``: the tensor goes first, the spec's order (inputs, then args).
+_SWAPPED = {operator.add: "torch.add", operator.mul: "torch.mul", operator.sub: "torch.rsub"}
+#: Size arithmetic: ``x.size(0) * 2`` -> ``size(x, 0) * 2``.
+_INT_OPERATORS = {operator.add: "+", operator.sub: "-", operator.mul: "*",
+                  operator.floordiv: "//", operator.truediv: "/", operator.mod: "%",
+                  operator.pow: "**"}
+#: Tensor methods spelled as another torch function (``view`` copies only
+#: where the tensor is not contiguous; the values are the same).
+_METHOD_NAMES = {"view": "reshape"}
+#: Methods whose sizes may come as separate arguments: ``x.view(b, -1)``.
+_VARARG_METHODS = frozenset({"view", "reshape", "permute", "flip", "tile"})
+#: Methods that return their input's values unchanged.
+_IDENTITY_METHODS = frozenset({"contiguous"})
+
+
+class Importer:
+    """The layers of a traced module, read node by node (:meth:`run`)."""
+
+    def __init__(self, root: nn.Module, inputs: Sequence[InputSpec]) -> None:
+        self.root = root
+        self.gm, self.inputs, self.values = trace(root, inputs)
+        self.graph = self.gm.graph
+        self.names = Namespace({n.name for n in self.graph.nodes})
+        self.refs: dict[fx.Node, Ref] = {}
+        self.sizes: dict[fx.Node, str] = {}  # an int node's expression
+        self.shapes: dict[fx.Node, str] = {}  # x.shape / x.size(): x's name
+        self.devices: set[fx.Node] = set()  # x.device
+        self.layers: list[Layer] = []
+        self.by_module: dict[int, Layer] = {}  # a module called again is tied to its first
+        self.outputs: list[str] = []
+
+    # -- nodes ------------------------------------------------------------------
+    def run(self) -> None:
+        for node in self.graph.nodes:
+            if node.op == "placeholder":
+                self.refs[node] = node.name
+            elif node.op == "get_attr":
+                what = ("a parameter" if isinstance(self.values[node], nn.Parameter)
+                        else "a buffer or constant")
+                raise node_error(node, f"forward reads {what} of the module as a tensor "
+                                       f"(self.{node.target}); a spec's tensors come from "
+                                       "its inputs and layers: move it into a torch.nn "
+                                       "module (nn.Embedding, nn.Linear)")
+            elif node.op == "call_module":
+                self.module_layer(node)
+            elif node.op == "output":
+                self.model_outputs(node)
+            else:
+                self.function_node(node)
+
+    def ref_name(self, ref: Ref) -> Any:
+        """A ref as ``in:`` writes it; a tuple element read is named here."""
+        if isinstance(ref, Leaf):
+            if ref.name is None:
+                ref.name = self.names.fresh("element")
+            return ref.name
+        if isinstance(ref, list):
+            return [self.ref_name(r) for r in ref]
+        return ref
+
+    def tensor(self, node: fx.Node, user: fx.Node, reads: list) -> Any:
+        """The ref of ``node``, read as a tensor by ``user``."""
+        if node not in self.refs:
+            raise node_error(user, f"reads {node.name!r}, which is not a tensor a spec can "
+                                   "pass (a size, or a value it cannot express)")
+        name = self.ref_name(self.refs[node])
+        reads.extend(flat(name))
+        return name
+
+    def value(self, arg: Any, user: fx.Node, reads: list) -> Any:
+        """A literal argument as the spec writes it (sizes as expressions)."""
+        if isinstance(arg, fx.Node):
+            if arg in self.sizes:
+                reads.extend(re.findall(r"size\((\w+),", self.sizes[arg]))
+                return f"={self.sizes[arg]}"
+            raise node_error(user, f"passes {arg.name!r} where a spec can only write a "
+                                   "literal or a size expression")
+        if isinstance(arg, (tuple, list)):
+            return [self.value(a, user, reads) for a in arg]
+        if isinstance(arg, torch.dtype):
+            return str(arg).removeprefix("torch.")
+        written = yaml_value(arg)
+        if written is MISSING:
+            raise node_error(user, f"argument {arg!r} cannot be written in a spec")
+        return written
+
+    def is_tensor_ref(self, arg: Any) -> bool:
+        return isinstance(arg, fx.Node) and arg in self.refs
+
+    def add_layer(self, layer: Layer, node: fx.Node) -> None:
+        value = self.values[node]
+        if isinstance(value, tuple):
+            layer.elements = _leaves(value)
+            self.refs[node] = layer.elements
+        elif isinstance(value, torch.Tensor):
+            self.refs[node] = layer.name
+        else:
+            raise node_error(node, f"returns {type(value).__name__}, not a tensor or a "
+                                   "tuple of tensors")
+        self.layers.append(layer)
+
+    def value_of(self, name: str) -> Any:
+        """The sample value of a layer or input (None for a tuple element)."""
+        node = next((n for n in self.refs if self.refs[n] == name), None)
+        return self.values.get(node)
+
+    def layer_name(self, node: fx.Node) -> str:
+        if hasattr(nn.Module, node.name) or node.name == "training":
+            return self.names.fresh(node.name + "_layer")  # it would shadow nn.Module's
+        return node.name
+
+    def module_layer(self, node: fx.Node) -> None:
+        module = self.gm.get_submodule(node.target)
+        cls = type(module)
+        name = self.layer_name(node)
+        if getattr(nn, cls.__name__, None) is not cls or cls.__name__ not in ops.nn_module_names():
+            raise node_error(node, f"{cls.__module__}.{cls.__qualname__} is a leaf of the "
+                                   "trace but not a torch.nn layer; mpgen import maps "
+                                   "torch.nn modules and traces through your own")
+        try:
+            args, kwargs = constructor(module, name)
+        except MpgenError as exc:
+            raise MpgenError(node_position(node), exc.message) from None
+        layer = Layer(name, cls.__name__, node, module, args=args, kwargs=kwargs)
+        for arg in node.args:
+            if not self.is_tensor_ref(arg):
+                raise node_error(node, f"calls {node.target} with {arg!r} positionally; "
+                                       "a spec passes a module's tensors positionally and "
+                                       "other arguments by keyword")
+            layer.inputs.append(self.tensor(arg, node, layer.reads))
+        for key, arg in node.kwargs.items():
+            if self.is_tensor_ref(arg):
+                layer.keyword_inputs[key] = self.tensor(arg, node, layer.reads)
+            else:
+                layer.call[key] = self.value(arg, node, layer.reads)
+        first = self.by_module.setdefault(id(module), layer)
+        if first is not layer:  # the same module called again: share its parameters
+            layer.tie = {p: first.tie.get(p, f"{first.name}.{p}")
+                         for p, _ in module.named_parameters()}
+        self.tie_shared(layer)
+        self.add_layer(layer, node)
+
+    def tie_shared(self, layer: Layer) -> None:
+        """``lm_head.weight = wte.weight``: a parameter an earlier layer holds."""
+        owners: dict[int, str] = {}
+        for earlier in self.layers:
+            if earlier.module is not None:
+                for pname, p in earlier.module.named_parameters():
+                    if pname not in earlier.tie:
+                        owners.setdefault(id(p), f"{earlier.name}.{pname}")
+        for pname, param in layer.module.named_parameters():
+            if pname not in layer.tie and id(param) in owners:
+                layer.tie[pname] = owners[id(param)]
+
+    def rename(self, old: str, new: str) -> None:
+        """Every read of the value ``old`` reads ``new`` (a folded repeat)."""
+        for layer in self.layers:
+            rename_reads(layer, {old: new})
+        self.outputs = swap(self.outputs, {old: new})
+
+    def function_node(self, node: fx.Node) -> None:
+        value = self.values[node]
+        target, args = node.target, list(node.args)
+        if isinstance(value, torch.device):  # x.device: placement decides devices
+            self.devices.add(node)
+            return
+        if node.op == "call_method" and target in _IDENTITY_METHODS:
+            self.refs[node] = self.refs[args[0]]
+            return
+        if self.size_node(node, value):
+            return
+        if target is operator.getitem and isinstance(args[0], fx.Node):
+            source = self.refs.get(args[0])
+            if isinstance(source, list) and isinstance(args[1], int):
+                self.refs[node] = source[args[1]]
+                if isinstance(source[args[1]], Leaf) and source[args[1]].name is None:
+                    source[args[1]].name = self.layer_name(node)
+                return
+            if isinstance(source, (str, Leaf)):
+                self.indexing(node)
+                return
+        op, args = self.function_op(node, args)
+        self.function_layer(node, op, args, dict(node.kwargs))
+
+    def size_node(self, node: fx.Node, value: Any) -> bool:
+        """Sizes and shapes become expressions; True when ``node`` was one."""
+        target, args = node.target, node.args
+        if isinstance(value, torch.Size):
+            if (target is builtins.getattr and args[1] == "shape") or (
+                    node.op == "call_method" and target == "size" and len(args) == 1
+                    and not node.kwargs):
+                self.shapes[node] = self.ref_name(self.refs[args[0]])
+                return True
+            raise node_error(node, "computes a shape a spec cannot write; read single "
+                                   "sizes (x.size(0), x.shape[1])")
+        if not isinstance(value, int) or isinstance(value, bool):
+            return False
+        if node.op == "call_method" and target == "size":
+            dim = args[1] if len(args) > 1 else node.kwargs.get("dim")
+            source = args[0]
+        elif target is operator.getitem and args[0] in self.shapes:
+            source, dim = None, args[1]
+        elif target in _INT_OPERATORS and len(args) == 2:
+            parts = [_grouped(self.sizes[a]) if isinstance(a, fx.Node) and a in self.sizes
+                     else str(a) if isinstance(a, int) and not isinstance(a, bool) else None
+                     for a in args]
+            if None in parts:
+                raise node_error(node, "size arithmetic on a value a spec cannot write")
+            self.sizes[node] = f"{parts[0]} {_INT_OPERATORS[target]} {parts[1]}"
+            return True
+        else:
+            raise node_error(node, "computes an integer a spec cannot write (it has "
+                                   "size(x, DIM) and + - * / // % **)")
+        if not isinstance(dim, int):
+            raise node_error(node, "a size of a dim that is not a constant")
+        name = self.shapes[args[0]] if source is None else self.ref_name(self.refs[source])
+        rank = self.values[source].dim() if source is not None else len(self.values[args[0]])
+        self.sizes[node] = f"size({name}, {dim % rank})"
+        return True
+
+    def indexing(self, node: fx.Node) -> None:
+        """``x[:, 0]`` is ``torch.select``; ``x[:, 1:3]`` is ``torch.narrow``."""
+        source, index = node.args
+        index = index if isinstance(index, tuple) else (index,)
+        full = slice(None, None, None)
+        picked = [(d, i) for d, i in enumerate(index) if i != full]
+        if len(picked) != 1 or any(i is Ellipsis or i is None for i in index):
+            raise node_error(node, "indexing a spec cannot write: one integer or one "
+                                   "slice, after full slices (x[:, 0], x[:, 1:3])")
+        dim, item = picked[0]
+        if isinstance(item, int) and not isinstance(item, bool):
+            self.function_layer(node, "torch.select", [source, dim, item], {})
+            return
+        if isinstance(item, slice) and item.step in (None, 1) and all(
+                v is None or (isinstance(v, int) and v >= 0) for v in (item.start, item.stop)):
+            start, size = item.start or 0, self.values[source].shape[dim]
+            if item.stop is not None and item.stop > size:
+                raise node_error(node, f"the slice ends past the sample's size {size} "
+                                       "of that dim: a spec cannot write min(stop, size)")
+            name = self.ref_name(self.refs[source])
+            length = (item.stop - start if item.stop is not None
+                      else _Expr(f"size({name}, {dim})" + (f" - {start}" if start else ""), name))
+            self.function_layer(node, "torch.narrow", [source, dim, start, length], {})
+            return
+        raise node_error(node, "indexing a spec cannot write (a step, a negative bound or "
+                               "a tensor index)")
+
+    def function_op(self, node: fx.Node, args: list) -> tuple[str, list]:
+        target = node.target
+        if node.op == "call_method":
+            name = _METHOD_NAMES.get(target, target)
+            if name not in ops.function_names("torch"):
+                raise node_error(node, f"the tensor method {target!r} has no torch function "
+                                       "a spec can apply (torch.NAME)")
+            if target in _VARARG_METHODS and not (len(args) == 2
+                                                  and isinstance(args[1], (list, tuple))):
+                args = [args[0], list(args[1:])]  # x.view(b, -1) -> torch.reshape(x, [b, -1])
+            return f"torch.{name}", args
+        if target in _OPERATORS:
+            if (target in _SWAPPED and len(args) == 2 and not self.is_tensor_ref(args[0])
+                    and self.is_tensor_ref(args[1])):
+                return _SWAPPED[target], [args[1], args[0]]
+            return _OPERATORS[target], args
+        name = getattr(target, "__name__", None)
+        for prefix, namespace in (("torch", torch), ("F", F)):
+            if name and getattr(namespace, name, None) is target \
+                    and name in ops.function_names(prefix):
+                return f"{prefix}.{name}", args
+        spelled = f"{getattr(target, '__module__', None) or '?'}.{name or target}"
+        raise node_error(node, f"{spelled} is not a torch.NAME or F.NAME tensor function a "
+                               "spec can apply")
+
+    def function_layer(self, node: fx.Node, op: str, args: list, kwargs: dict) -> None:
+        name = self.layer_name(node)
+        layer = Layer(name, op, node)
+        try:
+            fn = ops.resolve_op(op, (), factory=True)
+        except ops.OpError as exc:
+            raise node_error(node, str(exc)) from None
+        names = argument_names(fn.target, args, kwargs, self.values)
+        if fn.seq_input and args and isinstance(args[0], (list, tuple)):
+            layer.inputs = [self.tensor(a, node, layer.reads) for a in args[0]]
+            args = args[1:]
+            names = names and names[1:]
+        else:
+            while args and self.is_tensor_ref(args[0]):
+                layer.inputs.append(self.tensor(args.pop(0), node, layer.reads))
+        layer.factory = not layer.inputs
+        if layer.factory and op.removeprefix("torch.") not in ops.FACTORIES:
+            raise node_error(node, f"{op} reads no tensor first; a spec's function layer "
+                                   "takes its tensors before its other arguments")
+        names = names and names[len(layer.inputs):]
+        for i, arg in enumerate(args):
+            key = names[i] if names else None
+            if self.is_tensor_ref(arg):
+                if key is None:
+                    raise node_error(node, f"{op} takes a tensor after a non-tensor "
+                                           "argument, which a spec cannot write")
+                layer.keyword_inputs[key] = self.tensor(arg, node, layer.reads)
+            elif key is not None and key not in LAYER_FIELDS and not layer.args:
+                layer.kwargs[key] = self.literal(arg, node, layer)
+            else:
+                layer.args.append(self.literal(arg, node, layer))
+        for key, arg in kwargs.items():
+            if key == "device" and (arg in self.devices or not isinstance(arg, fx.Node)):
+                continue  # placement decides devices
+            if self.is_tensor_ref(arg):
+                layer.keyword_inputs[key] = self.tensor(arg, node, layer.reads)
+            elif key in LAYER_FIELDS:
+                layer.call[key] = self.literal(arg, node, layer)
+            else:
+                layer.kwargs[key] = self.literal(arg, node, layer)
+        drop_defaults(fn.target, layer.kwargs)
+        flag = _TRAINING_FLAG.get(op)
+        if flag is not None and layer.kwargs.get(flag) == self.root.training:
+            del layer.kwargs[flag]  # the spec ties it to the model's own mode
+        self.add_layer(layer, node)
+
+    def literal(self, arg: Any, node: fx.Node, layer: Layer) -> Any:
+        if isinstance(arg, _Expr):
+            layer.reads.append(arg.read)
+            return f"={arg.text}"
+        return self.value(arg, node, layer.reads)
+
+    def model_outputs(self, node: fx.Node) -> None:
+        result = node.args[0]
+        items = list(result) if isinstance(result, (tuple, list)) else [result]
+        for item in items:
+            ref = self.refs.get(item) if isinstance(item, fx.Node) else None
+            if ref is None or isinstance(ref, list):
+                raise node_error(node, "the model returns something a spec's outputs cannot "
+                                       "name: each output must be one tensor a layer makes")
+            name = self.ref_name(ref)
+            if name in [spec.name for spec in self.inputs]:
+                raise node_error(node, f"the model returns its input {name!r} unchanged")
+            self.outputs.append(name)
+
+
+def _grouped(expression: str) -> str:
+    return f"({expression})" if " " in expression.replace(", ", ",") else expression
+
+
+@dataclass(frozen=True)
+class _Expr:
+    """An expression computed in ``forward`` from the size of ``read``."""
+
+    text: str
+    read: str
+
+
+def _leaves(value: tuple) -> list:
+    return [_leaves(v) if isinstance(v, tuple) else Leaf() for v in value]

@@ -1,0 +1,252 @@
+"""The trace of ``mpgen import``: the command line's values, the user's class
+built, and its ``forward`` traced with torch.fx and run once on sample
+inputs, so that every node's value is known (a tensor, a tuple of tensors,
+or a size); errors point at the user's source line."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import linecache
+import re
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from mpgen.errors import MpgenError, Position, did_you_mean
+from mpgen.spec_schema.models import DTYPES  # the input dtypes of the spec language
+
+#: Sizes of symbolic dims in the sample run that tells tensors from sizes.
+SAMPLE_BATCH, SAMPLE_DIM = 2, 16
+
+
+# -- the command line's values -------------------------------------------------
+
+@dataclass(frozen=True)
+class InputSpec:
+    """``--input NAME=D0,D1,...[:DTYPE]``."""
+
+    name: str
+    dims: tuple[Union[int, str], ...]
+    dtype: str = "float32"
+
+    def sample(self) -> torch.Tensor:
+        sizes = [d if isinstance(d, int) else SAMPLE_BATCH if d == "batch" else SAMPLE_DIM
+                 for d in self.dims]
+        dtype = getattr(torch, self.dtype)
+        if dtype.is_floating_point:
+            return torch.randn(sizes, generator=torch.Generator().manual_seed(0)).to(dtype)
+        return torch.zeros(sizes, dtype=dtype)  # index 0 is valid for any embedding
+
+
+def parse_input(text: str) -> InputSpec:
+    """``x=batch,3,32,32`` or ``idx=batch,seq:int64``; raises MpgenError."""
+    name, eq, rest = text.partition("=")
+    shape, colon, dtype = rest.partition(":")
+    usage = f"--input {text!r}: expected NAME=D0,D1,... with optional :DTYPE, like x=batch,3,32,32"
+    if not eq or not name.isidentifier() or not shape:
+        raise MpgenError(None, usage)
+    dims: list[Union[int, str]] = []
+    for part in shape.split(","):
+        part = part.strip()
+        if part.isdigit() and int(part) >= 1:
+            dims.append(int(part))
+        elif part.isidentifier():
+            dims.append(part)
+        else:
+            raise MpgenError(None, f"--input {text!r}: {part!r} is not a size (an integer "
+                                   f">= 1) or a symbolic dim (a name such as batch)")
+    if colon and dtype not in DTYPES:
+        raise MpgenError(None, f"--input {text!r}: unknown dtype {dtype!r}"
+                               f"{did_you_mean(dtype, DTYPES)}; one of {', '.join(DTYPES)}")
+    return InputSpec(name, tuple(dims), dtype if colon else "float32")
+
+
+def load_module(target: str, args_json: Optional[str] = None) -> nn.Module:
+    """Import ``MODULE:CLASS`` (the working directory first on ``sys.path``,
+    as the generated training script finds ``module:function`` data) and
+    build ``CLASS(**args)`` (a JSON object) or ``CLASS(*args)`` (a list)."""
+    module_name, colon, class_name = target.partition(":")
+    if not colon or not class_name.isidentifier() or not all(
+            p.isidentifier() for p in module_name.split(".")):
+        raise MpgenError(None, f"{target!r}: expected MODULE:CLASS, like mymodels.resnet:ResNet")
+    args = _json_args(args_json) if args_json is not None else {}
+    if not isinstance(args, (dict, list)):
+        raise MpgenError(None, "--args: expected a JSON object (keyword arguments) or a "
+                               "list (positional arguments)")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the user's code: any failure is theirs to see
+        raise MpgenError(None, f"{target}: cannot import {module_name!r}: "
+                               f"{type(exc).__name__}: {exc}") from None
+    cls = getattr(module, class_name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
+        names = [n for n, v in vars(module).items()
+                 if inspect.isclass(v) and issubclass(v, nn.Module)]
+        raise MpgenError(None, f"{target}: {module_name} has no nn.Module class {class_name!r}"
+                               f"{did_you_mean(class_name, names)}")
+    try:
+        return cls(**args) if isinstance(args, dict) else cls(*args)
+    except Exception as exc:
+        where = _user_frame(exc)
+        raise MpgenError(where, f"{class_name}({shown_args(args)}) failed: "
+                                f"{type(exc).__name__}: {exc}") from None
+
+
+#: How deeply ``--args`` may nest lists and objects (as a spec's YAML).
+MAX_ARGS_DEPTH = 64
+
+
+def _json_args(text: str) -> Any:
+    """``--args``, parsed: JSON nested at most MAX_ARGS_DEPTH levels (measured
+    before parsing, which recurses once per level), integers within Python's
+    digit limit."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in text:
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (char == "\\", char != '"')
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    if deepest > MAX_ARGS_DEPTH:
+        raise MpgenError(None, f"--args: nested {deepest} levels deep; at most "
+                               f"{MAX_ARGS_DEPTH} are supported")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MpgenError(None, f"--args: not JSON: {exc}") from None
+    except ValueError:  # an integer of more digits than Python converts
+        raise MpgenError(None, f"--args: an integer of more than "
+                               f"{sys.get_int_max_str_digits():,} digits") from None
+
+
+def shown_args(args: Union[dict, list]) -> str:
+    if isinstance(args, dict):
+        return ", ".join(f"{k}={v!r}" for k, v in args.items())
+    return ", ".join(repr(v) for v in args)
+
+
+# -- where in the user's source ---------------------------------------------------
+
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+
+
+def _display(path: str) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return path
+
+
+def _user_frame(exc: BaseException) -> Optional[Position]:
+    """The innermost frame of ``exc``'s traceback outside torch and mpgen."""
+    found = None
+    mpgen_dir = str(Path(__file__).resolve().parents[2])  # mpgen/
+    for frame in traceback.extract_tb(exc.__traceback__):
+        where = str(Path(frame.filename).resolve()) if frame.filename else ""
+        if where.startswith((_TORCH_DIR, mpgen_dir)) or not frame.lineno:
+            continue
+        found = Position(_display(frame.filename), frame.lineno, (frame.colno or 0) + 1)
+    return found
+
+
+def node_position(node: fx.Node) -> Optional[Position]:
+    """The source line of ``node`` (recorded by the tracer), if any."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n([^\n]*)', trace)
+    if not frames:
+        return None
+    frames = [f for f in frames if not str(Path(f[0]).resolve()).startswith(_TORCH_DIR)]
+    if not frames:
+        return None
+    file, line, _ = frames[-1]
+    source = linecache.getline(file, int(line))
+    return Position(_display(file), int(line), len(source) - len(source.lstrip()) + 1)
+
+
+def node_error(node: fx.Node, message: str) -> MpgenError:
+    return MpgenError(node_position(node), f"fx node {node.name!r} ({_describe(node)}): "
+                                           f"{message}")
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", str(node.target))
+        return f"call_function {name}"
+    return f"{node.op} {node.target}"
+
+
+# -- the trace and its sample run ------------------------------------------------------
+
+class _Recorder(fx.Interpreter):
+    """Runs the traced graph once and keeps every node's value."""
+
+    def __init__(self, module: fx.GraphModule) -> None:
+        super().__init__(module)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            value = super().run_node(n)
+        except Exception as exc:
+            raise node_error(n, f"fails on sample inputs of the --input shapes: "
+                                f"{type(exc).__name__}: {exc}") from None
+        self.values[n] = value
+        return value
+
+
+def trace(root: nn.Module, inputs: Sequence[InputSpec]
+          ) -> tuple[fx.GraphModule, list[InputSpec], dict[fx.Node, Any]]:
+    """``root`` traced (``torch.nn`` modules are leaves, user modules are
+    traced through), the inputs in ``forward``'s order, and every node's
+    value on samples of them."""
+    tracer = fx.Tracer()
+    tracer.record_stack_traces = True
+    cls = type(root).__name__
+    try:
+        graph = tracer.trace(root)
+    except Exception as exc:
+        raise MpgenError(_user_frame(exc), f"torch.fx cannot trace {cls}.forward: "
+                                           f"{type(exc).__name__}: {exc}") from None
+    gm = fx.GraphModule(root, graph, cls)
+    gm.graph.eliminate_dead_code()
+    inputs = _check_placeholders(root, gm.graph, inputs)
+    recorder = _Recorder(gm)
+    with torch.no_grad():
+        recorder.run(*[spec.sample() for spec in inputs])
+    return gm, inputs, recorder.values
+
+
+def _check_placeholders(root: nn.Module, graph: fx.Graph, inputs: Sequence[InputSpec]
+                        ) -> list[InputSpec]:
+    """``inputs`` in ``forward``'s order; each of its arguments given once."""
+    wanted = [n.target for n in graph.nodes if n.op == "placeholder"]
+    given = [spec.name for spec in inputs]
+    for name in given:
+        if given.count(name) > 1:
+            raise MpgenError(None, f"--input {name}: given more than once")
+        if name not in wanted:
+            raise MpgenError(None, f"--input {name}: {type(root).__name__}.forward "
+                                   f"has no argument {name!r}{did_you_mean(name, wanted)}; "
+                                   f"its arguments: {', '.join(wanted)}")
+    missing = [n for n in wanted if n not in given]
+    if missing:
+        raise MpgenError(None, f"{type(root).__name__}.forward takes "
+                               f"{', '.join(missing)}: give its shape with --input "
+                               f"{missing[0]}=D0,D1,...")
+    return sorted(inputs, key=lambda spec: wanted.index(spec.name))

@@ -76,7 +76,7 @@ sys.path.insert(0, str(ROOT))
 from mpgen.compiler.analysis import schedule  # noqa: E402
 from mpgen.compiler.codegen.common import file_names  # noqa: E402
 from mpgen.compiler.ir import Graph  # noqa: E402
-from mpgen.compiler.pipeline import compile_spec, generate  # noqa: E402
+from mpgen.compiler.driver import compile_spec, generate  # noqa: E402
 from mpgen.errors import MpgenError  # noqa: E402
 from mpgen.spec_schema.load import load_file  # noqa: E402
 from mpgen.testing import merged_devices, virtual_devices  # noqa: E402

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 
 from mpgen.compiler.analysis import schedule  # noqa: E402
 from mpgen.compiler.analysis.schedule import GPIPE, ONE_F_ONE_B, Pipeline  # noqa: E402
-from mpgen.compiler.pipeline import compile_spec  # noqa: E402
+from mpgen.compiler.driver import compile_spec  # noqa: E402
 
 RESNET50 = ROOT / "examples" / "resnet50.yaml"
 

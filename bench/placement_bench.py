@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from mpgen.compiler.analysis import costs as costs_mod  # noqa: E402
-from mpgen.compiler.pipeline import compile_spec  # noqa: E402
+from mpgen.compiler.driver import compile_spec  # noqa: E402
 from mpgen.compiler.placement.partition import greedy_fill  # noqa: E402
 
 UNEVEN = """\

@@ -1,4 +1,4 @@
-"""``mpgen`` command line: thin over :mod:`mpgen.compiler.pipeline`."""
+"""``mpgen`` command line: thin over :mod:`mpgen.compiler.driver`."""
 
 from __future__ import annotations
 

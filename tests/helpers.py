@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpgen import cli
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

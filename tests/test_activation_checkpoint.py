@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from helpers import build_to, import_generated, write_spec
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 from mpgen.testing import virtual_devices
 
 SPEC = """

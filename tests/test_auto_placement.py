@@ -8,9 +8,9 @@ import pytest
 
 from helpers import EXAMPLES, write_spec
 from mpgen.cli import main
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 from mpgen.compiler.codegen import common as render
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 from mpgen.compiler.codegen.report import md_code, md_text, mermaid_text
 from mpgen.errors import MpgenError
 

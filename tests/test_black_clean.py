@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from helpers import EXAMPLES, write_factory, write_spec
-from mpgen.compiler import pipeline
+from mpgen.compiler import driver
 from mpgen.compiler.codegen import common, format, model as model_module, pp, tests, train
 from mpgen.compiler.frontend.namespace import model_name_problem
 
@@ -39,7 +39,7 @@ def assert_black_clean(graph) -> None:
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
 def test_the_examples_are_black_clean(example):
-    assert_black_clean(pipeline.compile_spec(example))
+    assert_black_clean(driver.compile_spec(example))
 
 
 def model(name: str = "M", inputs: int = 1, width: int = 8, output: str = "fc") -> str:
@@ -126,7 +126,7 @@ train:
 @pytest.mark.parametrize("training", TRAINING, ids=str)
 def test_training_options_are_black_clean(tmp_path, training):
     spec = model() + TRAINING[training]
-    assert_black_clean(pipeline.compile_spec(with_factories(tmp_path, spec)))
+    assert_black_clean(driver.compile_spec(with_factories(tmp_path, spec)))
 
 
 def with_factories(folder, spec: str, name: str = "spec.yaml"):
@@ -141,14 +141,14 @@ def with_factories(folder, spec: str, name: str = "spec.yaml"):
 @pytest.mark.parametrize("output", ["fc", "a_long_output_name_that_names_its_loss_too" * 2])
 def test_long_and_short_names_are_black_clean(tmp_path, name, inputs, output):
     spec = model(name, inputs, output=output) + TRAINING["every_key"]
-    assert_black_clean(pipeline.compile_spec(with_factories(tmp_path, spec)))
+    assert_black_clean(driver.compile_spec(with_factories(tmp_path, spec)))
 
 
 def test_a_long_spec_path_is_black_clean(tmp_path):
     folder = tmp_path / ("a_folder_with_a_rather_long_name_" * 3) / ("and_another_one_" * 4)
     folder.mkdir(parents=True)
     path = with_factories(folder, model(LONG) + TRAINING["long_values"], "s" * 100 + ".yaml")
-    assert_black_clean(pipeline.compile_spec(path))
+    assert_black_clean(driver.compile_spec(path))
 
 
 MULTITASK = """\
@@ -188,7 +188,7 @@ pipeline: {{microbatches: 4, schedule: gpipe}}
 
 @pytest.mark.parametrize("name", ["MultiTask", LONG])
 def test_several_inputs_outputs_and_losses_are_black_clean(tmp_path, name):
-    graph = pipeline.compile_spec(write_spec(tmp_path, MULTITASK.format(name=name)))
+    graph = driver.compile_spec(write_spec(tmp_path, MULTITASK.format(name=name)))
     assert len(graph.train.losses) == 3
     assert_black_clean(graph)
 
@@ -210,7 +210,7 @@ placement:
 
 def test_an_input_without_a_batch_dim_is_black_clean(tmp_path):
     """Each micro-batch of the pipeline gets it whole (``_Replicate``)."""
-    graph = pipeline.compile_spec(write_spec(tmp_path, AN_INPUT_WITHOUT_A_BATCH_DIM))
+    graph = driver.compile_spec(write_spec(tmp_path, AN_INPUT_WITHOUT_A_BATCH_DIM))
     assert "_Replicate" in pp.render_pp(graph)
     assert_black_clean(graph)
 
@@ -328,7 +328,7 @@ def test_layers_blocks_and_forwards_of_every_kind_are_black_clean(tmp_path, spec
     checkpoint:, pipeline: (the micro-batched forward) and sequence-first
     inputs, in the model module as in the scripts."""
     text = ZOO[spec].format(name=name, long="a_layer_name_longer_than_a_line_" * 3)
-    assert_black_clean(pipeline.compile_spec(write_spec(tmp_path, text)))
+    assert_black_clean(driver.compile_spec(write_spec(tmp_path, text)))
 
 
 def identifiers(prefix: str, alphabet: str, longest: int) -> st.SearchStrategy[str]:
@@ -379,7 +379,7 @@ def drawn_specs(draw) -> str:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(drawn_specs())
 def test_drawn_names_and_values_are_black_clean(tmp_path, spec):
-    assert_black_clean(pipeline.compile_spec(with_factories(tmp_path, spec)))
+    assert_black_clean(driver.compile_spec(with_factories(tmp_path, spec)))
 
 
 USER_CLASSES = """\
@@ -421,7 +421,7 @@ def test_a_users_loss_and_optimizer_classes_are_black_clean(tmp_path):
           loss: {{op: {dotted}.FocalLossWithAVeryLongNameIndeed, gamma: 1.5, label: "it's", class_dim: 1}}
           optimizer: {{op: {dotted}.SignSGD, lr: 0.001, tag: 'say "hi"'}}
         """)
-    graph = pipeline.compile_spec(write_spec(tmp_path, spec))
+    graph = driver.compile_spec(write_spec(tmp_path, spec))
     assert graph.train.modules == (dotted,)
     assert_black_clean(graph)
 
@@ -444,7 +444,7 @@ train: {{loss: MSELoss}}
                          ids=["no_parameters", "closure"])
 def test_a_model_that_cannot_be_a_pipeline_is_black_clean(tmp_path, spec):
     """Its pipeline program is the one that says why."""
-    graph = pipeline.compile_spec(write_spec(tmp_path, spec))
+    graph = driver.compile_spec(write_spec(tmp_path, spec))
     assert pp.pipeline_problem(graph, pp.stages(graph, graph.spec_plan))
     assert_black_clean(graph)
 
@@ -474,7 +474,7 @@ placement:
 def test_a_spec_that_takes_a_scaffold_name_is_black_clean(tmp_path, spec, renamed):
     """The spec's class keeps the name; the scaffold's gets a suffix, and its
     file goes through black (``common.laid_out``)."""
-    graph = pipeline.compile_spec(with_factories(tmp_path, spec + TRAINING["every_key"]))
+    graph = driver.compile_spec(with_factories(tmp_path, spec + TRAINING["every_key"]))
     role, line = renamed
     render = {"train": train.render_train, "pp": pp.render_pp}[role]
     assert line in render(graph).splitlines()
@@ -492,7 +492,7 @@ def test_every_scaffold_name_with_a_suffix_is_black_clean(monkeypatch):
     monkeypatch.setattr(train, "_scaffold_names",
                         lambda graph: (suffixed(train_names(graph)[0]), train_names(graph)[1]))
     monkeypatch.setattr(pp, "_scaffold_names", lambda graph: suffixed(pp_names(graph)))
-    graph = pipeline.compile_spec(EXAMPLES / "gpt2_small.yaml")
+    graph = driver.compile_spec(EXAMPLES / "gpt2_small.yaml")
     assert "def main_1(argv: list[str] | None = None) -> None:" in train.render_train(graph)
     assert_black_clean(graph)
 
@@ -537,7 +537,7 @@ def test_generate_proves_the_files_compile_without_black(tmp_path, monkeypatch):
     formatted, format_str = [], black.format_str
     monkeypatch.setattr(black, "format_str",
                         lambda text, mode: formatted.append(text) or format_str(text, mode=mode))
-    files = pipeline.generate(spec).files
+    files = driver.generate(spec).files
     assert not any(marker in text for text in formatted
                    for marker in ("class M(nn.Module)", "class TestM(", "def main("))
     for name in ("m.py", "test_m.py", "train_m.py", "pp_m.py"):
@@ -548,8 +548,8 @@ def test_generate_proves_the_files_compile_without_black(tmp_path, monkeypatch):
             patch.setattr({"test": tests, "model": model_module, "train": train}[role], render,
                           lambda graph: "def broken(:\n")
             with pytest.raises(format.GeneratedCodeError, match=common.file_names(
-                    pipeline.compile_spec(spec))[role]):
-                pipeline.generate(spec)
+                    driver.compile_spec(spec))[role]):
+                driver.generate(spec)
 
 
 def test_the_model_and_its_tests_are_written_without_importing_black():
@@ -557,9 +557,9 @@ def test_the_model_and_its_tests_are_written_without_importing_black():
     model module and the tests of a spec whose statements fit never import it."""
     code = textwrap.dedent(f"""\
         import sys
-        from mpgen.compiler import pipeline
+        from mpgen.compiler import driver
         from mpgen.compiler.codegen import format, model, tests
-        graph = pipeline.compile_spec({str(EXAMPLES / "seed.yaml")!r})
+        graph = driver.compile_spec({str(EXAMPLES / "seed.yaml")!r})
         model.render_model(graph), tests.render_test(graph)
         assert "black" not in sys.modules, sorted(m for m in sys.modules if "black" in m)
         format.layout("x = " + "1 + " * 30 + "1\\n")

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from helpers import ROOT, mpgen, write_spec
-from mpgen.compiler import pipeline
+from mpgen.compiler import driver
 from mpgen.compiler.analysis import costs, meta, shapes
 from mpgen.compiler.analysis.budget import Budget, OutOfBudget
 from mpgen.compiler.frontend import limits
@@ -293,7 +293,7 @@ def test_recurrent_costs_at_stand_in_lengths_equal_the_full_run(tmp_path, monkey
     """NOTE [Cost formulas]: 2 and 3 steps extrapolated give every unit's
     activations and flops of the run over all 23 steps, with the initial
     state, a repeated copy inside a block, and inputs other layers save."""
-    graph = pipeline.compile_spec(write_spec(tmp_path, RECURRENT))
+    graph = driver.compile_spec(write_spec(tmp_path, RECURRENT))
     short = graph.costs
     monkeypatch.setattr(meta, "SHORT_SEQUENCE", 10**9)  # every step, as before
     full = costs.measure_graph(graph).costs
@@ -319,9 +319,9 @@ def test_the_copies_of_a_repeated_layer_in_a_block_cost_what_running_them_does(
           s: {op: Stack, repeat: 3}
           head: {op: Linear, args: [16, 4]}
         """)
-    counted = pipeline.compile_spec(spec)
+    counted = driver.compile_spec(spec)
     monkeypatch.setattr(costs._Recorder, "chain", meta.Hooks.chain)  # run every copy
-    ran = pipeline.compile_spec(spec)
+    ran = driver.compile_spec(spec)
     assert counted.costs == ran.costs
     assert counted.nodes[0].params == ran.nodes[0].params == 7 * (16 * 16 + 16)
 
@@ -350,12 +350,12 @@ def test_a_repeated_layer_in_a_block_that_changes_shape_is_refused(tmp_path):
 def test_the_budget_names_the_layer_being_analysed(tmp_path):
     spec = write_spec(tmp_path, TINY)
     with pytest.raises(OutOfBudget) as info:
-        pipeline.compile_spec(spec, time_limit=0)
+        driver.compile_spec(spec, time_limit=0)
     assert str(info.value) == (f"{spec}:6:3: analysis of layer 'fc' ran past the 0 s CPU "
                                "budget of a build; the layers up to it are too large or too "
                                "slow to check in that time (--time-limit SECONDS raises the "
                                "budget)")
-    assert pipeline.compile_spec(spec, time_limit=None).nodes[0].params == 72
+    assert driver.compile_spec(spec, time_limit=None).nodes[0].params == 72
 
 
 def _layer(name: str, line: int) -> Node:
@@ -410,7 +410,7 @@ def test_a_loaded_machine_does_not_fail_a_build():
     wall-clock budget on a busy machine; CPU time is not stretched by load."""
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(8)]
     try:
-        result = pipeline.generate(ROOT / "examples" / "resnet50.yaml")
+        result = driver.generate(ROOT / "examples" / "resnet50.yaml")
     finally:
         for hog in hogs:
             hog.kill()
@@ -440,7 +440,7 @@ def test_code_generation_is_under_the_budget(tmp_path):
         placement:
         """) + places)
     with pytest.raises(OutOfBudget) as info:
-        pipeline.generate(spec, time_limit=1.5)
+        driver.generate(spec, time_limit=1.5)
     assert re.fullmatch(rf"{re.escape(str(spec))}:2:7: generating \S+ ran past the 1.5 s CPU "
                         r"budget of a build; the spec asks for too much work to build in that "
                         r"time \(--time-limit SECONDS raises the budget\)", str(info.value))
@@ -520,13 +520,13 @@ REAL_MODELS = {
                                           ("resnet152", 60_192_808)])
 def test_real_models_are_within_the_limits_and_the_budget(tmp_path, name, params):
     spec = write_spec(tmp_path, REAL_MODELS[name])
-    graph = pipeline.compile_spec(spec)
+    graph = driver.compile_spec(spec)
     assert sum(n.params * n.instances for n in graph.nodes) == params
 
 
 def test_blocks_nested_as_deep_as_allowed_build(tmp_path):
     spec = write_spec(tmp_path, _nested(limits.MAX_BLOCK_DEPTH))
-    graph = pipeline.compile_spec(spec)
+    graph = driver.compile_spec(spec)
     assert graph.nodes[0].params == 72
     assert shapes.infer(graph).nodes[0].params == 72
 
@@ -547,7 +547,7 @@ def test_the_stand_in_keeps_unknown_sizes_unknown(tmp_path):
           rnn_seq: {op: GRU, args: [4, 8], batch_first: true, output: 0}
         outputs: [rnn, rnn_seq]
         """)
-    graph = pipeline.compile_spec(spec)
+    graph = driver.compile_spec(spec)
     assert [str(n.out) for n in graph.nodes] == ["[batch, 8, ?]", "[batch, ?, 8]",
                                                 "[batch, ?, 8]", "[batch, seq, 4]",
                                                 "[batch, seq, 8]"]

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import EXAMPLES, ROOT, mpgen, mpgen_process, write_spec
 from mpgen.cli import main
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 from mpgen.output import manifest
 
 SEED = EXAMPLES / "seed.yaml"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import write_spec
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 from mpgen.compiler.analysis.costs import human_bytes, optimizer_state
 
 MLP = """

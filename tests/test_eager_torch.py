@@ -25,8 +25,8 @@ def test_compiling_a_spec_with_training_settings_does_not_import_dynamo():
     # (whose Python meta kernels are wrapped by torch._disable_dynamo).
     got = _run(f"""
         import json, sys
-        from mpgen.compiler import pipeline
-        graph = pipeline.compile_spec({str(EXAMPLES / "seed.yaml")!r})
+        from mpgen.compiler import driver
+        graph = driver.compile_spec({str(EXAMPLES / "seed.yaml")!r})
         print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules,
                           "fsdp": "torch.distributed.fsdp" in sys.modules,
                           "params": sum(n.params for n in graph.nodes)}}))

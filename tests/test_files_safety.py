@@ -508,7 +508,7 @@ def test_a_signal_between_renames_waits_for_the_whole_unit(tmp_path, sig, code, 
     spec = seed_spec(tmp_path)
     assert mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
     spec.write_text(spec.read_text().replace("args: [20, 10]", "args: [20, 12]"))
-    from mpgen.compiler.pipeline import generate
+    from mpgen.compiler.driver import generate
 
     expected = {name: text.encode() for name, text in generate(spec).files.items()}
     script = SIGNALLED.format(tests=str(ROOT / "tests"), signal=sig)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from helpers import EXAMPLES, build_to, import_generated, write_spec
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 from mpgen.compiler.codegen import common as render
 
 EXAMPLE_SPECS = sorted(EXAMPLES.glob("*.yaml"))

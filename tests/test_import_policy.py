@@ -27,7 +27,7 @@ import yaml
 
 from helpers import mpgen, mpgen_process
 from test_user_modules import GATE  # a small nn.Module class
-from mpgen.compiler import pipeline
+from mpgen.compiler import driver
 from mpgen.compiler.frontend import imports, ops
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -248,7 +248,7 @@ def test_a_link_out_of_the_project_is_refused_unless_root_includes_it(project, t
                     f"'pkg.Gate': pkg/ is a link to {outside.resolve() / 'pkg'}, outside the "
                     f"spec's project ({project.root}); {HOW}")
     # A root that holds both is the user's say-so.
-    graph = pipeline.compile_spec(project.spec("evil.Gate"), root=tmp_path)
+    graph = driver.compile_spec(project.spec("evil.Gate"), root=tmp_path)
     assert graph.nodes[0].op.module == "evil"
     assert project.marker.exists()
 
@@ -266,12 +266,12 @@ def test_a_module_in_a_working_directory_outside_the_project_is_refused(project,
 def test_the_spec_folder_comes_before_the_project_root(project):
     project.module("probe.py", GATE + "\nWHERE = 'specs'\n", marked=False)
     (project.root / "probe.py").write_text(GATE + "\nWHERE = 'root'\n")
-    graph = pipeline.compile_spec(project.spec("probe.Gate"))
+    graph = driver.compile_spec(project.spec("probe.Gate"))
     assert graph.nodes[0].op.target.__module__ == "probe"
     assert sys.modules["probe"].WHERE == "specs"
     del sys.modules["probe"]
     (project.specs / "probe.py").unlink()
-    pipeline.compile_spec(project.spec("probe.Gate"))
+    driver.compile_spec(project.spec("probe.Gate"))
     assert sys.modules["probe"].WHERE == "root"
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from helpers import mpgen
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 
 NEXT = re.compile(r"^  (\S.*?)  +# ", re.M)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpgen.compiler import pipeline
+from mpgen.compiler import driver
 from mpgen.compiler.ir import SymDim, TensorType, UnitRange, UnitRef, ValueRef, unit_labels
 
 from helpers import EXAMPLES
@@ -57,7 +57,7 @@ def test_tensor_types_at_concrete_sizes():
 
 
 def test_a_repeated_layer_split_over_devices_moves_the_output_of_an_instance():
-    graph = pipeline.compile_spec(EXAMPLES / "gpt2_small.yaml")
+    graph = driver.compile_spec(EXAMPLES / "gpt2_small.yaml")
     moved = [t.value for t in graph.plan.transfers if t.src is not None]
     # h.5's output, then what the blocks and the tied head on cuda:1 also read:
     # the causal mask and the embedding's weight.
@@ -69,7 +69,7 @@ def test_a_repeated_layer_split_over_devices_moves_the_output_of_an_instance():
 
 
 def test_modules_and_functions_keep_constructor_and_call_arguments_apart():
-    graph = pipeline.compile_spec(EXAMPLES / "gpt2_small.yaml")
+    graph = driver.compile_spec(EXAMPLES / "gpt2_small.yaml")
     lm_head = graph.node("lm_head")
     assert lm_head.init.positional == (768, 50257) and not lm_head.call
     embed = graph.node("embed")  # torch.add(wte, wpe)

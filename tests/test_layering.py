@@ -1,7 +1,7 @@
 """The package's layering, read from the imports of every module.
 
 Stages import only earlier stages (``docs/architecture.md``): a stage that
-imported a later one would make the pipeline a web again. Every import
+imported a later one would make the chain of stages a web again. Every import
 counts, including those inside functions.
 """
 
@@ -23,7 +23,7 @@ LAYERS = [
     ("mpgen.compiler.analysis",),
     ("mpgen.compiler.placement",),
     ("mpgen.compiler.codegen",),
-    ("mpgen.compiler.pipeline",),
+    ("mpgen.compiler.driver",),
     ("mpgen.output",),  # the output folder: above the compiler, under the commands
     ("mpgen.commands",),
     ("mpgen.cli", "mpgen.__main__"),
@@ -74,7 +74,7 @@ def _imports(module: str) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
             found.add(base)
-            # ``from mpgen.compiler import pipeline`` imports a submodule.
+            # ``from mpgen.compiler import driver`` imports a submodule.
             found.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in MODULES)
     return found
 
@@ -105,7 +105,7 @@ def test_the_testing_runtime_stands_alone(module):
 
 def test_the_compiler_has_no_module_outside_a_stage():
     loose = [m for m in MODULES if m.count(".") == 2 and m.startswith("mpgen.compiler.")
-             and m not in ("mpgen.compiler.ir", "mpgen.compiler.pipeline")
+             and m not in ("mpgen.compiler.ir", "mpgen.compiler.driver")
              and MODULES[m].parent == PACKAGE / "compiler"]
     assert not loose, f"modules directly under mpgen/compiler: {loose}"
 
@@ -113,9 +113,9 @@ def test_the_compiler_has_no_module_outside_a_stage():
 def test_the_checker_sees_a_violation():
     # The rule is not vacuous: a reversed import would be caught.
     assert _layer("mpgen.compiler.codegen.model") > _layer("mpgen.compiler.placement.auto")
-    assert "mpgen.compiler.pipeline" in _imports("mpgen.commands.place")
-    assert _layer("mpgen.compiler.pipeline") > _layer("mpgen.compiler.codegen.common")
-    assert _layer("mpgen.output.write") > _layer("mpgen.compiler.pipeline")
+    assert "mpgen.compiler.driver" in _imports("mpgen.commands.place")
+    assert _layer("mpgen.compiler.driver") > _layer("mpgen.compiler.codegen.common")
+    assert _layer("mpgen.output.write") > _layer("mpgen.compiler.driver")
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if not _within(m, "mpgen.testing")])

@@ -8,7 +8,7 @@ import pytest
 
 from helpers import EXAMPLES, mpgen, write_spec
 from mpgen.cli import main
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 
 TRICKY = """\
 # A spec written by hand: comments everywhere, a flow mapping over two lines.

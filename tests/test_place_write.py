@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from helpers import EXAMPLES, write_spec
 from mpgen.cli import main
 from mpgen.commands.place import place, shortest_entries
-from mpgen.compiler.pipeline import compile_spec, generate
+from mpgen.compiler.driver import compile_spec, generate
 
 #: Six instances of ``h`` between two plain layers; the placement is filled in.
 STACK = """\

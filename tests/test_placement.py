@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import write_spec
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 from mpgen.spec_schema.device_map import parse_device_map
 from mpgen.errors import MpgenError
 

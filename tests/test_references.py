@@ -191,9 +191,9 @@ def test_gpt2_positions_never_see_the_future(form, nano_gpt, gpt2_encoder_layers
 
 
 def test_gpt2_small_example_is_the_published_size():
-    from mpgen.compiler import pipeline
+    from mpgen.compiler import driver
 
-    graph = pipeline.compile_spec(EXAMPLES / "gpt2_small.yaml")
+    graph = driver.compile_spec(EXAMPLES / "gpt2_small.yaml")
     assert graph.total_params == 124_439_808
     assert graph.node("h").devices == ("cuda:0",) * 6 + ("cuda:1",) * 6
     assert graph.node("lm_head").devices == ("cuda:1",)

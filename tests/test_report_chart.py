@@ -7,7 +7,7 @@ import re
 import pytest
 
 from helpers import EXAMPLES, write_spec
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 from mpgen.compiler.codegen.report import BYTE_UNITS, _axis_top
 
 UNIT_BYTES = {name: 1024 ** k for k, name in enumerate(BYTE_UNITS)}

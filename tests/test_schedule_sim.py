@@ -24,7 +24,7 @@ from mpgen.compiler.analysis.schedule import (
     stage_order,
     stage_times,
 )
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 
 
 def uniform(stages: int, forward=1, backward=2, transfer=0) -> Pipeline:

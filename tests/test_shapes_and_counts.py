@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import EXAMPLES, write_spec
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 from mpgen.errors import MpgenError
 
 

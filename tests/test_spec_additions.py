@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from helpers import build_to, import_generated, write_spec
-from mpgen.compiler import pipeline
+from mpgen.compiler import driver
 from mpgen.compiler.frontend import expressions
 from mpgen.compiler.ir import BinOp, Neg, Param, Size
 from mpgen.errors import MpgenError
@@ -39,7 +39,7 @@ def _stem(name: str) -> str:
 
 def error_of(tmp_path, text: str) -> str:
     with pytest.raises(MpgenError) as info:
-        pipeline.compile_spec(write_spec(tmp_path, text))
+        driver.compile_spec(write_spec(tmp_path, text))
     return str(info.value).replace(f"{tmp_path}/", "")
 
 
@@ -339,7 +339,7 @@ placement:
 
 
 def test_a_tie_across_devices_moves_a_copy_and_shares_one_parameter(tmp_path):
-    graph = pipeline.compile_spec(write_spec(tmp_path, TIED))
+    graph = driver.compile_spec(write_spec(tmp_path, TIED))
     assert graph.total_params == 11 * 4 + 8  # the head's weight is counted once
     moved = [(str(t.value), t.src, t.dst) for t in graph.plan.transfers if t.src]
     assert ("wte.weight", "cuda:0", "cuda:1") in moved

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from helpers import write_spec
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 from mpgen.compiler.placement.stages import stages
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

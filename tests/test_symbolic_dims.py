@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 from helpers import build_to, mpgen, write_spec
-from mpgen.compiler import pipeline as build
+from mpgen.compiler import driver as build
 from mpgen.compiler.analysis import shapes
 from run_generated import run_suite_on_virtual_devices, train_one_step
 

@@ -1,7 +1,7 @@
 """The ``train:`` keys of issue 11 resolve into ``TrainConfig``; each bad value
 is refused at its key.
 
-Each accepted form is compiled (``pipeline.compile_spec``: everything up to
+Each accepted form is compiled (``driver.compile_spec``: everything up to
 the placed IR) and its ``TrainConfig`` compared; refusals run the CLI
 (``mpgen build``: exit 2, nothing written) and compare the whole message with
 its position. ``tests/errors/train_*`` holds more refusals, several to a spec.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from helpers import ROOT, write_factory, write_spec
-from mpgen.compiler import pipeline
+from mpgen.compiler import driver
 from mpgen.compiler.frontend.training import scheduler_names
 from mpgen.compiler.ir import DataSource, Scheduler, TrainConfig
 from mpgen.errors import MpgenError
@@ -32,7 +32,7 @@ NEW_FIELDS = ("epochs", "steps_given", "scheduler", "grad_clip", "accumulate", "
 def train_config(tmp_path, train: str, model: str = MODEL) -> TrainConfig:
     """The resolved ``train:`` of ``model`` with ``train`` (YAML lines under it)."""
     text = model + ("train:\n" + train if train else "")
-    return pipeline.compile_spec(write_spec(tmp_path, text)).train
+    return driver.compile_spec(write_spec(tmp_path, text)).train
 
 
 def new_settings(config: TrainConfig) -> dict:
@@ -222,13 +222,13 @@ def test_a_factory_of_a_listed_package_or_reexported_in_the_project(tmp_path, mo
     (project / "mydata" / "__init__.py").write_text("from mydata.text import load as load\n")
     spec = MODEL + "train: {data: 'extdata:make', eval_data: 'mydata:load'}\n"
     with pytest.raises(MpgenError) as refusal:
-        pipeline.compile_spec(write_spec(project, spec))
+        driver.compile_spec(write_spec(project, spec))
     assert str(refusal.value) == (
         f"{project / 'spec.yaml'}:7:15: train.data: 'extdata:make': 'extdata' is an installed "
         f"package ({(site / 'extdata').resolve()}), outside the spec's project "
         f"({project.resolve()}); mpgen imports it only if the spec lists 'extdata' under "
         "'imports:'")
-    config = pipeline.compile_spec(write_spec(project, "imports: [extdata]\n" + spec)).train
+    config = driver.compile_spec(write_spec(project, "imports: [extdata]\n" + spec)).train
     assert (config.data.factory, config.eval_data.factory) == ("extdata:make", "mydata:load")
 
 
@@ -419,7 +419,7 @@ def test_the_example_of_docs_spec_md_builds(tmp_path):
     example = section.split("```yaml\n")[1].split("```")[0]
     model = ("mpgen: 1\nname: M\ninputs:\n  x: [batch, seq, 8]\nlayers:\n"
              "  out: {op: Linear, args: [8, 65]}\n")
-    config = pipeline.compile_spec(write_spec(tmp_path, model + example)).train
+    config = driver.compile_spec(write_spec(tmp_path, model + example)).train
     assert (config.epochs, config.scheduler, config.amp, config.eval_data) == (
         3, Scheduler("cosine"), "bf16", DataSource(path="data/eval.npz"))
     assert config.losses[0].class_dim == 2

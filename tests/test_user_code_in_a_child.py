@@ -233,10 +233,10 @@ def test_a_graph_from_the_child_can_name_no_function():
 def test_a_graph_comes_back_as_plain_data(tmp_path):
     """What the child sends: the IR, its ops' classes left out (the
     restricted unpickler, which loads no other global, takes it whole)."""
-    from mpgen.compiler import pipeline
+    from mpgen.compiler import driver
 
     root = project(tmp_path)
-    graph = pipeline.compile_spec(root / "spec.yaml")
+    graph = driver.compile_spec(root / "spec.yaml")
     data = io.BytesIO()
     isolate._GraphPickler(data).dump(graph)
     back = isolate._GraphUnpickler(io.BytesIO(data.getvalue())).load()

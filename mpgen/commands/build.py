@@ -24,7 +24,7 @@ from mpgen.spec_schema.load import read_spec
 
 if TYPE_CHECKING:  # imported where used: a check of current specs needs neither
     from mpgen.compiler.ir import Graph, Node
-    from mpgen.compiler.pipeline import Generated
+    from mpgen.compiler.driver import Generated
     from mpgen.spec_schema.models import Spec
 
 #: ``time_limit=...``: the default budget (``frontend.limits.DEFAULT_TIME_LIMIT``),
@@ -68,7 +68,7 @@ def build(paths: Iterable[str | Path], out_dir: str | Path,
     """Generate all specs, then (only if all succeeded) write the files and
     remove the orphans of these specs (with ``prune``, also those of specs
     that no longer exist), as one unit, with the manifest. ``root`` and
-    ``time_limit``: as for ``pipeline.compile_spec`` (``...``: the default budget).
+    ``time_limit``: as for ``driver.compile_spec`` (``...``: the default budget).
 
     Returns what was generated and what changed on disk (and the orphans
     left in place).
@@ -248,7 +248,7 @@ def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
     of its own is compiled in a child process (NOTE [User code in a child]),
     the others in this one; ``out_dir``: where the generated code will run
     from, for the path notes."""
-    from mpgen.compiler.pipeline import Model, check_clashes, generate
+    from mpgen.compiler.driver import Model, check_clashes, generate
 
     errors = Collector()
     built: list[Built] = []

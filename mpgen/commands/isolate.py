@@ -131,18 +131,18 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]],
 def compile_spec(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
                  root: str | Path | None = None,
                  time_limit: Optional[float] = None) -> "Graph":
-    """``pipeline.compile_spec``, in a child process when the spec names code
+    """``driver.compile_spec``, in a child process when the spec names code
     of its own (``mpgen diff`` and ``ci-summary``, which CI runs on a pull
     request's specs). The graph comes back without the classes and
     functions its ops resolved to (``Op.target`` is None): what the layout
     commands read is plain data, and unpickling it here imports nothing
     (:class:`_GraphUnpickler`)."""
     from mpgen.commands import build
-    from mpgen.compiler import pipeline
+    from mpgen.compiler import driver
 
     facts = build.child_facts(path, build.spec_text(path))
     if facts is None:
-        return pipeline.compile_spec(path, device_map, root, time_limit)
+        return driver.compile_spec(path, device_map, root, time_limit)
     digest, name_pos = facts
     request = _request("graph", path, device_map, root, time_limit)
     result, where = _ask(request, name_pos)
@@ -382,7 +382,7 @@ def main() -> None:
         channel.flush()
 
     from mpgen.commands import build
-    from mpgen.compiler import pipeline
+    from mpgen.compiler import driver
     from mpgen.compiler.frontend import limits
 
     limit = request["time_limit"]
@@ -396,13 +396,13 @@ def main() -> None:
     device_map = request["device_map"] or None
     try:
         if request["mode"] == "graph":
-            graph = pipeline.compile_spec(request["path"], device_map, request["root"], limit)
+            graph = driver.compile_spec(request["path"], device_map, request["root"], limit)
             data = io.BytesIO()
             _GraphPickler(data, protocol=pickle.HIGHEST_PROTOCOL).dump(graph)
             say({"token": request["token"],
                  "graph": base64.b64encode(data.getvalue()).decode("ascii")})
             return
-        result = pipeline.generate(request["path"], device_map, request["root"], limit)
+        result = driver.generate(request["path"], device_map, request["root"], limit)
         built = build.compiled(result, device_map, request["text"], request["out_dir"])
     except MpgenError as exc:
         errors = exc.errors if isinstance(exc, ErrorList) else [exc]

@@ -55,7 +55,7 @@ from mpgen.compiler.ir import (
     device_runs,
     unit_labels,
 )
-from mpgen.compiler.pipeline import compile_spec
+from mpgen.compiler.driver import compile_spec
 from mpgen.compiler.placement.auto import BALANCE_UNITS
 from mpgen.compiler.placement.devices import DEFAULT_DEVICE
 from mpgen.compiler.placement.explicit import place_explicit

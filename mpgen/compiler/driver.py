@@ -1,4 +1,4 @@
-"""The pipeline: load -> validate -> frontend -> analysis -> placement -> codegen.
+"""The compiler driver: load -> validate -> frontend -> analysis -> placement -> codegen.
 
 The library entry point under the commands: :func:`compile_spec` gives the
 IR of one spec, :func:`generate` its formatted files, :func:`generate_all`

@@ -3,13 +3,9 @@ what it takes from the stage before and gives to the one after."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from helpers import write_spec
+from helpers import EXAMPLES, write_spec
 from mpgen.compiler.driver import compile_spec
 from mpgen.compiler.placement.stages import stages
-
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 def shape(path) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.common import let_torchvision_import
 from helpers import build_to, import_generated, mpgen
-from test_references import let_torchvision_import
 
 CPU = {"*": "cpu"}
 

@@ -29,15 +29,14 @@ import pytest
 import yaml
 from hypothesis import given, settings
 
-from helpers import mpgen, mpgen_process
+from fuzzing import SPEC_TREES, TREES, dump, mutated_examples, random_layers
+from helpers import ROOT, mpgen, mpgen_process
 from mpgen.errors import MpgenError
 from mpgen.spec_schema.json_schema import DIALECT, schema_text, spec_json_schema
 from mpgen.spec_schema.load import LoadedSpec, load_file, load_text
 from mpgen.spec_schema.reference import reference_markdown
 from mpgen.spec_schema.validate import validate
-from test_fuzz import SPEC_TREES, TREES, dump, mutated_examples, random_layers
 
-ROOT = Path(__file__).resolve().parent.parent
 SCHEMA = ROOT / "docs" / "mpgen-spec.schema.json"
 REFERENCE = ROOT / "docs" / "spec-reference.md"
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))

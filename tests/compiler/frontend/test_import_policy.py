@@ -25,12 +25,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from helpers import mpgen, mpgen_process
+from helpers import ROOT, mpgen, mpgen_process
 from test_user_modules import GATE  # a small nn.Module class
 from mpgen.compiler import driver
 from mpgen.compiler.frontend import imports, ops
 
-ROOT = Path(__file__).resolve().parent.parent
 
 HOW = "put the module in the project, pass --root, or list its package under 'imports:'"
 SO = importlib.machinery.EXTENSION_SUFFIXES[0]

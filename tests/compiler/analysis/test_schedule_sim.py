@@ -7,11 +7,10 @@ import subprocess
 import sys
 import textwrap
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
-from helpers import write_spec
+from helpers import ROOT, write_spec
 from mpgen.compiler.analysis.schedule import (
     BACKWARD,
     FORWARD,
@@ -237,7 +236,7 @@ def test_device_speed_divides_the_forward(tmp_path):
 
 def test_the_documented_example_runs():
     """docs/pipelining.md's example, as written."""
-    text = (Path(__file__).resolve().parent.parent / "docs" / "pipelining.md").read_text()
+    text = (ROOT / "docs" / "pipelining.md").read_text()
     code = text.split("```python\n", 1)[1].split("```", 1)[0]
     namespace: dict = {}
     exec(compile(code, "docs/pipelining.md", "exec"), namespace)

@@ -7,13 +7,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 
-from helpers import build_to
+from helpers import ROOT, build_to
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_targets_are_the_signals_3_point_moving_averages(tmp_path):

@@ -33,9 +33,7 @@ import yaml
 from fuzzing import (assert_built_or_reported, assert_reported, assert_safe_code,
                      build_path, build_text)
 from fuzzing import paths as _paths
-
-ROOT = Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
+from helpers import EXAMPLES, ROOT
 
 
 def import_model(path: Path):

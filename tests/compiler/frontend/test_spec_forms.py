@@ -1,4 +1,4 @@
-"""The real-model additions to the spec: expressions, tuple outputs,
+"""The spec's forms for real models: expressions, tuple outputs,
 factories, keyword inputs and call:, tie:, init:, and training-mode
 functions. Each form is built, its generated code imported and run on the
 CPU, and each mistake gets its exact FILE:LINE:COL message."""

@@ -61,11 +61,13 @@ def import_generated(path: Path):
 
 
 def build_to(spec: Path, out: Path, device_map: dict | None = None) -> build.Generated:
-    """Generate one spec and write its files to ``out``."""
+    """Generate one spec and write its files to ``out``, with the runtime
+    folder its scripts import (as ``mpgen build`` writes it)."""
     result = build.generate(spec, device_map)
+    from mpgen.output import runtime
     from mpgen.output.write import write_files
 
-    write_files(out, result.files)
+    write_files(out, {**runtime.files(), **result.files})
     return result
 
 

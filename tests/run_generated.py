@@ -19,11 +19,15 @@ from mpgen.testing import virtual_devices
 
 
 def train_one_step(script: Path) -> str:
-    """Run ``script``'s ``main(["--steps", "1"])``; what it printed."""
+    """Run ``script``'s training (``python script --steps 1``) in this
+    process, on the runtime of its folder; what it printed."""
     _forget_model(script.name.removeprefix("train_"))
+    module = import_generated(script)
+    import mpgen_runtime  # the copy in the script's folder, now on sys.path
+
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        import_generated(script).main(["--steps", "1"])
+        mpgen_runtime.train(module.TRAINING, ["--steps", "1"])
     return out.getvalue()
 
 

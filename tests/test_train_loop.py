@@ -156,11 +156,18 @@ class Run:
         return [line for line in self.out.splitlines() if line.startswith(prefix)]
 
 
+def train(built: Built, *argv: str) -> None:
+    """The script's ``python train_<name>.py ARGV``, in this process."""
+    import mpgen_runtime  # the output folder's copy, its folder on sys.path
+
+    mpgen_runtime.train(built.train.TRAINING, list(argv))
+
+
 def main(built: Built, capsys, *argv: str) -> Run:
-    """Run the imported script's main(argv) in this process."""
+    """Run the imported script's training (the runtime's loop) in this process."""
     capsys.readouterr()
     try:
-        built.train.main(list(argv))
+        train(built, *argv)
         code = 0
     except SystemExit as stop:
         code = stop.code
@@ -287,7 +294,7 @@ def test_each_file_format_trains_on_its_tensors_and_the_loss_goes_down(reg, here
 
 def test_several_losses_read_a_target_per_output(tmp_path_factory, here, capsys):
     two = build(tmp_path_factory, TWO)
-    assert two.train.KEYS == ("x", "a_target", "b_target")
+    assert two.train.TRAINING.keys == ("x", "a_target", "b_target")
     labelled = classes(16)
     save(here / "two.pt", {"x": labelled["x"], "a_target": labelled["target"],
                            "b_target": labelled["x"][:, :1] * 2})
@@ -413,7 +420,7 @@ def test_a_factory_module_whose_own_import_fails_shows_the_traceback(reg, here, 
     # Not a bad --data: the module is there, what it imports is not.
     write_module(here, "loop_broken_data", "import loop_missing_dependency\n")
     with pytest.raises(ModuleNotFoundError, match="loop_missing_dependency"):
-        reg.train.main(["--data", "loop_broken_data:make", "--steps", "1"])
+        train(reg, "--data", "loop_broken_data:make", "--steps", "1")
 
 
 def test_bad_data_in_a_real_run_exits_1_with_the_message_alone(reg, tmp_path):
@@ -488,7 +495,11 @@ def test_evaluate_counts_right_predictions(cls):
         model.fc.weight.copy_(torch.eye(3, 4))
         model.fc.bias.zero_()
     batches = list(zip(data["x"].split(4), data["target"].split(4)))
-    evaluate = cls.train.evaluate
+    import mpgen_runtime.loop
+
+    def evaluate(model, losses, data, autocast):
+        return mpgen_runtime.loop.evaluate(cls.train.TRAINING, model, losses, data, autocast)
+
     autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
     loss, accuracy = evaluate(model, (nn.CrossEntropyLoss(),), batches, autocast)
     assert accuracy == [1.0]
@@ -604,7 +615,11 @@ def test_a_built_in_schedule_sets_each_steps_lr_by_its_formula(tmp_path_factory,
     assert used_lrs(built, here, capsys, 8, "--lr", "0.2") == pytest.approx(
         [formula(s, 8, 2, 0.2, 0.01) for s in range(1, 9)], rel=1e-12)
     # lr_factor: the fraction of --lr after `done` steps; min_lr from steps on.
-    factor = built.train.lr_factor
+    import mpgen_runtime
+
+    def factor(*args):
+        return mpgen_runtime.lr_factor(*args, op)
+
     assert [factor(done, 8, 2, 0.1) for done in (0, 1, 2)] == [1 / 3, 2 / 3, 1.0]
     assert factor(8, 8, 2, 0.1) == factor(20, 8, 2, 0.1) == pytest.approx(0.1)
 
@@ -692,7 +707,10 @@ def test_no_decay_puts_biases_norms_and_embeddings_in_the_group_without_decay(
         tmp_path_factory, here, capsys):
     built = build(tmp_path_factory, DECAY)
     model = built.fresh(0)
-    decay, exempt = built.train.param_groups(model, 0.1)
+    import mpgen_runtime
+
+    decay, exempt = mpgen_runtime.param_groups(model, 0.1, ("biases", "norms", "embeddings"))
+    assert "(\"biases\", \"norms\", \"embeddings\")" in built.script.read_text()  # no_decay
     assert decay["weight_decay"] == 0.1 and exempt["weight_decay"] == 0.0
     assert [id(p) for p in decay["params"]] == [id(model.head.weight)]
     assert {id(p) for p in exempt["params"]} == {
@@ -735,8 +753,10 @@ def test_segmentation_classes_on_dim_1_train_and_accuracy_counts_pixels(seg, her
     wrong = batch["target"].clone()
     wrong[1, 2, 3] = (wrong[1, 2, 3] + 1) % 3
     autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
-    assert seg.train.evaluate(model, (nn.CrossEntropyLoss(),), [(batch["x"], wrong)],
-                              autocast)[1] == [31 / 32]
+    import mpgen_runtime.loop
+
+    assert mpgen_runtime.loop.evaluate(seg.train.TRAINING, model, (nn.CrossEntropyLoss(),),
+                                       [(batch["x"], wrong)], autocast)[1] == [31 / 32]
 
 
 # Resume ---------------------------------------------------------------------

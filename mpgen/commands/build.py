@@ -16,6 +16,7 @@ from types import EllipsisType
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional
 
 from mpgen.output import manifest
+from mpgen.output import runtime
 from mpgen.output.write import Changes, Differences, diff_files, write_files
 from mpgen.errors import Collector, MpgenError, Position
 from mpgen.printed import escaped
@@ -120,7 +121,10 @@ def _key(digest: str, device_map: Optional[Mapping[str, str]]) -> str:
 
 
 def _files(built: Iterable[Built]) -> dict[str, str]:
-    return {n: t for b in built for n, t in b.files.items()}
+    """Every spec's files, and the runtime folder they share (NOTE [One
+    runtime per output folder])."""
+    files = {n: t for b in built for n, t in b.files.items()}
+    return {**runtime.files(), **files} if files else files
 
 
 def _specs(built: Iterable[Built]) -> dict[str, str]:

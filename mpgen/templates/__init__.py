@@ -11,10 +11,11 @@ top-level module outside :data:`IMPORTS` and :data:`LOADED`.
 """
 
 #: Top-level modules the generated files import themselves: the model
-#: (torch), the training script and pipeline program (numpy, safetensors,
-#: tqdm; tensorboard through ``torch.utils.tensorboard``), the tests (pytest,
-#: ``mpgen.testing``).
-IMPORTS = frozenset({"torch", "numpy", "safetensors", "tqdm", "pytest", "mpgen"})
+#: (torch), the training script and pipeline program (the output folder's
+#: ``mpgen_runtime``, which imports numpy, safetensors, tqdm; tensorboard
+#: through ``torch.utils.tensorboard``), the tests (pytest, ``mpgen.testing``).
+IMPORTS = frozenset({"torch", "numpy", "safetensors", "tqdm", "pytest", "mpgen",
+                     "mpgen_runtime"})
 
 #: Top-level modules those load in turn (torch's, pytest's and TensorBoard's
 #: dependencies, eagerly or on first use), and ``conftest``, which pytest

@@ -14,8 +14,7 @@ fits black's width, and stands on its own line above it otherwise
 (:func:`with_comment`), by the same width black formats to.
 
 # NOTE: [Written in black's layout]
-# The static text of the templates (train.py.jinja, pp.py.jinja,
-# test.py.jinja) is black's output (black 26, 88 columns: ``black_mode()``)
+# The static text of the templates (test.py.jinja) is black's output (black 26, 88 columns: ``black_mode()``)
 # whatever the spec: what the spec writes into it (the model's name, file
 # names) stands where black moves no line break for its length (a
 # docstring, a comment, a string alone on its line in a call black splits

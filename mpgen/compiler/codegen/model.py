@@ -45,7 +45,7 @@ def render_model(graph: Graph) -> str:
         w.line(line)
     w.docstring(_module_doc(graph))
     w.line()
-    for line in _imports(graph):
+    for line in imports(graph):
         w.line(line)
     for block in graph.blocks:
         _block_class(w, block)
@@ -70,7 +70,7 @@ def _module_doc(graph: Graph) -> list[str]:
     return doc
 
 
-def _imports(graph: Graph) -> list[str]:
+def imports(graph: Graph) -> list[str]:
     nodes = list(graph.nodes) + [n for b in graph.blocks for n in b.nodes]
     lines = ["import torch"]
     if checkpointed_units(graph):
@@ -124,7 +124,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
     doc = [f"Block {block.name}" + (f"({', '.join(block.params)})" if block.params else "") + "."]
     if block.params_count is not None:
         doc += ["", f"{count(block.params_count)} parameters per instance."]
-    var = _variables(block.inputs, block.nodes)
+    var = variables(block.inputs, block.nodes)
     ns = Namespace({"self", *block.params, *var.values()})
     loop_var = ns.fresh("layer") if any(n.repeat and n.repeat > 1 for n in block.nodes) else None
     shapes = dict(block.shapes)
@@ -140,7 +140,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
         for node in block.nodes:
             if not node.op.has_module:
                 continue
-            ctor = _constructor(node)
+            ctor = constructor(node)
             if node.repeat:
                 w.line(f"self.{node.name} = nn.ModuleList([{ctor} for _ in range({node.repeat})])")
             else:
@@ -152,7 +152,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
         for node in block.nodes:
             step = Step(node.name, "", tuple(var[r] for r in node.inputs), node.var, 0,
                         node.instances, loop_var if node.repeat and node.repeat > 1 else None)
-            _step(w, node, step, names, shapes, device)
+            statements(w, node, step, names, shapes, device)
         w.line(f"return {', '.join(var[o] for o in block.outputs)}")
 
     _class(w, block.name, doc, block.params, init, [t.var for t in block.inputs],
@@ -174,7 +174,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
         for node in graph.nodes:
             if not node.op.has_module:
                 continue
-            ctor = _constructor(node)
+            ctor = constructor(node)
             runs = device_runs(node.devices)
             if len(runs) > 1:
                 for line in _spread(node, runs):
@@ -196,9 +196,9 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                 w.comment(f"Tied: {node.name}.{tie.param} is {tie.source}, owned on {owner}"
                           + ("" if owner == here else f"; forward moves a copy to {here}"))
                 w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
-        _initialization(w, graph)
+        initialization(w, graph)
 
-    var = _variables(graph.inputs, graph.nodes)
+    var = variables(graph.inputs, graph.nodes)
     names = Names({}, var)
     checkpointed = checkpointed_units(graph)
 
@@ -208,7 +208,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
         for step in section.steps:
             node = nodes[step.node]
             for part, recompute in _checkpoint_runs(node, step, checkpointed):
-                _step(w, node, part, names, device=step.device, checkpoint=recompute)
+                statements(w, node, part, names, device=step.device, checkpoint=recompute)
 
     def forward() -> None:
         for i, section in enumerate(graph.plan.sections):
@@ -317,7 +317,7 @@ def _spread(node: Node, runs: Sequence[tuple[int, int, str]]) -> list[str]:
     return [one] if len(INDENT * 2 + "# " + one) <= LINE_LENGTH else parts
 
 
-def _variables(inputs: Sequence[InputTensor], nodes: Sequence[Node]) -> dict[str, str]:
+def variables(inputs: Sequence[InputTensor], nodes: Sequence[Node]) -> dict[str, str]:
     """Value name -> the variable holding it in forward: inputs, layer
     outputs and the named elements of returned tuples."""
     var = {t.name: t.var for t in inputs} | {n.name: n.var for n in nodes}
@@ -326,7 +326,7 @@ def _variables(inputs: Sequence[InputTensor], nodes: Sequence[Node]) -> dict[str
 
 # -- statements -----------------------------------------------------------------
 
-def _constructor(node: Node, names: Optional[Names] = None) -> str:
+def constructor(node: Node, names: Optional[Names] = None) -> str:
     return _call(node.op.callee, [], node.init, names)
 
 
@@ -406,7 +406,7 @@ def _comment(node: Node, shapes: Mapping[str, Optional[TensorType]]) -> Optional
     return _shape(shapes.get(node.name) or node.out)
 
 
-def _step(w: PythonWriter, node: Node, step: Step, names: Names,
+def statements(w: PythonWriter, node: Node, step: Step, names: Names,
           shapes: Mapping[str, Optional[TensorType]] = {},
           device: Any = None, checkpoint: bool = False) -> None:
     """Run one step: a layer, one instance, or a loop over a run of instances
@@ -435,7 +435,7 @@ def _step(w: PythonWriter, node: Node, step: Step, names: Names,
         w.line(f"{out} = {code}", comment)
 
 
-def _initialization(w: PythonWriter, graph: Graph) -> None:
+def initialization(w: PythonWriter, graph: Graph) -> None:
     """``init:``: the top-level rules over every module, in module order, then
     each layer's own."""
     if not graph.init_rules and not any(n.inits for n in graph.nodes):

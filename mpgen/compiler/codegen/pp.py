@@ -16,17 +16,10 @@
 # their gradients over the ranks holding them after each backward, as
 # Megatron does for first- and last-stage embeddings.
 #
-# NOTE: [Micro-batch losses]
-# The schedules average the micro-batches' losses (their gradients are
-# divided by M), and the log shows that mean. M divides the batch (a stage
-# receives into buffers shaped by the first micro-batch, so they must be
-# equal), so for a mean loss that mean is the single-process script's loss
-# of the whole batch; a summed loss is multiplied by M. A batch-coupled
-# layer (BatchNorm) still sees micro-batches, and differs.
-#
-# The data pipeline (--data, synthetic samples, the seeded order), the
-# checkpoint helpers, the parameter groups and the built-in learning-rate
-# schedule are the training script's, imported from train_<name>.py; block
+# The file holds only the stages, their devices, the ties and the last
+# stage's loss, in one ``mpgen_runtime.Stages``; the loop (its pipeline
+# mode, ``mpgen/runtime/pipeline.py``), the data, the optimizer and the
+# defaults are the runtime's and train_<name>.py's ``TRAINING``; block
 # classes are the model module's. A model that cannot run as a pipeline
 # still gets the file (the build's other files are unaffected): run, it
 # says why and exits with status 1.
@@ -35,97 +28,29 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Optional
 
 from mpgen.compiler.codegen import train as train_codegen
 from mpgen.compiler.codegen.common import (
     Names,
     _tuple,
-    call,
-    environment,
     file_names,
     header,
-    laid_out,
     literal,
     string_literal,
     synthetic_like,
     tuple_literal,
 )
-from mpgen.compiler.codegen.model import _constructor, _imports, _initialization, _step, _variables
+from mpgen.compiler.codegen.model import constructor, imports, initialization, statements, variables
 from mpgen.compiler.codegen.writer import PythonWriter
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
-from mpgen.compiler.ir import Expr, Graph, Loss, Node, OpKind, Step, unit_labels
+from mpgen.compiler.ir import Expr, Graph, Node, OpKind, Step, unit_labels
 from mpgen.compiler.placement.stages import Stage, stages
 
-#: Names the script defines or imports at module level (``n.*`` in
-#: ``pp.py.jinja``), then names main() and run() define; claimed after the
-#: spec's block classes, which keep their names.
-_SCAFFOLD_GLOBALS = (
-    "environ", "pathlib", "dist", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
-    "ScheduleInterleaved1F1B", "TensorChunkSpec", "_Replicate", "single", "Elsewhere",
-    "STAGES", "STAGE_DEVICES", "DEVICE_TYPE", "SCHEDULES", "N_INPUTS", "INPUT_DIMS",
-    "TARGET_DIMS", "TIES", "PROBLEM", "stage_loss", "pick", "sendable", "examples", "placement", "stop", "merge",
-    "tie_groups", "follow_owners", "sync_ties", "clip_gradients", "Log", "run", "main",
-)
-#: The modules the program imports under their own names.
-_SCRIPT_MODULES = frozenset({"argparse", "csv", "math", "sys", "time"})
-_SCAFFOLD_LOCALS = (
-    "parser", "args", "world", "rank", "ranks", "device", "mine", "modules", "full", "k",
-    "missing", "groups", "optimizers", "schedulers", "done", "state", "path", "data",
-    "per_epoch", "last", "feeds", "stream", "pipeline", "schedule", "loss_fns", "current",
-    "autocast", "log", "step", "batch", "inputs", "target", "losses", "loss", "epoch",
-    "save_stages", "module", "optimizer", "scheduler", "started", "error", "shapes", "found",
-)
+RUNTIME = train_codegen.RUNTIME
+#: The names the file defines, claimed in this order after what it imports.
+OWN_NAMES = ("stage_loss", "STAGES", "PROBLEM", "main")
 _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
-
-
-@dataclass
-class PPContext:
-    header: list[str]
-    model: str
-    spec_path: str
-    file: str
-    train_module: str
-    model_module: str
-    problem: str  # why the model cannot run as a pipeline; "" when it can
-    problem_literal: str
-    imports: list[str]  # torch, nn, F, user modules: what the stage classes use
-    train_modules: tuple[str, ...]  # user modules of the loss and optimizer classes
-    pipelining: list[str]  # the imports from torch.distributed.pipelining
-    blocks: str  # the model module's block classes the stages build, "" for none
-    classes: str  # Elsewhere (when needed) and the stage classes
-    stage_names: str
-    stage_devices: str
-    n_stages: int
-    device_type: str
-    schedule: str
-    microbatches: int
-    n_inputs: int
-    input_dims: str
-    target_dims: str
-    replicate: bool  # some input has no batch dim: each micro-batch gets it whole
-    ties: str
-    follow_owners: bool  # no_decay's two groups and a tie across stages: copies follow the owner
-    loss_lines: list[str]
-    loss_fns: str
-    optimizer: str
-    scheduler: str
-    steps: str
-    decay_steps: str
-    epochs: str
-    batch_size: int
-    lr: str
-    seed: int
-    log_every: int
-    amp: str
-    grad_clip: str
-    data: str
-    data_kwargs: str
-    data_help: str
-    samples: int
-    workers: int
-    run_name: str
 
 
 def _stage_of(all_stages: tuple[Stage, ...]) -> dict[str, int]:
@@ -200,7 +125,7 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
             for node, step in held:
                 if not node.op.has_module:
                     continue
-                ctor = _constructor(node)
+                ctor = constructor(node)
                 if node.repeat is None:
                     w.line(f"self.{node.name} = {ctor}")
                     continue
@@ -219,7 +144,7 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                     else:
                         w.comment(f"{node.name}.{tie.param}: a copy of {tie.source} (stage "
                                   f"{owners[tie.owner]}), kept equal by the script (TIES)")
-            _initialization(w, dataclasses.replace(graph, nodes=tuple(n for n, _ in held)))
+            initialization(w, dataclasses.replace(graph, nodes=tuple(n for n, _ in held)))
         w.line()
         params = ", ".join(["self", *(f"{v}: torch.Tensor" for v in stage.takes)])
         with w.block(f"def forward({params}) -> tuple[torch.Tensor, ...]"):
@@ -230,32 +155,20 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                 w.line(f"{t.dst_var} = {t.src_var}", str(t.type))
             device = Expr(f"{stage.takes[0]}.device") if stage.takes else None
             for node, step in held:
-                _step(w, node, dataclasses.replace(step, tied=()), names, device=device)
+                statements(w, node, dataclasses.replace(step, tied=()), names, device=device)
             w.line(f"return {'(' + _tuple(stage.gives) + ')'}")
 
 
 def _names(graph: Graph) -> Names:
-    return Names({}, _variables(graph.inputs, graph.nodes))
+    return Names({}, variables(graph.inputs, graph.nodes))
 
 
-def _classes(graph: Graph, all_stages: tuple[Stage, ...], n: dict[str, str],
-             stage_names: list[str]) -> str:
-    """Elsewhere (when needed) and the stage classes, in black's layout from
-    the first class on (the template puts the blank lines before it)."""
-    w = PythonWriter()
+def _classes(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...],
+             stage_names: list[str]) -> None:
+    """The stage classes."""
     owners = _stage_of(all_stages)
-    if any(step.start for s in all_stages for _, step in _stage_nodes(graph, s)):
-        w.line()
-        w.line()
-        with w.block(f"class {n['Elsewhere']}(nn.Module)"):
-            w.docstring(["An instance of a repeated layer that another stage holds: no parameters,",
-                         "so this stage's instances keep their indices (and state-dict keys)."])
-            w.line()
-            with w.block("def forward(self, *args) -> None"):
-                w.line('raise RuntimeError("this instance is held by another stage")')
     for stage, name in zip(all_stages, stage_names):
-        _stage_class(w, graph, stage, name, n["Elsewhere"], owners)
-    return w.text().lstrip("\n")
+        _stage_class(w, graph, stage, name, f"{RUNTIME}.pipeline.Elsewhere", owners)
 
 
 def _ties(graph: Graph, all_stages: tuple[Stage, ...]) -> str:
@@ -275,19 +188,10 @@ def _ties(graph: Graph, all_stages: tuple[Stage, ...]) -> str:
 
 # -- the loss -----------------------------------------------------------------------
 
-def _loss_expr(loss: Loss, fn: str, out: str, target: str) -> str:
-    """The loss of one output, as the training script computes it."""
-    if loss.flatten:
-        return f"{fn}({out}.flatten(0, -2), {target}.flatten())"
-    if loss.class_dim is not None and loss.class_dim != 1:
-        return f"{fn}({out}.movedim({loss.class_dim}, 1), {target})"
-    return f"{fn}({out}, {target})"
-
-
-def _loss_lines(graph: Graph, n: dict[str, str], reserved: set[str]) -> list[str]:
+def _loss_lines(graph: Graph, reserved: set[str]) -> list[str]:
     """stage_loss's body: the outputs unpacked, each loss on its micro-batch's
     targets, so that the schedule's mean over micro-batches is the batch's
-    loss (NOTE [Micro-batch losses])."""
+    loss (NOTE [Micro-batch losses] in mpgen/runtime/pipeline.py)."""
     ns = Namespace(reserved | set(_LOSS_PARAMS))
     outs = [ns.fresh(o) for o in graph.outputs]
     if len(outs) == 1:  # the schedule passes a stage's one output without its tuple
@@ -299,14 +203,16 @@ def _loss_lines(graph: Graph, n: dict[str, str], reserved: set[str]) -> list[str
     for k, loss in enumerate(losses):
         out = outs[graph.outputs.index(loss.output)]
         target = ns.fresh("target" if len(losses) == 1 else f"{loss.output}_target")
-        lines.append(f"{target} = {n['pick']}(targets[{k}], {n['TARGET_DIMS']}[{k}], index)")
+        dim = literal(loss.target_type.batch_dim)
+        lines.append(f"{target} = {RUNTIME}.pipeline.pick(targets[{k}], {dim}, index)")
         if not train_codegen.made_in_batch(loss):
             like = synthetic_like(loss.target_type, out, loss.classes, loss.target)
             lines.append(f"{target} = ({target} if {target} is not None else {like})"
                          f".to({out}.device)")
         part = ns.fresh(f"{loss.output}_loss") if len(losses) > 1 else "loss"
         scale = " * microbatches" if dict(loss.kwargs).get("reduction") == "sum" else ""
-        lines.append(f"{part} = {_loss_expr(loss, f'loss_fns[{k}]', out, target)}{scale}")
+        expr = train_codegen.loss_expr(loss, f"loss_fns[{k}]", out, target)
+        lines.append(f"{part} = {expr}{scale}")
         parts.append(part)
     if len(parts) > 1:
         lines.append(f"loss = {' + '.join(parts)}")
@@ -314,85 +220,107 @@ def _loss_lines(graph: Graph, n: dict[str, str], reserved: set[str]) -> list[str
     return lines
 
 
-# -- the script ---------------------------------------------------------------------
+# -- the file -----------------------------------------------------------------------
 
-def _pipelining_imports(n: dict[str, str], replicate: bool) -> list[str]:
-    """``from torch.distributed.pipelining[.microbatch] import ...``, each name
-    under its own unless the spec took it (``as``)."""
-    modules = {
-        "torch.distributed.pipelining": ["PipelineStage", "Schedule1F1B", "ScheduleGPipe",
-                                         "ScheduleInterleaved1F1B"],
-        "torch.distributed.pipelining.microbatch": ["TensorChunkSpec"]
-        + (["_Replicate"] if replicate else []),
-    }
-    return [f"from {module} import "
-            + ", ".join(name if n[name] == name else f"{name} as {n[name]}" for name in names)
-            for module, names in modules.items()]
-
-
-def _scaffold_names(graph: Graph) -> dict[str, str]:
-    blocks = {b.name for b in graph.blocks}
-    users = {n.op.module.split(".")[0] for n in graph.nodes if n.op.kind is OpKind.USER}
-    users |= {m.split(".")[0] for m in graph.train.modules}  # import mypkg.losses binds mypkg
-    ns = Namespace(GLOBALS | blocks | users | _SCRIPT_MODULES)
-    return {name: ns.fresh(name) for name in _SCAFFOLD_GLOBALS + _SCAFFOLD_LOCALS}
-
-
-def pp_context(graph: Graph) -> tuple[PPContext, dict[str, str]]:
+def _reserved(graph: Graph) -> set[str]:
+    """What the file imports: torch, nn, F, the spec's modules, the runtime,
+    the training script and the model module's blocks."""
     names = file_names(graph)
-    train = graph.train
-    n = _scaffold_names(graph)
-    all_stages = stages(graph, graph.spec_plan)
-    problem = pipeline_problem(graph, all_stages) or ""
-    stage_ns = Namespace(set(n.values()) | {b.name for b in graph.blocks} | GLOBALS)
-    stage_names = [stage_ns.fresh(f"Stage{s.index}") for s in all_stages]
-    tctx, tn = train_codegen.train_context(graph)
-    single = n["single"]
-    # The training script's optimizer and schedule, over one stage's module.
-    mapped = dict(tn, model=n["module"], optimizer=n["optimizer"], scheduler=n["scheduler"],
-                  args=n["args"], last=n["last"], param_groups=f"{single}.{tn['param_groups']}",
-                  lr_factor=f"{single}.{tn['lr_factor']}")
-    optimizer, _ = train_codegen._optimizer(graph, mapped)
-    scheduler, _, _ = train_codegen._scheduler(train.scheduler, mapped)
-    if train.scheduler is not None and train.scheduler.op == "ReduceLROnPlateau":
-        scheduler = ""  # stepped with a loss every rank would need; not in the pipeline
-    dims = [t.type.batch_dim for t in graph.inputs]
-    ties = _ties(graph, all_stages)
-    imports = _imports(graph)
-    used_blocks = sorted({node.op.callee for s in all_stages for node, _ in _stage_nodes(graph, s)
-                          if node.op.kind is OpKind.BLOCK})
-    cuda = any(d.startswith("cuda") for d in graph.devices)
-    reserved = ({n[k] for k in _SCAFFOLD_GLOBALS} | set(GLOBALS) | {b.name for b in graph.blocks}
-                | _SCRIPT_MODULES)
-    return PPContext(
-        header=header(graph), model=graph.name, spec_path=graph.spec_path,
-        file=names["pp"], train_module=names["train"][:-3], model_module=names["model"][:-3],
-        problem=problem, problem_literal=literal(problem), imports=imports,
-        train_modules=tuple(m for m in train.modules if f"import {m}" not in imports),
-        pipelining=_pipelining_imports(n, any(d is None for d in dims)), blocks=", ".join(used_blocks),
-        classes=_classes(graph, all_stages, n, stage_names) if not problem else "",
-        stage_names="(" + _tuple(stage_names) + ")",
-        stage_devices=tuple_literal(s.device for s in all_stages),
-        n_stages=len(all_stages), device_type=literal("cuda" if cuda else "cpu"),
-        schedule=literal(graph.pipeline.schedule if graph.pipeline else "1f1b"),
-        microbatches=graph.pipeline.microbatches if graph.pipeline else len(all_stages),
-        n_inputs=len(graph.inputs), input_dims=tuple_literal(dims),
-        target_dims=tuple_literal(loss.target_type.batch_dim for loss in train.losses),
-        replicate=any(d is None for d in dims), ties=ties,
-        follow_owners=bool(train.no_decay) and ties != "()",
-        loss_lines=_loss_lines(graph, n, reserved) if not problem else [],
-        loss_fns=_tuple([call(loss.callee, [], loss.kwargs) for loss in train.losses]),
-        optimizer=optimizer, scheduler=scheduler, steps=tctx.steps, decay_steps=tctx.decay_steps, epochs=tctx.epochs,
-        batch_size=tctx.batch_size, lr=tctx.lr, seed=tctx.seed, log_every=tctx.log_every,
-        amp=literal(train.amp if train.amp != "fp16" else "off"), grad_clip=tctx.grad_clip,
-        data=tctx.data, data_kwargs=tctx.data_kwargs, data_help=tctx.data_help,
-        samples=tctx.samples, workers=tctx.workers, run_name=f"pp_{tctx.run_name}",
-    ), n | {"tn": tn}
+    users = {n.op.module.split(".")[0] for n in graph.nodes if n.op.kind is OpKind.USER}
+    return (set(GLOBALS) | {b.name for b in graph.blocks} | users | {RUNTIME, names["train"][:-3]})
+
+
+def _unavailable(w: PythonWriter, graph: Graph, problem: str, n: dict[str, str]) -> None:
+    names = file_names(graph)
+    w.docstring([f"{graph.name} as a pipeline of processes: not available.", "",
+                 f"Generated by mpgen from {graph.spec_path}. {graph.name} cannot train under",
+                 f"torch.distributed.pipelining: {problem}.",
+                 f"Train it with {names['train']}."])
+    w.line()
+    w.line("import sys")
+    w.line()
+    w.line(f"{n['PROBLEM']} = {literal(problem)}")
+    w.line()
+    w.line()
+    with w.block(f"def {n['main']}(argv: list[str] | None = None) -> None"):
+        message = (f"{names['pp']}: {graph.name} cannot run as a pipeline: "
+                   f"{{{n['PROBLEM']}}}. Train it with {names['train']}")
+        w.line(f"sys.exit(f{literal(message)})")
+    w.line()
+    w.line()
+    with w.block('if __name__ == "__main__"'):
+        w.line(f"{n['main']}()")
 
 
 def render_pp(graph: Graph) -> str:
     """``pp_<name>.py`` in black's layout (NOTE [Written in black's layout])."""
-    ctx, names = pp_context(graph)
-    tn = names.pop("tn")
-    text = environment().get_template("pp.py.jinja").render(ctx=ctx, n=names, t=tn)
-    return laid_out(text, names | tn, ctx.file)
+    names = file_names(graph)
+    ns = Namespace(_reserved(graph))
+    n = {base: ns.fresh(base) for base in OWN_NAMES}
+    all_stages = stages(graph, graph.spec_plan)
+    problem = pipeline_problem(graph, all_stages)
+    w = PythonWriter()
+    for line in header(graph):
+        w.line(line)
+    if problem:
+        _unavailable(w, graph, problem, n)
+    else:
+        _program(w, graph, all_stages, ns, n)
+    return w.text()
+
+
+def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: Namespace,
+             n: dict[str, str]) -> None:
+    names = file_names(graph)
+    train_module, stem = names["train"][:-3], names["model"][:-3]
+    count = len(all_stages)
+    w.docstring([
+        f"Train {graph.name} as a pipeline of {count} stages, one process per rank, under torchrun.",
+        "",
+        f"The stages of {graph.spec_path}'s layout, each built only on its rank and",
+        f"trained by {RUNTIME}'s loop in its pipeline mode (torch.distributed.pipelining;",
+        f"gloo on the CPU, NCCL on GPUs) with {names['train']}'s data, losses and optimizer:",
+        "",
+        f"    torchrun --nproc-per-node {count} {names['pp']} --steps 100 --checkpoint runs/pp_{stem}",
+        f"    python {names['pp']} --merge runs/pp_{stem} model.pt  # one state dict of {graph.name}",
+    ])
+    w.line()
+    for line in imports(graph):
+        w.line(line)
+    w.line()
+    w.line(f"import {RUNTIME}.pipeline")
+    w.line(f"import {train_module}")
+    used_blocks = sorted({node.op.callee for s in all_stages for node, _ in _stage_nodes(graph, s)
+                          if node.op.kind is OpKind.BLOCK})
+    if used_blocks:
+        w.line(f"from {stem} import {', '.join(used_blocks)}")
+    stage_names = [ns.fresh(f"Stage{s.index}") for s in all_stages]
+    _classes(w, graph, all_stages, stage_names)
+    w.line()
+    w.line()
+    with w.block(f"def {n['stage_loss']}(outputs, index, targets, loss_fns, microbatches)"):
+        names = ", ".join(f"{loss.op} of {loss.output}" for loss in graph.train.losses)
+        w.docstring([f"The last stage's loss ({names}) of the micro-batch ``index`` picks."])
+        for line in _loss_lines(graph, _reserved(graph) | set(n.values())):
+            w.line(line)
+    fields = [("training", f"{train_module}.TRAINING"),
+              ("stages", "(" + _tuple(stage_names) + ")"),
+              ("devices", tuple_literal(s.device for s in all_stages)),
+              ("loss", n["stage_loss"])]
+    ties = _ties(graph, all_stages)
+    if ties != "()":
+        fields.append(("ties", ties))
+    schedule = graph.pipeline.schedule if graph.pipeline else "1f1b"
+    if schedule != "1f1b":
+        fields.append(("schedule", literal(schedule)))
+    microbatches = graph.pipeline.microbatches if graph.pipeline else count
+    if microbatches != 2:
+        fields.append(("microbatches", str(microbatches)))
+    w.line()
+    w.line()
+    arguments = ", ".join(f"{key}={value}" for key, value in fields)
+    w.line(f"{n['STAGES']} = {RUNTIME}.Stages({arguments},)")
+    w.line()
+    w.line()
+    with w.block('if __name__ == "__main__"'):
+        w.line(f"{RUNTIME}.pipeline.train({n['STAGES']})")

@@ -1,0 +1,153 @@
+"""The command line of both scripts: one set of flags, each default the
+spec's (Training.default), and the checks argparse cannot make."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+
+from .data import DATA_HELP
+from .spec import Stages, Training
+
+#: The pipeline program's schedules (names of torch.distributed.pipelining classes).
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+}
+
+
+#: Each flag's help, where it says more than the flag's name.
+HELP = {
+    "steps": "optimizer steps",
+    "epochs": "passes over the data (with --steps: whichever ends first)",
+    "microbatches": "micro-batches per step, a divisor of --batch-size (default: the smallest from {} on)",
+    "schedule": "the pipeline schedule; interleaved where the layout repeats its devices",
+    "decay_steps": "the schedule's length in steps, whatever --steps stops at (default: the spec's train.steps, else the run's steps)",
+    "log_dir": "where log.csv goes (default: --checkpoint's DIR, else runs/{})",
+    "save_every": "also save every K steps (0: only at the end)",
+    "init": "start from this state dict of {} (each rank loads its stages' keys)",
+    "amp": "autocast to bf16, or fp16 with a gradient scaler",
+    "pp_amp": "autocast to bf16 (fp16 would need a gradient scaler spanning the ranks)",
+    "accumulate": "micro-batches of --batch-size per optimizer step",
+    "eval_split": "hold out this fraction of a Dataset for evaluation",
+    "eval_every": "evaluate every K steps (0: at the end only, if there is evaluation data)",
+    "samples": "size of the synthetic dataset (one epoch)",
+    "merge": "write one state dict of {} from DIR/stage_K.pt to OUT and exit (no torchrun)",
+}
+
+
+def parser(
+    training: Training, pipeline: Stages | None = None
+) -> argparse.ArgumentParser:
+    """The flags of ``train_<name>.py`` or, with ``pipeline``, of ``pp_<name>.py``."""
+    d, name, single = training.default, training.name, pipeline is None
+    run = f"pp_{training.run}" if pipeline else training.run
+    saved = "DIR/stage_K.pt per stage" if pipeline else "DIR/last.pt"
+    how = " as a pipeline of processes under torchrun" if pipeline else ""
+    p = argparse.ArgumentParser(description=f"Train {name}{how}.")
+    add = p.add_argument
+    add("--steps", type=int, default=d("steps"), help=HELP["steps"])
+    add("--epochs", type=int, default=d("epochs"), help=HELP["epochs"])
+    split = (
+        ", split into --microbatches"
+        if pipeline
+        else " (each micro-batch with --accumulate)"
+    )
+    add(
+        "--batch-size",
+        type=int,
+        default=d("batch_size"),
+        help=f"samples per step{split}",
+    )
+    if pipeline:
+        least, schedules = pipeline.microbatches, tuple(SCHEDULES)
+        text = HELP["microbatches"].format(least)
+        add("--microbatches", type=int, metavar="M", help=text)
+        add(
+            "--schedule",
+            choices=schedules,
+            default=pipeline.schedule,
+            help=HELP["schedule"],
+        )
+    add("--lr", type=float, default=d("lr"))
+    if pipeline or "decay_steps" in training.defaults:
+        text = HELP["decay_steps"]
+        add("--decay-steps", type=int, default=d("decay_steps"), metavar="N", help=text)
+    add("--seed", type=int, default=d("seed"))
+    add("--log-every", type=int, default=d("log_every"), metavar="K")
+    add("--log-dir", metavar="DIR", help=HELP["log_dir"].format(run))
+    when = "" if pipeline else " and on Ctrl-C"
+    text = f"write {saved} at the end, every --save-every steps{when}"
+    add("--checkpoint", metavar="DIR", help=text)
+    add("--save-every", type=int, default=0, metavar="K", help=HELP["save_every"])
+    add("--resume", action="store_true", help=f"continue from {saved}")
+    if pipeline:
+        add("--init", metavar="FILE", help=HELP["init"].format(name))
+        amp = d("amp") if d("amp") != "fp16" else "off"
+        add("--amp", choices=("off", "bf16"), default=amp, help=HELP["pp_amp"])
+    else:
+        add(
+            "--amp", choices=("off", "bf16", "fp16"), default=d("amp"), help=HELP["amp"]
+        )
+    whose = "all stages' " if pipeline else "the "
+    text = f"clip the norm of {whose}gradients (0: no clipping)"
+    add("--grad-clip", type=float, default=d("grad_clip"), metavar="NORM", help=text)
+    if single:
+        text = HELP["accumulate"]
+        add("--accumulate", type=int, default=d("accumulate"), metavar="K", help=text)
+    text = f"{DATA_HELP} (default: {d('data') or 'synthetic data'})".replace("%", "%%")
+    add("--data", default=d("data"), metavar="SPEC", help=text)
+    if single:
+        text = "as --data, for evaluation"
+        add("--eval-data", default=d("eval_data"), metavar="SPEC", help=text)
+        text = HELP["eval_split"]
+        add("--eval-split", type=float, default=d("eval_split"), metavar="F", help=text)
+        text = HELP["eval_every"]
+        add("--eval-every", type=int, default=d("eval_every"), metavar="K", help=text)
+    add("--samples", type=int, default=d("samples"), help=HELP["samples"])
+    add("--workers", type=int, default=d("workers"), help="DataLoader worker processes")
+    if pipeline:
+        text, names = HELP["merge"].format(name), ("DIR", "OUT")
+        add("--merge", nargs=2, metavar=names, help=text)
+    return p
+
+
+def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Stop on arguments the run cannot use, in one line as argparse's usage
+    errors end (``PROG: error: ...``, exit 2): --resume without --checkpoint,
+    no length, a count below its least, a learning rate or clip norm that is
+    negative or not finite, a seed torch cannot take, a file where a folder
+    goes, a file to read that is not there."""
+
+    def refuse(message: str) -> None:
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
+
+    given = vars(args)
+    if given["resume"] and not given["checkpoint"]:
+        refuse("--resume needs --checkpoint DIR")
+    if given["steps"] is None and given["epochs"] is None:
+        refuse("give --steps or --epochs")
+    if not 0 <= given.get("eval_split", 0) < 1:
+        refuse("--eval-split takes a fraction in [0, 1)")
+    least = dict.fromkeys("steps epochs batch_size accumulate microbatches".split(), 1)
+    least |= dict.fromkeys(("decay_steps", "log_every", "samples"), 1)
+    least |= dict.fromkeys(("workers", "save_every", "eval_every"), 0)
+    for name, low in least.items():
+        value = given.get(name)
+        if value is not None and value < low:
+            refuse(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    for name in ("lr", "grad_clip"):
+        if not 0 <= given[name] < math.inf:
+            refuse(
+                f"--{name.replace('_', '-')} must be a finite number >= 0, got {given[name]}"
+            )
+    if not -(2**63) <= args.seed < 2**64:
+        refuse(f"--seed must be in [-2**63, 2**64), got {args.seed}")
+    for name in ("checkpoint", "log_dir"):
+        folder = pathlib.Path(given[name] or ".")  # "." for none
+        if folder.exists() and not folder.is_dir():
+            refuse(f"--{name.replace('_', '-')} {folder}: not a folder")
+    if given.get("init") is not None and not pathlib.Path(args.init).is_file():
+        refuse(f"--init: no file {args.init}")

@@ -1,0 +1,291 @@
+"""The training loop, one for both scripts: :func:`run` drives an engine
+that takes one optimizer step at a time, :class:`Single` (the whole model in
+this process, ``train_<name>.py``) or ``pipeline.Pipelined`` (this rank's
+stages, ``pp_<name>.py``), through the same resume, log, evaluation,
+Ctrl-C and checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import pathlib
+import signal
+import sys
+
+import torch
+from torch import nn
+
+from . import checkpoint, flags
+from .data import as_batch, batches, epoch_batches, one_line, split_data, training_data
+from .log import Log
+from .spec import Training
+
+AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hits(output: torch.Tensor, target: torch.Tensor, class_dim: int) -> tuple:
+    """How many of ``output``'s predictions (argmax on ``class_dim``) match
+    ``target``, and how many count (targets >= 0)."""
+    counted = target >= 0  # ignore_index is negative
+    return (output.argmax(class_dim).eq(target) & counted).sum(), counted.sum()
+
+
+def check_devices(training: Training) -> None:
+    """Stop, naming it, when a device the model is placed on is missing here."""
+    count = torch.cuda.device_count()
+    missing = [
+        d
+        for d in training.devices
+        if d.startswith("cuda") and torch.device(d).index >= count
+    ]
+    if missing:
+        have = [f"cuda:{k}" for k in range(count)] or ["cpu"]
+        mapping = (
+            ",".join(f"{d}={have[k % len(have)]}" for k, d in enumerate(missing))
+            if count
+            else "cpu"
+        )
+        sys.exit(
+            f"{training.name} is placed on {', '.join(missing)}, but this machine has "
+            f"{count} CUDA device(s). Rebuild it for this machine: mpgen build {training.spec} "
+            f"--device-map {mapping} (or run it at once: mpgen train {training.spec} --device-map {mapping})"
+        )
+
+
+class Single:
+    """The whole model in this process: a step is --accumulate micro-batches'
+    forward and backward (under autocast and the fp16 gradient scaler), the
+    gradients clipped, then the optimizer's step; or, for an optimizer that
+    recomputes the loss (LBFGS), its step with a closure."""
+
+    logs = interruptible = True
+    evaluates = False  # whether the run has evaluation data (run() says)
+
+    def __init__(self, training: Training, args, data, last: int) -> None:
+        self.training, self.args, self.data = training, args, data
+        self.path = (
+            pathlib.Path(args.checkpoint, "last.pt") if args.checkpoint else None
+        )
+        self.where, self.folder = str(self.path), f"runs/{training.run}"
+        self.devices, self.samples_per_step = (
+            training.devices,
+            args.accumulate * args.batch_size,
+        )
+        torch.manual_seed(args.seed)
+        self.model = training.model()
+        self.loss_fns = training.losses()
+        self.optimizer = self.scheduler = None
+        if (
+            training.optimizer is not None
+        ):  # else no parameters: forward and the loss only
+            self.optimizer = training.optimizer(self.model, args)
+            if training.scheduler is not None:
+                self.scheduler = training.scheduler(self.optimizer, args, last)
+        self.scaler = torch.amp.GradScaler(
+            training.device_type, enabled=args.amp == "fp16"
+        )
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(
+            self.training.device_type,
+            dtype=AMP_DTYPES[self.args.amp],
+            enabled=self.args.amp != "off",
+        )
+
+    def stop(self, message: str) -> None:
+        sys.exit(message)
+
+    def resume(self) -> int:
+        if not self.path.exists():
+            sys.exit(f"--resume: no checkpoint {self.path}")
+        try:
+            saved = checkpoint.load(self.path)
+            parts = (self.model, self.optimizer, self.scheduler, self.scaler)
+            done = checkpoint.restore(saved, *parts)
+        except Exception as error:  # not a checkpoint of this script's model
+            sys.exit(f"--resume: cannot resume from {self.path} ({one_line(error)})")
+        print(f"resumed from {self.path} at step {done}")
+        return done
+
+    def save(self, done: int) -> None:
+        if self.path is None:
+            return
+        parts = (self.model, self.optimizer, self.scheduler, self.scaler)
+        try:
+            checkpoint.save(checkpoint.state(*parts, done), self.path)
+        except OSError as error:
+            sys.exit(
+                f"step {done}: cannot write {self.path} ({error}); the previous checkpoint is kept"
+            )
+
+    def start(self, done: int):
+        """The batches from step ``done`` on."""
+        self.model.train()
+        return batches(self.data, self.training, self.args, done * self.args.accumulate)
+
+    def step(self, stream) -> torch.Tensor:
+        model, optimizer, args = self.model, self.optimizer, self.args
+        forward_loss, n = self.training.forward_loss, len(self.training.inputs)
+        if optimizer is not None and self.training.closure:
+            batch = next(stream)
+
+            def closure() -> torch.Tensor:
+                """Forward, the loss and its gradients: the optimizer evaluates them several times a step."""
+                optimizer.zero_grad(set_to_none=True)
+                loss, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+                loss.backward()
+                if args.grad_clip:
+                    nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                return loss
+
+            return optimizer.step(closure).detach()  # the loss before the step
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        loss = 0.0
+        for _ in range(args.accumulate):  # gradients add up over the micro-batches
+            batch = next(stream)
+            with self.autocast():
+                micro, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+            if optimizer is not None:
+                self.scaler.scale(micro / args.accumulate).backward()
+            loss = loss + micro.detach() / args.accumulate
+        if optimizer is not None:
+            if args.grad_clip:
+                self.scaler.unscale_(optimizer)  # clip the true gradients
+                nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+            self.scaler.step(optimizer)  # skipped when fp16 gradients overflowed
+            self.scaler.update()
+        return loss
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"] if self.optimizer else 0.0
+
+    def stepped(self, loss: torch.Tensor, eval_loss: float | None) -> None:
+        """The learning-rate schedule's step, after the log (which shows the
+        lr this step used); ReduceLROnPlateau on the evaluation loss when
+        there is evaluation data, else on the training loss."""
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+        if self.scheduler is None:
+            return
+        if not isinstance(self.scheduler, plateau):
+            self.scheduler.step()
+        elif eval_loss is not None:
+            self.scheduler.step(eval_loss)
+        elif not self.evaluates:
+            self.scheduler.step(loss.item())
+
+    def evaluate(self, data) -> tuple[float, list[float]]:
+        return evaluate(self.training, self.model, self.loss_fns, data, self.autocast)
+
+
+def evaluate(training: Training, model, loss_fns, data, autocast) -> tuple:
+    """The mean loss over ``data``'s batches, and each class output's accuracy, in eval mode."""
+    n, keys = len(training.inputs), training.keys
+    model.eval()
+    total, count, correct, counted = 0.0, 0, None, None
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for batch in data:
+            batch = as_batch(batch, keys)
+            with autocast():
+                loss, found = training.forward_loss(
+                    model, loss_fns, batch[:n], batch[n:], count=True
+                )
+            total, count = total + loss.item(), count + 1
+            if correct is None:
+                correct, counted = [0] * len(found), [0] * len(found)
+            for k, (right, seen) in enumerate(found):
+                correct[k] += right.item()
+                counted[k] += seen.item()
+    model.train()
+    if not count:
+        sys.exit("the evaluation data gives no batch")
+    return total / count, [r / max(s, 1) for r, s in zip(correct, counted)]
+
+
+def last_step(args: argparse.Namespace, per_epoch: int) -> int:
+    """The step the run ends at: --steps or --epochs, whichever comes first."""
+    return min(args.steps or math.inf, (args.epochs or math.inf) * per_epoch)
+
+
+def run(engine, args: argparse.Namespace, last: int, per_epoch: int, eval_data=None):
+    """Train from the checkpoint (--resume) or the start to step ``last``:
+    log each step, evaluate every --eval-every steps and at the end, save
+    every --save-every steps, at the end and, where the engine is
+    interruptible, on Ctrl-C (after the step; a second one stops at once)."""
+    engine.evaluates = eval_data is not None
+    done = engine.resume() if args.resume else 0
+    started = done
+    stream = engine.start(done)
+    log = None
+    if engine.logs:
+        try:
+            folder = pathlib.Path(args.log_dir or args.checkpoint or engine.folder)
+            every, size = args.log_every, engine.samples_per_step
+            log = Log(folder, last, done, every, size, engine.devices)
+        except OSError as error:  # a folder that cannot be made or written
+            engine.stop(f"cannot write the log ({error})")
+    interrupted = []
+
+    def on_interrupt(signum, frame) -> None:
+        interrupted.append(signum)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    if engine.interruptible:
+        previous = signal.signal(signal.SIGINT, on_interrupt)
+    saving = f"; saved {engine.where}" if args.checkpoint else ""
+    try:
+        for step in range(done + 1, last + 1):
+            loss = engine.step(stream)
+            if not torch.isfinite(loss):
+                kept = f" ({engine.where} keeps step {done})" if args.checkpoint else ""
+                engine.stop(f"step {step}: the loss is {loss.item()}; stopping{kept}")
+            done, epoch = step, (step - 1) // per_epoch
+            if log is not None:
+                log.step(step, epoch, loss.item(), engine.lr())
+            eval_loss = None
+            if eval_data is not None and (
+                step == last or args.eval_every and step % args.eval_every == 0
+            ):
+                eval_loss, accuracy = engine.evaluate(eval_data)
+                log.evaluation(step, epoch, eval_loss, accuracy)
+            engine.stepped(loss, eval_loss)
+            if interrupted:
+                engine.save(done)
+                engine.stop(f"interrupted after step {step}{saving}")
+            if args.save_every and step % args.save_every == 0 and step < last:
+                engine.save(done)
+    finally:
+        if engine.interruptible:
+            signal.signal(signal.SIGINT, previous)
+        if log is not None:
+            log.close(started)
+    engine.save(done)
+    if args.checkpoint and engine.logs:
+        print(f"saved {engine.where} at step {done}")
+
+
+def train(training: Training, argv: list[str] | None = None) -> None:
+    """``train_<name>.py``: parse the flags, make the data and the model, train."""
+    parser = flags.parser(training)
+    args = parser.parse_args(argv)
+    flags.check(parser, args)
+    check_devices(training)
+    data, eval_data = split_data(training, args, parser, training_data(training, args))
+    per_epoch = (
+        epoch_batches(data, args.batch_size) // args.accumulate
+    )  # optimizer steps
+    if per_epoch == 0:
+        sys.exit(
+            f"one optimizer step needs {args.accumulate * args.batch_size} samples, more than one pass over the data gives; lower --batch-size or --accumulate"
+        )
+    last = last_step(args, per_epoch)
+    engine = Single(training, args, data, last)
+    if engine.optimizer is None:
+        print(f"{training.name}: 0 parameters, nothing to train")
+    else:
+        size = sum(p.numel() for p in engine.model.parameters())
+        micro = f"{args.accumulate} micro-batches of " if args.accumulate > 1 else ""
+        print(
+            f"{training.name}: {size:,} parameters; {last} steps of {micro}{args.batch_size} samples"
+        )
+    run(engine, args, last, per_epoch, eval_data)

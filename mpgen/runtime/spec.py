@@ -1,0 +1,82 @@
+"""What a generated script says of its spec: the facts the runtime runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+#: Each flag's default where the spec says nothing (Training.defaults; None
+#: for a flag not here): a train: section's defaults.
+BASE_DEFAULTS = dict(seed=0, log_every=1, amp="off", grad_clip=0.0, accumulate=1)
+BASE_DEFAULTS |= dict(eval_split=0.0, eval_every=0, samples=1024, workers=0)
+
+
+@dataclass(frozen=True)
+class Training:
+    """One model's training, as ``train_<name>.py`` states it: ``make_batch(batch_size)``
+    gives synthetic ``(inputs, targets)``, ``forward_loss(model, loss_fns, inputs,
+    targets, count)`` the loss (and with ``count`` each class output's ``hits``),
+    ``optimizer(model, args)`` and ``scheduler(optimizer, args, steps)`` make them
+    for a model or a stage; ``defaults``: the flags' defaults the spec sets."""
+
+    model: Callable[[], Any]  # the model's class
+    spec: str  # the spec the script was generated from
+    devices: tuple[str, ...]  # the devices the model is placed on
+    inputs: tuple[str, ...]  # a batch's keys: the model's inputs,
+    targets: tuple[str, ...]  # then the losses' targets
+    batch_dims: tuple[Optional[int], ...]  # each key's batch dim (None: none)
+    make_batch: Callable
+    losses: Callable[[], tuple]
+    forward_loss: Callable
+    optimizer: Optional[Callable] = None  # None: no parameters, nothing to train
+    scheduler: Optional[Callable] = None
+    closure: bool = False  # the optimizer's step recomputes the loss (LBFGS)
+    defaults: dict = field(default_factory=dict)
+    data_kwargs: dict = field(default_factory=dict)  # for the spec's data factory
+    eval_data_kwargs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.model.__name__
+
+    @property
+    def run(self) -> str:
+        """runs/<run>: the default log folder, the model module's name."""
+        return self.model.__module__
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return self.inputs + self.targets
+
+    @property
+    def device_type(self) -> str:
+        """Where autocast applies: the type of the model's devices."""
+        return "cuda" if any(d.startswith("cuda") for d in self.devices) else "cpu"
+
+    def default(self, flag: str) -> Any:
+        return self.defaults.get(flag, BASE_DEFAULTS.get(flag))
+
+
+@dataclass(frozen=True)
+class Stages:
+    """The model as a pipeline, as ``pp_<name>.py`` states it: the stage
+    classes in order with the device of each in the spec, the last stage's
+    loss ``loss(outputs, index, targets, loss_fns, microbatches)``, and the
+    parameters tied across stages (the owner's ``(stage, key)``, then each
+    copy's)."""
+
+    training: Training
+    stages: tuple[type, ...]
+    devices: tuple[str, ...]
+    loss: Callable
+    ties: tuple[tuple[tuple[int, str], ...], ...] = ()
+    schedule: str = "1f1b"  # --schedule's default
+    microbatches: int = 2  # --microbatches' least (a divisor of the batch from it on)
+
+    @property
+    def script(self) -> str:
+        return f"pp_{self.training.run}.py"
+
+    @property
+    def input_dims(self) -> tuple[Optional[int], ...]:
+        return self.training.batch_dims[: len(self.training.inputs)]

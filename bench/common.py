@@ -114,7 +114,7 @@ def machine_lines() -> list[str]:
 def let_torchvision_import() -> object:
     """Make torchvision importable beside a CPU-only torch (transformers
     imports it too): for the benchmarks' smoke runs and the project's
-    reference tests (tests/test_references.py).
+    reference tests (tests/end_to_end/test_references.py).
 
     A CUDA build of torchvision cannot load its C++ ops next to a CPU build of
     torch (libc10_cuda.so is missing), and its import then fails registering

@@ -2,7 +2,7 @@
 
 The starter (``templates/starter.yaml.jinja``) is the two-GPU model of
 PyTorch's model-parallel tutorial with its placement and training settings
-explained; ``tests/test_init.py`` builds it and runs a training step.
+explained; ``tests/commands/test_init.py`` builds it and runs a training step.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ are normalised by ``mode="before"`` validators, so a validation error's
 # made by :func:`form` is named: the schema defines it once (``$defs``) and
 # the reference lists it under "Types". A form may be looser than its
 # validator (a regular expression cannot check everything), never stricter:
-# ``tests/test_json_schema.py`` checks that the schema accepts every spec the
-# models accept.
+# ``tests/spec_schema/test_json_schema.py`` checks that the schema accepts
+# every spec the models accept.
 """
 
 from __future__ import annotations

@@ -65,8 +65,8 @@ placement report and ``mpgen diff`` show them.
 # every step does the same matmuls and saves the same tensors (gates, states,
 # dropout masks between layers), and what does not grow with T (the initial
 # state, read once) is in both runs and cancels in the difference, so this
-# is exact, not an estimate (``tests/test_bounded_work.py`` checks it against
-# the full run). The input counts as the real run would count it: not again
+# is exact, not an estimate (``tests/compiler/frontend/test_bounded_work.py``
+# checks it against the full run). The input counts as the real run would count it: not again
 # when an earlier unit saved it, and as saved for later units when the layer
 # saves it. The output gets the real length (``meta.short_sequences``).
 """

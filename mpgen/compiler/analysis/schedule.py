@@ -46,7 +46,7 @@ simulator can be driven with exact numbers (``fractions.Fraction``).
 #
 # With uniform stages (forward f, backward b, no transfers) both schedules
 # take (M + K - 1)(f + b) and the bubble is (K - 1)/(M + K - 1), the
-# textbook figures (tests/test_schedule_sim.py checks them exactly).
+# textbook figures (tests/compiler/analysis/test_schedule_sim.py checks them exactly).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ counts, including those inside functions.
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -141,3 +142,22 @@ def test_the_importer_passes_import_only_earlier_passes(module):
 
 def test_every_module_of_the_importer_is_in_its_order():
     assert sorted(m for m in MODULES if _within(m, "mpgen.commands.importer")) == sorted(IMPORTER)
+
+
+#: What the training runtime may import: it is copied into output folders and
+#: run where mpgen is not installed (NOTE [One runtime per output folder]).
+RUNTIME_IMPORTS = ("torch", "numpy", "safetensors", "tqdm", "mpgen.runtime")
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if _within(m, "mpgen.runtime")])
+def test_the_training_runtime_stands_alone(module):
+    others = sorted(i for i in _imports(module) if i.split(".")[0] not in sys.stdlib_module_names
+                    and not any(_within(i, allowed) for allowed in RUNTIME_IMPORTS))
+    assert not others, f"{module} imports {others}"
+
+
+@pytest.mark.parametrize("module", [m for m in MODULES if not _within(m, "mpgen.runtime")])
+def test_nothing_imports_the_training_runtime(module):
+    # The build reads its files (output/runtime.py); importing it would pull torch into mpgen.
+    found = sorted(i for i in _imports(module) if _within(i, "mpgen.runtime"))
+    assert not found, f"{module} imports the training runtime: {found}"

@@ -73,9 +73,12 @@ def parser(
             help=HELP["schedule"],
         )
     add("--lr", type=float, default=d("lr"))
-    if pipeline or "decay_steps" in training.defaults:
-        text = HELP["decay_steps"]
-        add("--decay-steps", type=int, default=d("decay_steps"), metavar="N", help=text)
+    if pipeline or "decay_steps" in training.defaults:  # a built-in schedule reads it
+        steps, text = (
+            training.defaults.get("decay_steps", d("steps")),
+            HELP["decay_steps"],
+        )
+        add("--decay-steps", type=int, default=steps, metavar="N", help=text)
     add("--seed", type=int, default=d("seed"))
     add("--log-every", type=int, default=d("log_every"), metavar="K")
     add("--log-dir", metavar="DIR", help=HELP["log_dir"].format(run))

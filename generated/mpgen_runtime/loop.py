@@ -176,28 +176,31 @@ class Single:
             self.scheduler.step(loss.item())
 
     def evaluate(self, data) -> tuple[float, list[float]]:
-        """The mean loss over ``data``'s batches, and each classification output's accuracy, in eval mode."""
-        model, n = self.model, len(self.training.inputs)
-        keys = self.training.keys
-        model.eval()
-        total, count, correct, counted = 0.0, 0, None, None
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            for batch in data:
-                batch = as_batch(batch, keys)
-                with self.autocast():
-                    loss, found = self.training.forward_loss(
-                        model, self.loss_fns, batch[:n], batch[n:], count=True
-                    )
-                total, count = total + loss.item(), count + 1
-                if correct is None:
-                    correct, counted = [0] * len(found), [0] * len(found)
-                for k, (right, seen) in enumerate(found):
-                    correct[k] += right.item()
-                    counted[k] += seen.item()
-        model.train()
-        if not count:
-            sys.exit("the evaluation data gives no batch")
-        return total / count, [r / max(s, 1) for r, s in zip(correct, counted)]
+        return evaluate(self.training, self.model, self.loss_fns, data, self.autocast)
+
+
+def evaluate(training: Training, model, loss_fns, data, autocast) -> tuple:
+    """The mean loss over ``data``'s batches, and each class output's accuracy, in eval mode."""
+    n, keys = len(training.inputs), training.keys
+    model.eval()
+    total, count, correct, counted = 0.0, 0, None, None
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for batch in data:
+            batch = as_batch(batch, keys)
+            with autocast():
+                loss, found = training.forward_loss(
+                    model, loss_fns, batch[:n], batch[n:], count=True
+                )
+            total, count = total + loss.item(), count + 1
+            if correct is None:
+                correct, counted = [0] * len(found), [0] * len(found)
+            for k, (right, seen) in enumerate(found):
+                correct[k] += right.item()
+                counted[k] += seen.item()
+    model.train()
+    if not count:
+        sys.exit("the evaluation data gives no batch")
+    return total / count, [r / max(s, 1) for r, s in zip(correct, counted)]
 
 
 def last_step(args: argparse.Namespace, per_epoch: int) -> int:

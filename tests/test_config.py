@@ -131,6 +131,7 @@ def test_all_the_mistakes_of_the_table_are_reported_together(tmp_path):
         "pyproject.toml:3:7", "pyproject.toml:4:8", "pyproject.toml:5:14"]
 
 
+@pytest.mark.slow
 def test_root_comes_from_the_config_relative_to_its_folder(tmp_path):
     """``mylayers`` lives in lib/, the spec in specs/: found only when
     ``root`` names lib (relative to the config's folder, not the working one)."""

@@ -106,9 +106,14 @@ def good_build(tmp_path_factory) -> Path:
     return out
 
 
+#: Cases whose spec names a user module: it is imported in a child interpreter.
+SLOW = {"import_policy", "op_not_a_module"}
+
+
 def _params():
     for case in CASES:
         marks = [pytest.mark.xfail(reason=XFAIL[case], strict=True)] if case in XFAIL else []
+        marks += [pytest.mark.slow] if case in SLOW else []
         yield pytest.param(case, marks=marks, id=case)
 
 
@@ -173,6 +178,8 @@ def test_missing_output_directory_is_not_created(case: str, tmp_path: Path):
 WIRED_CASE = "cli_missing_spec"  # two specs from argv: a position in one, the other missing
 
 
+# Slow: two fresh interpreters (python -m mpgen and the mpgen script)
+@pytest.mark.slow
 def test_the_real_command_line_gives_the_expected_report(tmp_path: Path, good_build: Path):
     """``python -m mpgen`` and the installed ``mpgen`` script: exit 2, exactly the
     ``.expected`` stderr (so no traceback), nothing on stdout, nothing written."""

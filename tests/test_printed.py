@@ -87,6 +87,7 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           capture_output=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_check_prints_hostile_file_names_inert(tmp_path):
     for name in NAMES:
         (tmp_path / name).write_text(BAD)
@@ -97,6 +98,7 @@ def test_check_prints_hostile_file_names_inert(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_build_show_place_and_diff_print_a_hostile_file_name_inert(tmp_path):
     name = "g\n::error::ok.yaml"
     (tmp_path / name).write_text(GOOD)
@@ -116,6 +118,7 @@ def test_build_show_place_and_diff_print_a_hostile_file_name_inert(tmp_path):
         assert done.returncode == 2 and done.stderr == b"g\\n::error::ok.yaml" + UNKNOWN, command
 
 
+@pytest.mark.slow
 def test_checks_diff_escapes_what_a_hand_edit_put_in_a_generated_file(tmp_path):
     spec = tmp_path / "seed.yaml"
     spec.write_text((EXAMPLES / "seed.yaml").read_text())
@@ -135,6 +138,7 @@ def test_checks_diff_escapes_what_a_hand_edit_put_in_a_generated_file(tmp_path):
                    for line in done.stdout.split(b"\n") + done.stderr.split(b"\n"))
 
 
+@pytest.mark.slow
 def test_check_and_build_print_a_hostile_file_in_the_output_folder_on_one_line(tmp_path):
     """A file a pull request adds to the output folder, named to start a
     workflow command on a line of its own, is reported on one line."""
@@ -150,6 +154,7 @@ def test_check_and_build_print_a_hostile_file_in_the_output_folder_on_one_line(t
         assert not any(line.lstrip().startswith(b"::") for line in text.split(b"\n"))
 
 
+@pytest.mark.slow
 def test_plain_names_print_as_they_are(tmp_path):
     (tmp_path / "plain.yaml").write_text(BAD)
     done = run("check", "plain.yaml", "-o", "out", cwd=tmp_path)

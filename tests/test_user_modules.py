@@ -14,7 +14,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import mpgen, write_spec
+
+#: Slow: builds that import a user module in a child interpreter, and the generated code run.
+pytestmark = pytest.mark.slow
 
 GATE = """\
 import torch

@@ -18,6 +18,9 @@ from bench import __main__ as bench_main  # noqa: E402
 from bench import placement_bench  # noqa: E402
 from mpgen.compiler.placement import partition  # noqa: E402
 
+#: Slow: the bench's own sections and its GPU script, run for real.
+pytestmark = pytest.mark.slow
+
 
 def test_the_page_holds_exactly_what_the_run_printed(tmp_path):
     out = tmp_path / "page.md"

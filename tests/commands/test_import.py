@@ -285,6 +285,7 @@ def test_an_order_that_cannot_match_is_noted(project):
     assert "note: no order of the layers gives HeadFirst's parameter order" in ran.stderr
 
 
+@pytest.mark.slow
 def test_torchvision_resnet18(project):
     pytest.importorskip("torchvision")
     let_torchvision_import()

@@ -15,6 +15,8 @@ from mpgen.compiler.driver import compile_spec
 NEXT = re.compile(r"^  (\S.*?)  +# ", re.M)
 
 
+# Slow: builds, trains and runs the generated tests in subprocesses
+@pytest.mark.slow
 def test_init_writes_a_starter_that_builds_and_trains(tmp_path):
     ran = mpgen("init", cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr

@@ -101,6 +101,7 @@ def local_config(repo: Path, hook_id: str, args: list[str] | None = None) -> Non
     (repo / ".pre-commit-config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
+@pytest.mark.slow
 def test_pre_commit_runs_the_check_hook_with_specs_as_args(tmp_path):
     repo = new_repo(tmp_path / "repo")
     write_spec(repo, spec_text("SimpleModel"), "model.yaml")
@@ -129,6 +130,7 @@ def test_pre_commit_runs_the_check_hook_with_specs_as_args(tmp_path):
                                               done.stdout), done.stdout
 
 
+@pytest.mark.slow
 def test_pre_commit_hooks_with_the_project_configuration(tmp_path):
     # [tool.mpgen] names the specs: neither hook needs arguments.
     repo = new_repo(tmp_path / "repo")
@@ -288,6 +290,7 @@ def run_cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Comple
                           timeout=600)
 
 
+@pytest.mark.slow
 def test_ci_summary_markdown_keeps_hostile_names_inert(tmp_path):
     repo = new_repo(tmp_path / "repo")
     write_spec(repo, spec_text("Base"), "base.yaml")
@@ -385,6 +388,7 @@ def run_step(script: str, cwd: Path, env: dict[str, str]) -> subprocess.Complete
                           cwd=cwd, env=env, capture_output=True, timeout=600)
 
 
+@pytest.mark.slow
 def test_the_summary_step_runs_without_a_token(pull_request, tmp_path, runner_env):
     # The unprivileged half, as the runner gives it: origin/$BASE fetched,
     # $GITHUB_STEP_SUMMARY a file it appends to, no token in the environment.
@@ -418,6 +422,7 @@ def test_the_summary_step_runs_without_a_token(pull_request, tmp_path, runner_en
     assert "does not compile:\nmoved.yaml:10:11: " in (artifact / "summary.md").read_text()
 
 
+@pytest.mark.slow
 def test_ci_summary_warns_when_a_token_is_in_its_environment(pull_request, runner_env):
     env = {**runner_env, "GH_TOKEN": "ghs_secret", "GITHUB_TOKEN": ""}  # empty: not a token
     done = run_cli("ci-summary", "--base", "main", "-o", "summary.md", cwd=pull_request, env=env)
@@ -487,6 +492,7 @@ def test_the_comment_step_posts_the_artifact_as_untrusted_text(tmp_path, runner_
 
 # -- installing mpgen elsewhere -------------------------------------------------
 
+@pytest.mark.slow
 def test_a_wheel_holds_the_templates_and_the_command(tmp_path):
     # README, "Installing mpgen in your project": a wheel built from the
     # sources (a copy, so that no build folder lands in the tree).

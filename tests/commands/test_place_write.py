@@ -52,6 +52,7 @@ def block(path) -> list[str]:
     return body
 
 
+@pytest.mark.slow
 def test_a_two_line_placement_round_trips_to_the_same_two_lines(tmp_path, capsys):
     path = tmp_path / "resnet18.yaml"
     original = (EXAMPLES / "resnet18.yaml").read_text()

@@ -23,6 +23,9 @@ from helpers import mpgen, write_spec
 from mpgen.commands import isolate
 from mpgen.errors import MpgenError, Position
 
+#: Slow: every case runs a user module in a child interpreter, some until a limit stops it.
+pytestmark = pytest.mark.slow
+
 GATE = """\
 import torch
 from torch import nn

@@ -71,6 +71,7 @@ def within_total(test):
 # --------------------------------------------------------------------------
 # random YAML trees
 
+@pytest.mark.slow
 @pytest.mark.parametrize("documents", [TREES, SPEC_TREES], ids=["any", "spec_shaped"])
 def test_random_yaml_trees(tmp_path, documents):
     @given(documents)
@@ -83,6 +84,7 @@ def test_random_yaml_trees(tmp_path, documents):
 # --------------------------------------------------------------------------
 # random layers: real ops, random arguments
 
+@pytest.mark.slow
 def test_random_layers(tmp_path):
     @given(random_layers())
     def random_model(spec):
@@ -94,6 +96,7 @@ def test_random_layers(tmp_path):
 # --------------------------------------------------------------------------
 # structural mutations of the examples
 
+@pytest.mark.slow
 def test_mutated_examples(tmp_path):
     @given(mutated_examples())
     def mutated(case):
@@ -160,6 +163,7 @@ def train_specs(draw):
     return {"mpgen": 1, "name": "M", **TRAIN_MODELS[model], "train": train}
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the script's own (deprecated keywords)
 def test_random_train_settings_build_a_script_that_runs(tmp_path):
     """Whatever ``train:`` holds, a spec that builds gives a training script

@@ -176,6 +176,7 @@ SAFE_REFUSALS = [
 ]
 
 
+@pytest.mark.slow  # each op is imported in a child interpreter
 @pytest.mark.parametrize("op", SAFE_REFUSALS)
 def test_dangerous_op_names_are_refused_without_running_anything(tmp_path, sentinel, op):
     text = textwrap.dedent(f"""\
@@ -205,6 +206,7 @@ def test_torch_save_is_not_an_op(tmp_path):
     assert not target.exists(), "torch.save ran at build time"
 
 
+@pytest.mark.slow
 def test_import_side_effects_of_stdlib_modules_do_not_run(tmp_path):
     result = build_text(tmp_path, "mpgen: 1\nname: M\ninputs:\n  x: [batch, 10]\n"
                                   "layers:\n  a: {op: this.Zen}\n")
@@ -478,6 +480,7 @@ def fuzz_cases(n: int, seed: int):
         yield i, name, text, extra
 
 
+@pytest.mark.slow
 def test_fuzz_never_tracebacks_and_success_compiles(tmp_path):
     """Mutated example specs: exit 0 with code that compiles, or exit 2 with positions."""
     outcomes = {0: 0, 2: 0}

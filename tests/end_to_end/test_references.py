@@ -24,6 +24,9 @@ from mpgen.testing import virtual_devices
 from bench.common import let_torchvision_import
 from helpers import EXAMPLES, build_to, import_generated
 
+#: Slow: torchvision's and Hugging Face's models, built and run beside the generated ones.
+pytestmark = pytest.mark.slow
+
 CPU = {"*": "cpu"}
 
 

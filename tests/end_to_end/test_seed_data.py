@@ -10,7 +10,12 @@ import sys
 
 import numpy as np
 
+import pytest
+
 from helpers import ROOT, build_to
+
+#: Slow: the data script and a training run, in subprocesses.
+pytestmark = pytest.mark.slow
 
 
 

@@ -330,18 +330,21 @@ def judge(text: str) -> None:
         assert schema_errors(loaded.data), f"an unknown key the schema accepts:\n{text}"
 
 
+@pytest.mark.slow
 @settings(max_examples=300)
 @given(mutated_examples())
 def test_mutated_examples(case):
     judge(case[1])
 
 
+@pytest.mark.slow
 @settings(max_examples=200)
 @given(random_layers())
 def test_random_layers(data):
     judge(dump(data))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("documents", [TREES, SPEC_TREES], ids=["any", "spec_shaped"])
 def test_random_yaml_trees(documents):
     @settings(max_examples=200)
@@ -352,6 +355,7 @@ def test_random_yaml_trees(documents):
     random_tree()
 
 
+@pytest.mark.slow
 def test_every_example_with_one_key_removed():
     """Each optional key of each example left out, each required one missing:
     the schema and the loader agree on every one."""

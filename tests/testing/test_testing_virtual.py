@@ -768,6 +768,8 @@ class _ResNet18(nn.Module):
         return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
 
 
+# Slow: a timing of ResNet-18 on virtual devices against plain tensors
+@pytest.mark.slow
 def test_resnet18_overhead_is_small():
     """ResNet-18 forward+backward, batch 2, 64x64: at most a few times plain CPU.
 

@@ -230,6 +230,8 @@ def test_one_device_is_one_stage_and_runs_on_the_cpu(tmp_path):
     assert fc3.shape == (5, 4) and fc1.shape == (5, 16)
 
 
+# Slow: runs the generated tests in a subprocess
+@pytest.mark.slow
 def test_the_generated_tests_expect_each_transfer_once_per_micro_batch(tmp_path):
     spec = write_spec(tmp_path, spec_text(SHARED_INPUT, "{microbatches: 3}"))
     build_to(spec, tmp_path / "out")

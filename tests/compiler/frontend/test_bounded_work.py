@@ -38,6 +38,9 @@ from mpgen.compiler.frontend.limits import WorkBudget, cpu_seconds
 from mpgen.compiler.ir import Args, Node, Op, OpKind
 from mpgen.errors import MAX_ERRORS, STOPPED, Collector, ErrorList, MpgenError, Position
 
+#: Slow: every case builds in a fresh interpreter, timed against a ResNet-50 build.
+pytestmark = pytest.mark.slow
+
 #: How many times the build time of a real model any case here may take.
 RATIO = 10
 REFERENCE = ROOT / "examples" / "resnet50.yaml"

@@ -10,7 +10,12 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from helpers import EXAMPLES, ROOT
+
+#: Slow: each case is a fresh interpreter that imports torch.
+pytestmark = pytest.mark.slow
 
 
 def _run(code: str) -> dict:

@@ -30,6 +30,9 @@ from test_user_modules import GATE  # a small nn.Module class
 from mpgen.compiler import driver
 from mpgen.compiler.frontend import imports, ops
 
+#: Slow: most builds here run a user module, in a child interpreter of its own.
+pytestmark = pytest.mark.slow
+
 
 HOW = "put the module in the project, pass --root, or list its package under 'imports:'"
 SO = importlib.machinery.EXTENSION_SUFFIXES[0]

@@ -203,6 +203,7 @@ def _random_case(rng: random.Random):
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_brute_force_random():
     rng = random.Random(20240611)
     errors = ok = 0

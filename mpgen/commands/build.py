@@ -124,7 +124,7 @@ def _files(built: Iterable[Built]) -> dict[str, str]:
     """Every spec's files, and the runtime folder they share (NOTE [One
     runtime per output folder])."""
     files = {n: t for b in built for n, t in b.files.items()}
-    return {**runtime.files(), **files} if files else files
+    return {**files, **runtime.files()} if files else files
 
 
 def _specs(built: Iterable[Built]) -> dict[str, str]:

@@ -321,50 +321,42 @@ class Pipelined:
         args, stages, ranks = self.args, self.stages, self.ranks
         training, n = stages.training, len(stages.training.inputs)
         stream = batches(self.data, training, args, done) if self.feeds else None
-        shapes = [None]
-        if (
-            dist.get_rank() == ranks[0]
-        ):  # the inputs' shapes, from the first batch, for every rank
+        shapes = [None]  # the inputs' shapes, from the first batch, for every rank
+        if dist.get_rank() == ranks[0]:
             batch = next(stream)
             stream = itertools.chain([batch], stream)
             shapes = [[(tuple(x.shape), x.dtype) for x in batch[:n]]]
         dist.broadcast_object_list(shapes, src=ranks[0])
         found = examples(stages, shapes[0], args.microbatches)
-        count = len(stages.stages)
+        count, pipeline = len(stages.stages), []
         for k in self.mine:
+            given, made = found[k]
             if k < count - 1:
                 self.modules[k].register_forward_hook(
-                    sendable(tuple(x.dtype for x in found[k][1]))
+                    sendable(tuple(x.dtype for x in made))
                 )
-        pipeline = [
-            PipelineStage(
-                self.modules[k],
-                k,
-                count,
-                self.device,
-                input_args=found[k][0],
-                output_args=found[k][1],
-            )
-            for k in self.mine
+            stage = PipelineStage(self.modules[k], k, count, self.device, given, made)
+            pipeline.append(stage)
+        m, schedule = args.microbatches, getattr(
+            pipelining, flags.SCHEDULES[args.schedule]
+        )
+        chunks = [
+            TensorChunkSpec(d) if d is not None else _Replicate()
+            for d in stages.input_dims
         ]
+
+        def loss(outputs, index: torch.Tensor) -> torch.Tensor:
+            return stages.loss(outputs, index, self.current[0], self.loss_fns, m)
+
         try:
-            self.schedule = getattr(pipelining, flags.SCHEDULES[args.schedule])(
-                pipeline if args.schedule == "interleaved" else pipeline[0],
-                n_microbatches=args.microbatches,
-                loss_fn=lambda outputs, index: stages.loss(
-                    outputs, index, self.current[0], self.loss_fns, args.microbatches
-                ),
-                args_chunk_spec=tuple(
-                    TensorChunkSpec(d) if d is not None else _Replicate()
-                    for d in stages.input_dims
-                ),
+            held = pipeline if args.schedule == "interleaved" else pipeline[0]
+            self.schedule = schedule(
+                held, m, loss_fn=loss, args_chunk_spec=tuple(chunks)
             )
         except (
             ValueError
         ) as error:  # e.g. interleaved micro-batches not a multiple of its rounds
-            stop(
-                f"--schedule {args.schedule} --microbatches {args.microbatches}: {error}"
-            )
+            stop(f"--schedule {args.schedule} --microbatches {m}: {error}")
         if self.logs:
             print(
                 f"{training.name}: {count} stages on {dist.get_world_size()} ranks, --schedule {args.schedule}; "
@@ -424,17 +416,12 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         merge(stages, *args.merge)
         return
     flags.check(parser, args)
+    size = args.batch_size
     if (
         args.microbatches is None
     ):  # the smallest divisor of the batch from the default on
-        args.microbatches = next(
-            (
-                m
-                for m in range(stages.microbatches, args.batch_size + 1)
-                if args.batch_size % m == 0
-            ),
-            args.batch_size,
-        )
+        sizes = range(stages.microbatches, size + 1)
+        args.microbatches = next((m for m in sizes if size % m == 0), size)
     if args.microbatches < 1 or args.batch_size % args.microbatches:
         parser.error(
             f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} (the stages exchange equal micro-batches)"

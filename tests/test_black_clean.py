@@ -209,9 +209,10 @@ placement:
 
 
 def test_an_input_without_a_batch_dim_is_black_clean(tmp_path):
-    """Each micro-batch of the pipeline gets it whole (``_Replicate``)."""
+    """Each micro-batch of the pipeline gets it whole (the runtime replicates an
+    input whose batch dim is None)."""
     graph = driver.compile_spec(write_spec(tmp_path, AN_INPUT_WITHOUT_A_BATCH_DIM))
-    assert "_Replicate" in pp.render_pp(graph)
+    assert "    batch_dims=(0, None, 0)," in train.render_train(graph).splitlines()
     assert_black_clean(graph)
 
 
@@ -449,17 +450,17 @@ def test_a_model_that_cannot_be_a_pipeline_is_black_clean(tmp_path, spec):
     assert_black_clean(graph)
 
 
-A_BLOCK_NAMED_ELSEWHERE = """\
+A_BLOCK_NAMED_STAGES = """\
 mpgen: 1
 name: M
 inputs:
   x: [batch, 8]
 blocks:
-  Elsewhere:
+  STAGES:
     layers:
       lin: {op: Linear, args: [8, 8]}
 layers:
-  deep: {op: Elsewhere, repeat: 4}
+  deep: {op: STAGES, repeat: 4}
   out: {op: Linear, args: [8, 3]}
 placement:
   deep.0-1: cuda:0
@@ -468,12 +469,11 @@ placement:
 
 
 @pytest.mark.parametrize("spec, renamed", [
-    (model("Log"), ("train", "class Log_1:")),
-    (A_BLOCK_NAMED_ELSEWHERE, ("pp", "class Elsewhere_1(nn.Module):")),
-], ids=["model_named_Log", "block_named_Elsewhere"])
-def test_a_spec_that_takes_a_scaffold_name_is_black_clean(tmp_path, spec, renamed):
-    """The spec's class keeps the name; the scaffold's gets a suffix, and its
-    file goes through black (``common.laid_out``)."""
+    (model("TRAINING"), ("train", "TRAINING_1 = mpgen_runtime.Training(")),
+    (A_BLOCK_NAMED_STAGES, ("pp", "STAGES_1 = mpgen_runtime.Stages(")),
+], ids=["model_named_TRAINING", "block_named_STAGES"])
+def test_a_spec_that_takes_a_name_of_the_file_is_black_clean(tmp_path, spec, renamed):
+    """The spec's class keeps the name; the file's own gets a suffix."""
     graph = driver.compile_spec(with_factories(tmp_path, spec + TRAINING["every_key"]))
     role, line = renamed
     render = {"train": train.render_train, "pp": pp.render_pp}[role]
@@ -481,19 +481,17 @@ def test_a_spec_that_takes_a_scaffold_name_is_black_clean(tmp_path, spec, rename
     assert_black_clean(graph)
 
 
-def test_every_scaffold_name_with_a_suffix_is_black_clean(monkeypatch):
-    """Suffixes on all the scaffold's names move black's line breaks in the
-    static text; the files still come out in black's layout."""
-    train_names, pp_names = train._scaffold_names, pp._scaffold_names
-
-    def suffixed(names: dict[str, str]) -> dict[str, str]:
-        return {base: f"{name}_1" for base, name in names.items()}
-
-    monkeypatch.setattr(train, "_scaffold_names",
-                        lambda graph: (suffixed(train_names(graph)[0]), train_names(graph)[1]))
-    monkeypatch.setattr(pp, "_scaffold_names", lambda graph: suffixed(pp_names(graph)))
+def test_every_name_of_the_files_with_a_suffix_is_black_clean(monkeypatch):
+    """Suffixes on all the files' own names move black's line breaks; the
+    files still come out in black's layout."""
+    imported, reserved = train._imported, pp._reserved
+    monkeypatch.setattr(train, "_imported", lambda graph: imported(graph) | set(train.OWN_NAMES))
+    monkeypatch.setattr(pp, "_reserved", lambda graph: reserved(graph) | set(pp.OWN_NAMES))
     graph = driver.compile_spec(EXAMPLES / "gpt2_small.yaml")
-    assert "def main_1(argv: list[str] | None = None) -> None:" in train.render_train(graph)
+    assert "def make_batch_1(batch_size: int, seq: int = 32) -> tuple[tuple, tuple]:" in (
+        train.render_train(graph).splitlines())
+    assert "def stage_loss_1(outputs, index, targets, loss_fns, microbatches):" in (
+        pp.render_pp(graph).splitlines())
     assert_black_clean(graph)
 
 
@@ -566,3 +564,11 @@ def test_the_model_and_its_tests_are_written_without_importing_black():
         assert "black" in sys.modules
         """)
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_training_runtime_is_black_clean():
+    """Copied verbatim into every output folder (mpgen/output/runtime.py)."""
+    from mpgen.output import runtime
+
+    for name, text in runtime.files().items():
+        assert black.format_str(text, mode=format.black_mode()) == text, name

@@ -303,7 +303,7 @@ class Pipelined:
             except Exception as error:  # not this stage's checkpoint
                 stop(f"--resume: cannot resume from {path} ({one_line(error)})")
         if self.logs:
-            print(f"resumed from {self.where} at step {done}")
+            print(f"resumed from {self.args.checkpoint} at step {done}")
         return done
 
     def save(self, done: int) -> None:

@@ -275,11 +275,7 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     train_module, stem = names["train"][:-3], names["model"][:-3]
     count = len(all_stages)
     w.docstring([
-        f"Train {graph.name} as a pipeline of {count} stages, one process per rank, under torchrun.",
-        "",
-        f"The stages of {graph.spec_path}'s layout, each built only on its rank and",
-        f"trained by {RUNTIME}'s loop in its pipeline mode (torch.distributed.pipelining;",
-        f"gloo on the CPU, NCCL on GPUs) with {names['train']}'s data, losses and optimizer:",
+        f"Train {graph.name} as {count} pipeline stages, {graph.spec_path}'s device runs, under torchrun.",
         "",
         f"    torchrun --nproc-per-node {count} {names['pp']} --steps 100 --checkpoint runs/pp_{stem}",
         f"    python {names['pp']} --merge runs/pp_{stem} model.pt  # one state dict of {graph.name}",

@@ -230,10 +230,7 @@ def render_train(graph: Graph) -> str:
     for line in header(graph):
         w.line(line)
     w.docstring([
-        f"Train {graph.name}: the data, losses and optimizer of {graph.spec_path}.",
-        "",
-        f"The loop, its flags, log and checkpoints are {RUNTIME}'s (one copy for",
-        f"every script in this folder). ``python {names['train']} --help`` lists the flags; e.g.",
+        f"Train {graph.name} as {graph.spec_path} says, on {RUNTIME}'s loop (--help: its flags).",
         "",
         f"    python {names['train']} --steps 1000 --checkpoint runs/{stem}",
         f"    python {names['train']} --steps 2000 --checkpoint runs/{stem} --resume",

@@ -426,6 +426,7 @@ def test_validation():
         partition([1, 1], 2, memory=[1])
 
 
+@pytest.mark.slow  # a timing (1,000 units on 8 devices): a benchmark, not for the quick loop
 def test_large_is_fast():
     rng = random.Random(5)
     n, d = 1000, 8

@@ -29,6 +29,22 @@ def listing(folder: Path) -> list[str]:
     return sorted(os.listdir(folder))
 
 
+def files_in(folder: Path) -> list[str]:
+    """Every file under an output folder as a path relative to it, sorted:
+    the specs' files and those of the runtime folder (``mpgen_runtime/loop.py``)."""
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                  if not p.is_dir() or p.is_symlink())
+
+
+def runtime_files() -> list[str]:
+    """The files a build writes in the runtime folder (``mpgen_runtime/...``),
+    sorted: any build of at least one spec writes them (NOTE [One runtime per
+    output folder])."""
+    from mpgen.output import runtime
+
+    return sorted(runtime.files())
+
+
 def write_spec(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
     path = tmp_path / name
     path.write_text(textwrap.dedent(text).lstrip(), encoding="utf-8")

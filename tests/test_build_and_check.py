@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, ROOT, mpgen, mpgen_process, write_spec
+from helpers import EXAMPLES, ROOT, files_in, mpgen, mpgen_process, runtime_files, write_spec
 from mpgen.cli import main
 from mpgen.compiler import driver as build
-from mpgen.output import manifest
+from mpgen.output import manifest, runtime
 
 SEED = EXAMPLES / "seed.yaml"
 
 
 def test_build_writes_model_training_script_and_tests(tmp_path, capsys):
     assert main(["build", str(SEED), "-o", str(tmp_path)]) == 0
-    names = {p.name for p in tmp_path.iterdir()}
-    assert {"simple_model.py", "train_simple_model.py", "test_simple_model.py",
-            "simple_model.placement.md"} <= names
+    assert files_in(tmp_path) == sorted(
+        ["simple_model.py", "train_simple_model.py", "test_simple_model.py",
+         "pp_simple_model.py", "simple_model.placement.md", *runtime_files()])
     assert capsys.readouterr().out.endswith(
         "SimpleModel, 430 parameters on cuda:0 (220), cuda:1 (210); 2 transfers in forward\n")
 
@@ -83,8 +83,9 @@ def test_rebuilds_are_byte_identical_from_any_directory(tmp_path):
     assert mpgen("build", "examples/seed.yaml", "-o", str(first), cwd=ROOT).returncode == 0
     result = mpgen("build", "seed.yaml", "-o", str(second), cwd=EXAMPLES)
     assert result.returncode == 0, result.stderr
-    for path in first.iterdir():
-        assert path.read_bytes() == (second / path.name).read_bytes(), path.name
+    assert files_in(first) == files_in(second)
+    for name in files_in(first):  # the runtime folder's files too
+        assert (first / name).read_bytes() == (second / name).read_bytes(), name
 
 
 HASH_SEEDS = ["0", "1", "12345"]
@@ -112,18 +113,20 @@ def hash_seed_builds(tmp_path_factory) -> dict[str, Path]:
 def test_output_does_not_depend_on_hash_seed(hash_seed_builds, seed):
     spec = EXAMPLES / "multitask.yaml"
     out = hash_seed_builds[seed]
-    expected = build.generate(spec).files
+    expected = {**build.generate(spec).files, **runtime.files()}
+    assert files_in(out) == sorted(expected)
     for name, text in expected.items():
         assert (out / name).read_text() == text
 
 
 def test_unchanged_files_are_not_rewritten(tmp_path, capsys):
     main(["build", str(SEED), "-o", str(tmp_path)])
-    stamps = {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    stamps = {name: (tmp_path / name).stat().st_mtime_ns for name in files_in(tmp_path)}
+    assert len(stamps) == 5 + len(runtime_files())
     capsys.readouterr()
     main(["build", str(SEED), "-o", str(tmp_path)])
     assert "up to date" in capsys.readouterr().out
-    assert stamps == {p.name: p.stat().st_mtime_ns for p in tmp_path.iterdir()}
+    assert stamps == {name: (tmp_path / name).stat().st_mtime_ns for name in files_in(tmp_path)}
 
 
 def test_nothing_is_written_when_any_spec_fails(tmp_path):
@@ -143,10 +146,11 @@ def test_failed_build_leaves_existing_output_untouched(tmp_path):
     spec = write_spec(tmp_path, SEED.read_text())
     out = tmp_path / "out"
     main(["build", str(spec), "-o", str(out)])
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {name: (out / name).read_bytes() for name in files_in(out)}
+    assert len(before) == 5 + len(runtime_files())
     spec.write_text(spec.read_text().replace("args: [20, 10]", "args: [30, 10]"))
     assert main(["build", str(spec), "-o", str(out)]) == 2
-    assert before == {p.name: p.read_bytes() for p in out.iterdir()}
+    assert before == {name: (out / name).read_bytes() for name in files_in(out)}
     # No staging left (and no manifest: it is kept elsewhere, NOTE [Build manifest]).
     assert not [p for p in out.iterdir() if p.name.startswith(".")]
 
@@ -188,10 +192,13 @@ def test_check_command_in_ci_passes_on_the_committed_examples():
 
 
 def test_generated_folder_holds_nothing_stale():
-    expected = set()
+    expected = set(runtime.files())
     for spec in EXAMPLES.glob("*.yaml"):
         expected |= set(build.generate(spec).files)
-    # A manifest an older mpgen wrote here (.gitignore'd) is no generated code.
-    present = {p.name for p in (ROOT / "generated").iterdir()
+    # A manifest an older mpgen wrote here (.gitignore'd) is no generated code;
+    # an older runtime's file would be (its folder holds only the runtime's).
+    folder = ROOT / "generated"
+    present = {p.relative_to(folder).as_posix()
+               for p in [*folder.iterdir(), *(folder / runtime.FOLDER).iterdir()]
                if p.is_file() and p.name != manifest.FILE_NAME}
     assert present - expected == set(), "generated/ holds files no example produces"

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, ROOT, listing, mpgen, time_limit, write_factory, write_spec
-from mpgen.output import manifest, write
+from helpers import (EXAMPLES, ROOT, files_in, mpgen, runtime_files, time_limit, write_factory,
+                     write_spec)
+from mpgen.output import manifest, runtime, write
 from mpgen.spec_schema.load import MAX_BYTES
 
 SEED = EXAMPLES / "seed.yaml"
@@ -31,10 +32,12 @@ SEED_FILES = ["simple_model.py", "train_simple_model.py", "test_simple_model.py"
 NEEDS_POSIX = pytest.mark.skipif(os.name != "posix", reason="FIFOs and /dev/zero are POSIX")
 
 
-def contents(folder: Path) -> dict[str, bytes]:
-    """Every file in ``folder`` by name (staging files too) but the manifest."""
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())
-            if p.name != manifest.FILE_NAME}
+def contents(folder: Path) -> dict[str, bytes | None]:
+    """Every file under ``folder`` by its path there (staging files and the
+    runtime folder's too) but the manifest, and every folder (None): a build
+    that fails leaves no folder it made either."""
+    return {p.relative_to(folder).as_posix(): None if p.is_dir() else p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.name != manifest.FILE_NAME}
 
 
 def spec_in(folder: Path, text: str, name: str) -> Path:
@@ -82,7 +85,7 @@ def test_a_spec_linked_to_a_regular_file_is_read(tmp_path):
     (tmp_path / "link.yaml").symlink_to(tmp_path / "real" / "seed.yaml")
     result = mpgen("build", "link.yaml", "-o", "out", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert listing(tmp_path / "out") == sorted(SEED_FILES)
+    assert files_in(tmp_path / "out") == sorted(SEED_FILES + runtime_files())
 
 
 def test_a_spec_that_grows_past_the_limit_is_refused(tmp_path):
@@ -373,11 +376,13 @@ def test_a_renamed_model_leaves_orphans_that_check_lists_and_build_removes(tmp_p
     assert build.returncode == 0, build.stderr
     assert [line for line in build.stdout.splitlines() if line.startswith("removed")] == [
         f"removed out/{name}" for name in sorted(SEED_FILES)]
-    # The other spec's files exist and were not passed: untouched, as are the notes.
-    assert listing(tmp_path / "out") == sorted(
+    # The other spec's files exist and were not passed: untouched, as are the
+    # notes and the runtime folder both specs share.
+    assert files_in(tmp_path / "out") == sorted(
         ["notes.md", "renamed.py", "train_renamed.py", "test_renamed.py", "pp_renamed.py",
          "renamed.placement.md", "other_model.py", "train_other_model.py",
-         "test_other_model.py", "pp_other_model.py", "other_model.placement.md"])
+         "test_other_model.py", "pp_other_model.py", "other_model.placement.md",
+         *runtime_files()])
     # check reports what no spec it checks owns: the notes, the other spec's files.
     check = mpgen("check", "seed.yaml", "-o", "out", cwd=tmp_path)
     assert check.returncode == 1
@@ -409,11 +414,11 @@ def test_files_of_a_deleted_spec_in_the_project_are_orphans(tmp_path):
     assert kept.stderr.splitlines() == [
         f"out/{name}: note: generated from specs/gone.yaml, which no longer exists; left in "
         "place (mpgen build --prune removes it)" for name in gone_files]
-    assert listing(tmp_path / "out") == sorted(SEED_FILES + gone_files)
+    assert files_in(tmp_path / "out") == sorted(SEED_FILES + gone_files + runtime_files())
     pruned = mpgen("build", "specs/seed.yaml", "-o", "out", "--prune", cwd=tmp_path)
     assert pruned.returncode == 0, pruned.stderr
     assert pruned.stdout.splitlines()[:5] == [f"removed out/{name}" for name in gone_files]
-    assert listing(tmp_path / "out") == sorted(SEED_FILES)
+    assert files_in(tmp_path / "out") == sorted(SEED_FILES + runtime_files())
 
 
 # -- writes as one unit --------------------------------------------------------------
@@ -462,7 +467,48 @@ def test_a_failed_first_build_leaves_no_file(tmp_path, monkeypatch):
     seed_spec(tmp_path)
     failing_on(monkeypatch, 4)
     assert mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 2
+    assert contents(tmp_path / "out") == {}  # nor the runtime folder it made
+
+
+def test_a_failure_in_the_runtime_folder_leaves_neither_its_files_nor_it(tmp_path, monkeypatch):
+    """The runtime's files are renamed after the spec's: a failure among them
+    undoes the spec's files too, and removes the folder the build made."""
+    seed_spec(tmp_path)
+    seen = failing_on(monkeypatch, len(SEED_FILES) + 3)
+    result = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == ("out: cannot write the generated files: No space left on device: "
+                             f"out/{runtime_files()[2]}; nothing was changed\n")
+    assert [Path(dst) for _, dst in seen[:len(SEED_FILES) + 3]] == [
+        Path("out", name) for name in [*SEED_FILES, *runtime_files()[:3]]]
     assert contents(tmp_path / "out") == {}
+
+
+def test_a_failure_after_an_older_runtime_s_file_is_removed_restores_it(tmp_path, monkeypatch):
+    """A file of an older runtime is an orphan every build removes; a build
+    that fails after removing it puts it back, and the runtime files it
+    rewrote too."""
+    seed_spec(tmp_path)
+    assert mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+    folder = tmp_path / "out" / runtime.FOLDER
+    older = runtime.HEADER.replace(f"mpgen {runtime.__version__}:", "mpgen 0.0.1:")
+    loop = folder / "loop.py"
+    loop.write_text(loop.read_text().replace(runtime.HEADER, older, 1))
+    (folder / "gone.py").write_text(f"{older}\nOLD = True\n")
+    before = contents(tmp_path / "out")
+    seen = failing_on(monkeypatch, 2)  # loop.py rewritten, then gone.py's removal fails
+    result = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == ("out: cannot write the generated files: No space left on device: "
+                             "out; nothing was changed\n")  # into the staging folder
+    assert (Path(seen[0][1]), Path(seen[1][0])) == (Path("out", runtime.FOLDER, "loop.py"),
+                                                    Path("out", runtime.FOLDER, "gone.py"))
+    assert contents(tmp_path / "out") == before
+    monkeypatch.undo()
+    build = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
+    assert build.stdout.splitlines()[:2] == ["wrote out/mpgen_runtime/loop.py",
+                                             "removed out/mpgen_runtime/gone.py"]
+    assert files_in(tmp_path / "out") == sorted(SEED_FILES + runtime_files())
 
 
 def test_when_the_undo_fails_too_the_previous_files_are_kept(tmp_path, monkeypatch):
@@ -475,7 +521,7 @@ def test_when_the_undo_fails_too_the_previous_files_are_kept(tmp_path, monkeypat
     assert result.returncode == 2
     staging = [p for p in (tmp_path / "out").iterdir() if p.name.startswith(".mpgen-staging-")]
     assert len(staging) == 1
-    kept = staging[0] / "old" / "train_simple_model.py"
+    kept = staging[0] / "old" / "1"  # by number (two folders may share a name): the 2nd file
     assert result.stderr == ("out: cannot write the generated files: No space left on device: "
                              "out/test_simple_model.py; could not restore "
                              f"out/train_simple_model.py (its previous content is in "
@@ -490,7 +536,7 @@ from helpers import mpgen
 real, calls = os.replace, []
 def replace(src, dst):
     calls.append(dst)
-    if len(calls) == 2:
+    if len(calls) == {at}:
         os.kill(os.getpid(), signal.{signal})
     return real(src, dst)
 os.replace = replace
@@ -511,11 +557,28 @@ def test_a_signal_between_renames_waits_for_the_whole_unit(tmp_path, sig, code, 
     from mpgen.compiler.driver import generate
 
     expected = {name: text.encode() for name, text in generate(spec).files.items()}
-    script = SIGNALLED.format(tests=str(ROOT / "tests"), signal=sig)
+    script = SIGNALLED.format(tests=str(ROOT / "tests"), signal=sig, at=2)
     done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
                           text=True, timeout=300)
     assert (done.returncode, done.stderr) == (code, stderr)
-    assert contents(tmp_path / "out") == dict(sorted(expected.items()))  # no staging left
+    assert contents(tmp_path / "out") == {  # no staging left; the runtime as it was
+        **expected, runtime.FOLDER: None,
+        **{name: text.encode() for name, text in runtime.files().items()}}
+
+
+@NEEDS_POSIX
+def test_a_signal_in_the_runtime_folder_of_a_first_build_waits_for_the_whole_unit(tmp_path):
+    spec = seed_spec(tmp_path)
+    from mpgen.compiler.driver import generate
+
+    expected = {name: text.encode()
+                for name, text in {**generate(spec).files, **runtime.files()}.items()}
+    script = SIGNALLED.format(tests=str(ROOT / "tests"), signal="SIGTERM",
+                              at=len(SEED_FILES) + 2)
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert (done.returncode, done.stderr) == (-signal.SIGTERM, "")
+    assert contents(tmp_path / "out") == {**expected, runtime.FOLDER: None}
 
 
 # -- place --write -------------------------------------------------------------------

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, mpgen, write_spec
+from helpers import EXAMPLES, files_in, mpgen, runtime_files, write_spec
 from mpgen.commands import build as build_command
-from mpgen.output import manifest
+from mpgen.output import manifest, runtime
 
 SEED = EXAMPLES / "seed.yaml"
 
@@ -52,7 +52,10 @@ def test_a_build_writes_the_manifest_with_its_files(built):
     assert entry["spec"] == "seed.yaml"
     # Outside a git repository: the user's cache; nothing in the output folder.
     assert manifest.location(out).is_relative_to(os.environ["XDG_CACHE_HOME"])
-    assert sorted(entry["files"]) == sorted(p.name for p in out.iterdir())
+    # The spec's own files; the runtime folder is the output folder's, no spec's
+    # (check compares it every time).
+    assert files_in(out) == sorted([*entry["files"], *runtime_files()])
+    assert not any(name.startswith(f"{runtime.FOLDER}/") for name in entry["files"])
     for name, digest in entry["files"].items():
         assert manifest.sha256((out / name).read_bytes()) == digest
     assert entry["user_code"] is False
@@ -191,7 +194,36 @@ def test_a_renamed_model_s_entry_goes_with_its_files(built):
     assert sorted(entry.files) == sorted(
         ["renamed.py", "train_renamed.py", "test_renamed.py", "pp_renamed.py",
          "renamed.placement.md"])
-    assert sorted(os.listdir(built.parent / "out")) == sorted(entry.files)
+    assert files_in(built.parent / "out") == sorted([*entry.files, *runtime_files()])
+
+
+def test_the_runtime_folder_is_compared_even_when_every_spec_is_current(built, compiles):
+    loop = built.parent / "out" / runtime.FOLDER / "loop.py"
+    loop.write_text(loop.read_text() + "# an edit\n")
+    check = mpgen("check", "seed.yaml", "-o", "out", cwd=built.parent)
+    assert check.returncode == 1
+    assert check.stdout.startswith(f"--- out/{runtime.FOLDER}/loop.py (on disk)\n")
+    build = mpgen("build", "seed.yaml", "-o", "out", cwd=built.parent)
+    assert build.stdout.splitlines()[0] == f"wrote out/{runtime.FOLDER}/loop.py"
+    assert compiles == []
+
+
+def test_removing_an_older_runtime_s_file_keeps_the_entry_of_a_spec_s_namesake(tmp_path,
+                                                                              compiles):
+    """An older runtime's ``mpgen_runtime/other.py`` is not the spec Other's
+    ``other.py``: the build that removes it keeps Other's entry current."""
+    write_spec(tmp_path, SEED.read_text(), "seed.yaml")
+    write_spec(tmp_path, SEED.read_text().replace("name: SimpleModel", "name: Other"),
+               "other.yaml")
+    assert mpgen("build", "seed.yaml", "other.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+    older = runtime.HEADER.replace(f"mpgen {runtime.__version__}:", "mpgen 0.0.1:")
+    (tmp_path / "out" / runtime.FOLDER / "other.py").write_text(f"{older}\nOLD = True\n")
+    compiles.clear()
+    build = mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path)
+    assert build.stdout.splitlines()[0] == f"removed out/{runtime.FOLDER}/other.py"
+    assert sorted(manifest.read(tmp_path / "out")) == ["other.yaml", "seed.yaml"]
+    assert mpgen("check", "seed.yaml", "other.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+    assert compiles == []
 
 
 # -- where the manifest lives: never where a commit can put it ----------------------

@@ -13,7 +13,8 @@
 # the output folder (so each rename stays on one file system) and renamed
 # over its target; each file replaced or removed is kept in the staging folder
 # (a hard link, else a copy) until the end. If any step fails, everything
-# done is undone from those backups, so the folder is as it was. SIGINT and
+# done is undone from those backups (and a runtime folder the build made is
+# removed), so the folder is as it was. SIGINT and
 # SIGTERM are held from the first write to the cleanup and delivered after
 # (Python handlers, not a signal mask: torch's threads would still take a
 # signal). ``check`` reads the same survey, so it reports exactly what
@@ -485,7 +486,8 @@ def write_files(out_dir: Path, files: Mapping[str, str],
         with held_signals():
             _apply(out_dir, changed, removed)
     if manifest is not None:  # after the files: NOTE [Build manifest]
-        build_manifest.store(out_dir, list(manifest), {*files, *(p.name for p in removed)})
+        build_manifest.store(out_dir, list(manifest),
+                             {*files, *(p.relative_to(out_dir).as_posix() for p in removed)})
     return Changes(list(changed), removed,
                    [o for o in found.orphans if not o.removed_by(prune)], found.strangers)
 
@@ -527,6 +529,8 @@ class _Unrestored(Exception):
 def _apply(out_dir: Path, changed: Mapping[Path, bytes], removed: list[Path]) -> None:
     staging: Optional[Path] = None
     keep = False
+    created: list[Path] = []  # the sub-folders this build made: gone again if it fails
+    done = False
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=out_dir))
@@ -539,9 +543,12 @@ def _apply(out_dir: Path, changed: Mapping[Path, bytes], removed: list[Path]) ->
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(new / str(k), 0o644)
-        for path in changed:
-            path.parent.mkdir(exist_ok=True)  # the runtime's folder
+        for folder in dict.fromkeys(path.parent for path in changed):
+            if folder != out_dir and not os.path.lexists(folder):
+                folder.mkdir()  # the runtime's folder
+                created.append(folder)
         _swap(changed, removed, new, old)
+        done = True
     except _Unrestored as exc:
         keep = True
         kept = ", ".join(f"{path} (its previous content is in {backup})"
@@ -558,6 +565,9 @@ def _apply(out_dir: Path, changed: Mapping[Path, bytes], removed: list[Path]) ->
     finally:
         if staging is not None and not keep:
             shutil.rmtree(staging, ignore_errors=True)
+        for folder in created if not done else ():
+            with contextlib.suppress(OSError):  # not empty: a file it held is kept
+                os.rmdir(folder)
 
 
 def _backup(path: Path, backup: Path) -> None:

@@ -84,7 +84,7 @@ def test_a_users_loss_and_optimizer_train_and_the_generated_tests_pass(tmp_path)
     assert built.returncode == 0, built.stderr
     script = (tmp_path / "out" / "train_focal.py").read_text()
     assert "import mytraining.losses\n" in script
-    assert "loss_fns = (mytraining.losses.FocalLoss(gamma=1.5),)" in script
+    assert "    losses=lambda: (mytraining.losses.FocalLoss(gamma=1.5),)," in script
     assert "mytraining.losses.SignSGD(model.parameters(), lr=args.lr)" in script
     ran = run(["train_focal.py", "--steps", "3"], tmp_path / "out", str(tmp_path))
     assert ran.returncode == 0, ran.stderr
@@ -139,8 +139,10 @@ def test_the_pipeline_program_imports_the_users_loss_and_optimizer(tmp_path):
         """, "focal_pipe.yaml")
     built = mpgen("build", "focal_pipe.yaml", "-o", "out", "--device-map", "cpu", cwd=tmp_path)
     assert built.returncode == 0, built.stderr
+    # The stages' losses and optimizers are train_focal_pipe.py's, which imports them.
     script = (tmp_path / "out" / "pp_focal_pipe.py").read_text()
-    assert "import mytraining.losses\n" in script
+    assert "import train_focal_pipe\n" in script
+    assert "import mytraining.losses\n" in (tmp_path / "out" / "train_focal_pipe.py").read_text()
     ran = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "pp_focal_pipe.py", "--steps", "2", "--batch-size", "4"],
               tmp_path / "out", str(tmp_path))

@@ -92,14 +92,14 @@ def pipe(tmp_path_factory) -> Path:
 
 def test_stages_hold_only_their_layers_with_the_models_keys(pipe):
     pp = import_generated(pipe / "pp_pipe_net.py")
-    assert pp.STAGE_DEVICES == ("cuda:0", "cuda:1", "cuda:0", "cuda:1")
-    keys = [set(stage().state_dict()) for stage in pp.STAGES]
+    assert pp.STAGES.devices == ("cuda:0", "cuda:1", "cuda:0", "cuda:1")
+    keys = [set(stage().state_dict()) for stage in pp.STAGES.stages]
     assert keys == [{"l1.weight", "l1.bias"}, {"l2.weight", "l2.bias"},
                     {"emb.weight", "l3.weight", "l3.bias"}, {"l4.weight", "l4.bias"}]
     model = import_generated(pipe / "pipe_net.py").PipeNet()
     assert set().union(*keys) == set(model.state_dict())
     # l4.weight is a copy of l3.weight, on another stage
-    assert pp.TIES == (((2, "l3.weight"), (3, "l4.weight")),)
+    assert pp.STAGES.ties == (((2, "l3.weight"), (3, "l4.weight")),)
 
 
 @pytest.mark.parametrize("schedule, ranks", [("gpipe", 4), ("1f1b", 4), ("interleaved", 2)])

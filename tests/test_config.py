@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, listing, mpgen
+from helpers import EXAMPLES, files_in, mpgen, runtime_files
 from test_files_safety import GATE, GATED  # a spec using mylayers.Gate, a user module
 
 SEED = EXAMPLES / "seed.yaml"
@@ -56,8 +56,9 @@ def test_the_command_line_overrides_the_config(tmp_path):
     build = mpgen("build", "specs/other.yaml", "-o", "mine", "--device-map", "cuda:1=cuda:0",
                   cwd=root)
     assert build.returncode == 0, build.stderr
-    assert listing(root / "mine") == sorted(
-        ["other.py", "train_other.py", "test_other.py", "pp_other.py", "other.placement.md"])
+    assert files_in(root / "mine") == sorted(
+        ["other.py", "train_other.py", "test_other.py", "pp_other.py", "other.placement.md",
+         *runtime_files()])
     assert "--device-map cuda:1=cuda:0" in (root / "mine" / "other.py").read_text()
     assert not (root / "gen").exists()
     # The fix check prints repeats what was typed, no more.

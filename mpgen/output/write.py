@@ -472,6 +472,7 @@ def write_files(out_dir: Path, files: Mapping[str, str],
     written (NOTE [Build manifest]); entries of other specs are kept while
     their files are neither rewritten nor removed.
     """
+    _refuse_a_linked_folder(out_dir, files)
     found = survey(out_dir, files, specs)
     foreign = [t for t in found.targets if t.foreign]
     if foreign and not force:
@@ -490,6 +491,23 @@ def write_files(out_dir: Path, files: Mapping[str, str],
                              {*files, *(p.relative_to(out_dir).as_posix() for p in removed)})
     return Changes(list(changed), removed,
                    [o for o in found.orphans if not o.removed_by(prune)], found.strangers)
+
+
+def _refuse_a_linked_folder(out_dir: Path, files: Mapping[str, str]) -> None:
+    """Refuse, even with --force, to write into a sub-folder (the runtime's)
+    that is a link or not a folder: a build would write through it, outside
+    the output folder (a pull request can commit such a link)."""
+    for folder in sorted({PurePosixPath(name).parent for name in files} - {PurePosixPath(".")}):
+        path = out_dir / folder
+        try:
+            mode = os.lstat(path).st_mode
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            raise MpgenError(Position(str(path)), f"cannot look at it: {reason(exc)}") from None
+        if not stat.S_ISDIR(mode):
+            raise MpgenError(Position(str(path)), f"{kind(mode)}, not the folder mpgen writes "
+                             f"{folder}/ in; remove it and build again")
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ import pytest
 
 from helpers import EXAMPLES
 from mpgen.commands import build
+from mpgen.errors import MpgenError
 from mpgen.output import runtime
 
 SPECS = [EXAMPLES / "seed.yaml", EXAMPLES / "residual_mlp.yaml"]
@@ -63,3 +64,20 @@ def test_an_older_runtimes_extra_file_is_removed_and_a_stranger_reported(built):
     _, changes = build.build(SPECS, built)
     assert not (built / "mpgen_runtime" / "retired.py").exists()
     assert (built / "mpgen_runtime" / "mine.py").exists()  # a stranger is left, and reported
+
+
+def test_a_runtime_folder_that_is_a_link_is_refused_even_with_force(built, tmp_path):
+    # A pull request can commit generated/mpgen_runtime as a link: a build
+    # would write the runtime through it, outside the output folder.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    folder = built / "mpgen_runtime"
+    for path in folder.iterdir():
+        path.unlink()
+    folder.rmdir()
+    folder.symlink_to(elsewhere)
+    for force in (False, True):
+        with pytest.raises(MpgenError, match="a symbolic link, not the folder mpgen writes "
+                                             "mpgen_runtime/ in; remove it and build again"):
+            build.build(SPECS, built, force=force)
+    assert list(elsewhere.iterdir()) == []

@@ -1,12 +1,14 @@
 """The pipeline mode of the loop (mpgen/runtime/pipeline.py): its parts in
-process, and two ranks on gloo in forked processes of this one, against the
-single-process loop on the same data and initial weights."""
+process, and two ranks on gloo in spawned processes (forking after torch's
+threads started can deadlock), against the single-process loop on the same
+data and initial weights."""
 
 from __future__ import annotations
 
 import csv
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -64,7 +66,14 @@ def test_two_ranks_train_as_the_single_process_loop_does(tmp_path):
     torch.save(Tiny().state_dict(), tmp_path / "init.pt")
     argv = ["--steps", "3", "--batch-size", "4", "--log-dir", str(tmp_path / "pp"),
             "--init", str(tmp_path / "init.pt"), "--checkpoint", str(tmp_path / "stages")]
-    mp.start_processes(_rank, (_free_port(), argv), nprocs=2, start_method="fork")
+    ranks = mp.start_processes(_rank, (_free_port(), argv), nprocs=2, join=False,
+                               start_method="spawn")
+    deadline = time.monotonic() + 300
+    while not ranks.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the two ranks did not finish in 300 s")
 
     # The single-process loop from the same weights, on the same batches.
     init = torch.load(tmp_path / "init.pt", weights_only=True)

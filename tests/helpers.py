@@ -23,6 +23,30 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 
 
+#: A one-layer spec whose layer is a user module, ``mylayers.Gate`` (:data:`GATE`).
+GATED = """\
+mpgen: 1
+name: {name}
+inputs:
+  x: [batch, 8]
+layers:
+  a: {{op: mylayers.Gate, args: [8]}}
+outputs: [a]
+"""
+GATE = """\
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.fc = nn.Linear(n, n)
+
+    def forward(self, x):
+        return self.fc(x)
+"""
+
+
 def listing(folder: Path) -> list[str]:
     """The names in an output folder, sorted (the build manifest is kept
     elsewhere: NOTE [Build manifest])."""

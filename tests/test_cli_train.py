@@ -26,6 +26,8 @@ import torch
 from helpers import EXAMPLES, mpgen, mpgen_process, write_spec
 from test_user_modules import make_project
 
+pytestmark = pytest.mark.slow  # runs generated scripts (subprocesses, torchrun) or builds many specs
+
 SEED = str(EXAMPLES / "seed.yaml")
 CPU = ("--device-map", "cpu")
 

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import EXAMPLES, files_in, mpgen, runtime_files
-from test_files_safety import GATE, GATED  # a spec using mylayers.Gate, a user module
+from helpers import EXAMPLES, GATE, GATED, files_in, mpgen, runtime_files
 
 SEED = EXAMPLES / "seed.yaml"
 

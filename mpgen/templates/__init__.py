@@ -3,7 +3,7 @@
 A generated module beside the generated files with the name of one of these
 would be imported in its place (the script's folder is first on
 ``sys.path``), so no model may generate one (``frontend.namespace``).
-``tests/test_generated_imports.py`` keeps both lists true: every import
+``tests/compiler/codegen/test_generated_imports.py`` keeps both lists true: every import
 statement of each template and of every generated file of the examples
 names a module of :data:`IMPORTS` (or the standard library, the model's own
 modules or the spec's user modules), and importing them all loads no public

@@ -31,7 +31,7 @@ fits black's width, and stands on its own line above it otherwise
 # (two around a top-level class, one between methods and after a class
 # docstring). The static text holds the scaffold's names as they are: where
 # a spec takes one, its suffix can move a line break, so that file goes
-# through black whole (``common.laid_out``). tests/test_black_clean.py
+# through black whole (``common.laid_out``). tests/compiler/codegen/test_black_clean.py
 # proves it for the examples and for specs that make black wrap; run it
 # after editing a template or a generator.
 """

@@ -34,6 +34,8 @@ from torch import nn
 
 from helpers import build_to, import_generated, write_spec
 
+pytestmark = pytest.mark.slow  # runs generated scripts (subprocesses, torchrun) or builds many specs
+
 
 def spec(name: str, layers: list[str], *, inputs: str = "x: [batch, 4]", loss: str = "MSELoss",
          optimizer: str = "{op: SGD, lr: 0.1}",

@@ -9,7 +9,11 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import mpgen, write_spec
+
+pytestmark = pytest.mark.slow  # runs generated scripts (subprocesses, torchrun) or builds many specs
 
 TRAINING = """\
 import torch

@@ -23,7 +23,9 @@ import torch
 
 from helpers import build_to, import_generated, write_spec
 
-ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow  # runs generated scripts (subprocesses, torchrun) or builds many specs
+
+ROOT = Path(__file__).resolve().parents[2]
 CPU = {"*": "cpu"}
 
 PIPE = """

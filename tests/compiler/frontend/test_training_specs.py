@@ -7,7 +7,7 @@ a loss per element, ``BCELoss`` on an unbounded output, a loss that reaches
 no parameter, a layer no output depends on and an out-of-range seed are
 refused at build time, at the offending key, with exit 2 and nothing written.
 (A model without parameters trains forward and the loss only: see
-``tests/test_no_params.py``.)
+``tests/compiler/codegen/test_no_params.py``.)
 """
 
 from __future__ import annotations

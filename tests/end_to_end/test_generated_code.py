@@ -19,6 +19,8 @@ from helpers import EXAMPLES, build_to, import_generated, write_spec
 from mpgen.compiler import driver as build
 from mpgen.compiler.codegen import common as render
 
+pytestmark = pytest.mark.slow  # runs generated scripts (subprocesses, torchrun) or builds many specs
+
 EXAMPLE_SPECS = sorted(EXAMPLES.glob("*.yaml"))
 SMALL = [p for p in EXAMPLE_SPECS if p.stem in ("seed", "small_cnn", "multitask", "residual_mlp")]
 

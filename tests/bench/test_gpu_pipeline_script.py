@@ -22,6 +22,8 @@ import pytest
 
 from helpers import ROOT, write_spec
 
+pytestmark = pytest.mark.slow  # runs generated scripts (subprocesses, torchrun) or builds many specs
+
 SCRIPT = ROOT / "bench" / "gpu_pipeline.py"
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (EXAMPLES, ROOT, files_in, mpgen, runtime_files, time_limit, write_factory,
-                     write_spec)
+from helpers import (EXAMPLES, GATE, GATED, ROOT, files_in, mpgen, runtime_files, time_limit,
+                     write_factory, write_spec)
 from mpgen.output import manifest, runtime, write
 from mpgen.spec_schema.load import MAX_BYTES
 
@@ -205,21 +205,6 @@ layers:
   a: {{op: Linear, args: [8, 8]}}
 outputs: [a]
 """
-#: The same model with a user op from ``mylayers.py`` (:data:`GATE`).
-GATED = MODEL.replace("{{op: Linear, args: [8, 8]}}", "{{op: mylayers.Gate, args: [8]}}")
-
-GATE = """\
-from torch import nn
-
-
-class Gate(nn.Module):
-    def __init__(self, n):
-        super().__init__()
-        self.fc = nn.Linear(n, n)
-
-    def forward(self, x):
-        return self.fc(x)
-"""
 
 
 @pytest.mark.parametrize("name, module, what", [
@@ -228,7 +213,7 @@ class Gate(nn.Module):
     ("Pytest", "pytest", "the module 'pytest' the generated code imports"),
     ("Numpy", "numpy", "the module 'numpy' the generated code imports"),
     ("Conftest", "conftest", "the module 'conftest' the generated code imports"),
-    # What the training script imports (tests/test_generated_imports.py keeps the list).
+    # What the training script imports (tests/compiler/codegen/test_generated_imports.py keeps the list).
     ("Safetensors", "safetensors", "the module 'safetensors' the generated code imports"),
     ("Tqdm", "tqdm", "the module 'tqdm' the generated code imports"),
     ("Tensorboard", "tensorboard", "the module 'tensorboard' the generated code imports"),

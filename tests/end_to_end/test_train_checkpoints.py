@@ -22,7 +22,9 @@ import torch
 from helpers import build_to, import_generated, write_spec
 from mpgen.testing import virtual_devices
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+pytestmark = pytest.mark.slow  # runs generated scripts (subprocesses, torchrun) or builds many specs
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def train(script: Path, *args: str, **kwargs) -> subprocess.CompletedProcess:

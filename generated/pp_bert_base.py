@@ -2,6 +2,8 @@
 # spec digest: sha256:a93d43a76d3f0ac8cd98faafd8a0f7f8d770ce831c824bc0c805e10d99335368
 """Train BertBase as 4 pipeline stages, examples/bert_base.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 4 pp_bert_base.py --steps 100 --checkpoint runs/pp_bert_base
     python pp_bert_base.py --merge runs/pp_bert_base model.pt  # one state dict of BertBase
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:f478689733bb7c8f24ede7427c0ca2e877cca3a5c3e9b79ad4143f15f210849e
 """Train GPT2Auto as 4 pipeline stages, examples/gpt2_auto.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 4 pp_gpt2_auto.py --steps 100 --checkpoint runs/pp_gpt2_auto
     python pp_gpt2_auto.py --merge runs/pp_gpt2_auto model.pt  # one state dict of GPT2Auto
 """

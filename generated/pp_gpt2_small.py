@@ -2,6 +2,8 @@
 # spec digest: sha256:4dffb3ea4595c9327f505ff8bad26386982acebd183c8b51b8005f9176c8ce59
 """Train GPT2Small as 2 pipeline stages, examples/gpt2_small.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_gpt2_small.py --steps 100 --checkpoint runs/pp_gpt2_small
     python pp_gpt2_small.py --merge runs/pp_gpt2_small model.pt  # one state dict of GPT2Small
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:b841ee3cfba8842d72e5afc85821be8c44c5fd37eea26006c374316d74ae173b
 """Train LstmLM as 3 pipeline stages, examples/lstm_lm.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 3 pp_lstm_lm.py --steps 100 --checkpoint runs/pp_lstm_lm
     python pp_lstm_lm.py --merge runs/pp_lstm_lm model.pt  # one state dict of LstmLM
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:595a4ec692be30de15f0388984fc89e816b01d83aa15dd96b49ce10b524a9fb7
 """Train MultiTaskNet as 3 pipeline stages, examples/multitask.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 3 pp_multi_task_net.py --steps 100 --checkpoint runs/pp_multi_task_net
     python pp_multi_task_net.py --merge runs/pp_multi_task_net model.pt  # one state dict of MultiTaskNet
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:766ce30faf85aa7ab6e1eda22f257c4449602a4053bed6068505835172c80942
 """Train NanoGPT as 2 pipeline stages, examples/nano_gpt.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_nano_gpt.py --steps 100 --checkpoint runs/pp_nano_gpt
     python pp_nano_gpt.py --merge runs/pp_nano_gpt model.pt  # one state dict of NanoGPT
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:177047c500c1a491452841ac2009a53639acd245d1d1bd628e4b1f09781b369a
 """Train PipelinedMLP as 4 pipeline stages, examples/pipelined_mlp.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 4 pp_pipelined_mlp.py --steps 100 --checkpoint runs/pp_pipelined_mlp
     python pp_pipelined_mlp.py --merge runs/pp_pipelined_mlp model.pt  # one state dict of PipelinedMLP
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:e9686a12f6c79cdccc4708d43178e412f27d9a34171d02584590e7e1d5f66cfe
 """Train ResNet18 as 2 pipeline stages, examples/resnet18.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_res_net18.py --steps 100 --checkpoint runs/pp_res_net18
     python pp_res_net18.py --merge runs/pp_res_net18 model.pt  # one state dict of ResNet18
 """

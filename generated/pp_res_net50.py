@@ -2,6 +2,8 @@
 # spec digest: sha256:f12cf575fa2d73558951e03863263c0e644ea617ed1e3334b167497768326526
 """Train ResNet50 as 2 pipeline stages, examples/resnet50.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_res_net50.py --steps 100 --checkpoint runs/pp_res_net50
     python pp_res_net50.py --merge runs/pp_res_net50 model.pt  # one state dict of ResNet50
 """

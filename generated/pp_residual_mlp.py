@@ -2,6 +2,8 @@
 # spec digest: sha256:0145072423b6da54b2017a2e8834fdeb7405ca313bd372128bafe27334a68641
 """Train ResidualMLP as 2 pipeline stages, examples/residual_mlp.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_residual_mlp.py --steps 100 --checkpoint runs/pp_residual_mlp
     python pp_residual_mlp.py --merge runs/pp_residual_mlp model.pt  # one state dict of ResidualMLP
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:ef88c32ceb2e982fd1a757de60ee8a3174be3c605ba279ca117c989ebf1a7500
 """Train SimpleModel as 2 pipeline stages, examples/seed.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_simple_model.py --steps 100 --checkpoint runs/pp_simple_model
     python pp_simple_model.py --merge runs/pp_simple_model model.pt  # one state dict of SimpleModel
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:cc7be150a514529b31673b71bae226e75023ec561bab8510ddc5f55d13e17e54
 """Train SmallCNN as 2 pipeline stages, examples/small_cnn.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_small_cnn.py --steps 100 --checkpoint runs/pp_small_cnn
     python pp_small_cnn.py --merge runs/pp_small_cnn model.pt  # one state dict of SmallCNN
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:a3091f3388c237f0370ce73c278088d8045e34b08f28fa307f8af85319ee7020
 """Train UNet as 2 pipeline stages, examples/unet.yaml's device runs, under torchrun.
 
+For example:
+
     torchrun --nproc-per-node 2 pp_u_net.py --steps 100 --checkpoint runs/pp_u_net
     python pp_u_net.py --merge runs/pp_u_net model.pt  # one state dict of UNet
 """

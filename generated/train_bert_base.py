@@ -2,6 +2,8 @@
 # spec digest: sha256:a93d43a76d3f0ac8cd98faafd8a0f7f8d770ce831c824bc0c805e10d99335368
 """Train BertBase as examples/bert_base.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_bert_base.py --steps 1000 --checkpoint runs/bert_base
     python train_bert_base.py --steps 2000 --checkpoint runs/bert_base --resume
 """

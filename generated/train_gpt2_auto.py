@@ -2,6 +2,8 @@
 # spec digest: sha256:f478689733bb7c8f24ede7427c0ca2e877cca3a5c3e9b79ad4143f15f210849e
 """Train GPT2Auto as examples/gpt2_auto.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_gpt2_auto.py --steps 1000 --checkpoint runs/gpt2_auto
     python train_gpt2_auto.py --steps 2000 --checkpoint runs/gpt2_auto --resume
 """

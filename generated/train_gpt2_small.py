@@ -2,6 +2,8 @@
 # spec digest: sha256:4dffb3ea4595c9327f505ff8bad26386982acebd183c8b51b8005f9176c8ce59
 """Train GPT2Small as examples/gpt2_small.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_gpt2_small.py --steps 1000 --checkpoint runs/gpt2_small
     python train_gpt2_small.py --steps 2000 --checkpoint runs/gpt2_small --resume
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:b841ee3cfba8842d72e5afc85821be8c44c5fd37eea26006c374316d74ae173b
 """Train LstmLM as examples/lstm_lm.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_lstm_lm.py --steps 1000 --checkpoint runs/lstm_lm
     python train_lstm_lm.py --steps 2000 --checkpoint runs/lstm_lm --resume
 """

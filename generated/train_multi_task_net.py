@@ -2,6 +2,8 @@
 # spec digest: sha256:595a4ec692be30de15f0388984fc89e816b01d83aa15dd96b49ce10b524a9fb7
 """Train MultiTaskNet as examples/multitask.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_multi_task_net.py --steps 1000 --checkpoint runs/multi_task_net
     python train_multi_task_net.py --steps 2000 --checkpoint runs/multi_task_net --resume
 """

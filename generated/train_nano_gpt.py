@@ -2,6 +2,8 @@
 # spec digest: sha256:766ce30faf85aa7ab6e1eda22f257c4449602a4053bed6068505835172c80942
 """Train NanoGPT as examples/nano_gpt.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_nano_gpt.py --steps 1000 --checkpoint runs/nano_gpt
     python train_nano_gpt.py --steps 2000 --checkpoint runs/nano_gpt --resume
 """

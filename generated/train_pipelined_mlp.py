@@ -2,6 +2,8 @@
 # spec digest: sha256:177047c500c1a491452841ac2009a53639acd245d1d1bd628e4b1f09781b369a
 """Train PipelinedMLP as examples/pipelined_mlp.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_pipelined_mlp.py --steps 1000 --checkpoint runs/pipelined_mlp
     python train_pipelined_mlp.py --steps 2000 --checkpoint runs/pipelined_mlp --resume
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:e9686a12f6c79cdccc4708d43178e412f27d9a34171d02584590e7e1d5f66cfe
 """Train ResNet18 as examples/resnet18.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_res_net18.py --steps 1000 --checkpoint runs/res_net18
     python train_res_net18.py --steps 2000 --checkpoint runs/res_net18 --resume
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:f12cf575fa2d73558951e03863263c0e644ea617ed1e3334b167497768326526
 """Train ResNet50 as examples/resnet50.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_res_net50.py --steps 1000 --checkpoint runs/res_net50
     python train_res_net50.py --steps 2000 --checkpoint runs/res_net50 --resume
 """

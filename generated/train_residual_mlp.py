@@ -2,6 +2,8 @@
 # spec digest: sha256:0145072423b6da54b2017a2e8834fdeb7405ca313bd372128bafe27334a68641
 """Train ResidualMLP as examples/residual_mlp.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_residual_mlp.py --steps 1000 --checkpoint runs/residual_mlp
     python train_residual_mlp.py --steps 2000 --checkpoint runs/residual_mlp --resume
 """

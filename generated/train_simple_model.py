@@ -2,6 +2,8 @@
 # spec digest: sha256:ef88c32ceb2e982fd1a757de60ee8a3174be3c605ba279ca117c989ebf1a7500
 """Train SimpleModel as examples/seed.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_simple_model.py --steps 1000 --checkpoint runs/simple_model
     python train_simple_model.py --steps 2000 --checkpoint runs/simple_model --resume
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:cc7be150a514529b31673b71bae226e75023ec561bab8510ddc5f55d13e17e54
 """Train SmallCNN as examples/small_cnn.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_small_cnn.py --steps 1000 --checkpoint runs/small_cnn
     python train_small_cnn.py --steps 2000 --checkpoint runs/small_cnn --resume
 """

@@ -2,6 +2,8 @@
 # spec digest: sha256:a3091f3388c237f0370ce73c278088d8045e34b08f28fa307f8af85319ee7020
 """Train UNet as examples/unet.yaml says, on mpgen_runtime's loop (--help: its flags).
 
+For example:
+
     python train_u_net.py --steps 1000 --checkpoint runs/u_net
     python train_u_net.py --steps 2000 --checkpoint runs/u_net --resume
 """

@@ -501,7 +501,7 @@ def _refuse_a_linked_folder(out_dir: Path, files: Mapping[str, str]) -> None:
         path = out_dir / folder
         try:
             mode = os.lstat(path).st_mode
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):  # the survey says what out_dir is
             continue
         except OSError as exc:
             raise MpgenError(Position(str(path)), f"cannot look at it: {reason(exc)}") from None

@@ -277,6 +277,8 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     w.docstring([
         f"Train {graph.name} as {count} pipeline stages, {graph.spec_path}'s device runs, under torchrun.",
         "",
+        "For example:",
+        "",
         f"    torchrun --nproc-per-node {count} {names['pp']} --steps 100 --checkpoint runs/pp_{stem}",
         f"    python {names['pp']} --merge runs/pp_{stem} model.pt  # one state dict of {graph.name}",
     ])

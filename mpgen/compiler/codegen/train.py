@@ -232,6 +232,8 @@ def render_train(graph: Graph) -> str:
     w.docstring([
         f"Train {graph.name} as {graph.spec_path} says, on {RUNTIME}'s loop (--help: its flags).",
         "",
+        "For example:",
+        "",
         f"    python {names['train']} --steps 1000 --checkpoint runs/{stem}",
         f"    python {names['train']} --steps 2000 --checkpoint runs/{stem} --resume",
     ])

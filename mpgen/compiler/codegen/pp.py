@@ -314,11 +314,5 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     microbatches = graph.pipeline.microbatches if graph.pipeline else count
     if microbatches != 2:
         fields.append(("microbatches", str(microbatches)))
-    w.line()
-    w.line()
-    arguments = ", ".join(f"{key}={value}" for key, value in fields)
-    w.line(f"{n['STAGES']} = {RUNTIME}.Stages({arguments},)")
-    w.line()
-    w.line()
-    with w.block('if __name__ == "__main__"'):
-        w.line(f"{RUNTIME}.pipeline.train({n['STAGES']})")
+    train_codegen.facts_and_run(w, n["STAGES"], f"{RUNTIME}.Stages", fields,
+                                f"{RUNTIME}.pipeline.train")

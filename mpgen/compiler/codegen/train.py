@@ -303,12 +303,19 @@ def render_train(graph: Graph) -> str:
         kwargs = _source(source)[1]
         if kwargs:
             fields.append((key, _dict_literal(kwargs)))
+    facts_and_run(w, n["TRAINING"], f"{RUNTIME}.Training", fields, f"{RUNTIME}.train")
+    return w.text()
+
+
+def facts_and_run(w: PythonWriter, name: str, callee: str, fields: list[tuple[str, str]],
+                  run: str) -> None:
+    """``name = callee(key=value, ...)``, one field a line, and the script's
+    ``if __name__ == "__main__": run(name)`` (both scripts end so)."""
     w.line()
     w.line()
     arguments = ", ".join(f"{key}={value}" for key, value in fields)
-    w.line(f"{n['TRAINING']} = {RUNTIME}.Training({arguments},)")
+    w.line(f"{name} = {callee}({arguments},)")
     w.line()
     w.line()
     with w.block('if __name__ == "__main__"'):
-        w.line(f"{RUNTIME}.train({n['TRAINING']})")
-    return w.text()
+        w.line(f"{run}({name})")

@@ -110,6 +110,7 @@ def hash_seed_builds(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("seed", HASH_SEEDS)
+@pytest.mark.slow
 def test_output_does_not_depend_on_hash_seed(hash_seed_builds, seed):
     spec = EXAMPLES / "multitask.yaml"
     out = hash_seed_builds[seed]
@@ -185,12 +186,14 @@ def test_bad_device_map_is_a_clean_error(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_check_command_in_ci_passes_on_the_committed_examples():
     specs = sorted(str(p.relative_to(ROOT)) for p in EXAMPLES.glob("*.yaml"))
     result = mpgen("check", *specs, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_generated_folder_holds_nothing_stale():
     expected = set(runtime.files())
     for spec in EXAMPLES.glob("*.yaml"):

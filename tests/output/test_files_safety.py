@@ -253,6 +253,7 @@ def test_no_generated_file_shadows_the_data_factorys_module(tmp_path, factory, s
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_model_named_like_its_loss_module_is_refused(tmp_path):
     """The training script imports a loss class of the spec's: its module
     counts as the spec's own, as an op's does."""
@@ -269,6 +270,7 @@ def test_a_model_named_like_its_loss_module_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_a_model_named_like_its_user_module_is_refused(tmp_path):
     (tmp_path / "pyproject.toml").write_text("")
     (tmp_path / "mylayers.py").write_text(GATE)
@@ -535,6 +537,7 @@ sys.exit(main(["build", "seed.yaml", "-o", "out"]))
     ("SIGINT", 2, "mpgen: interrupted\n"),
     ("SIGTERM", -signal.SIGTERM, ""),
 ])
+@pytest.mark.slow
 def test_a_signal_between_renames_waits_for_the_whole_unit(tmp_path, sig, code, stderr):
     spec = seed_spec(tmp_path)
     assert mpgen("build", "seed.yaml", "-o", "out", cwd=tmp_path).returncode == 0
@@ -552,6 +555,7 @@ def test_a_signal_between_renames_waits_for_the_whole_unit(tmp_path, sig, code, 
 
 
 @NEEDS_POSIX
+@pytest.mark.slow
 def test_a_signal_in_the_runtime_folder_of_a_first_build_waits_for_the_whole_unit(tmp_path):
     spec = seed_spec(tmp_path)
     from mpgen.compiler.driver import generate
@@ -678,6 +682,7 @@ def test_an_output_folder_that_is_a_file_is_a_clean_error(tmp_path):
 
 
 @NEEDS_POSIX
+@pytest.mark.slow
 def test_a_reader_that_goes_away_does_not_change_the_exit_code(tmp_path):
     seed_spec(tmp_path)
     # ``true`` exits long before mpgen (torch loads first) prints: every write fails.
@@ -691,6 +696,7 @@ def test_a_reader_that_goes_away_does_not_change_the_exit_code(tmp_path):
 # -- --root: the project a spec's dotted ops may import from -----------------------
 
 
+@pytest.mark.slow
 def test_root_names_the_project_for_every_command(tmp_path):
     (tmp_path / "proj").mkdir()
     (tmp_path / "proj" / "mylayers.py").write_text(GATE)
@@ -709,6 +715,7 @@ def test_root_names_the_project_for_every_command(tmp_path):
         assert all(": note: " in line for line in result.stderr.splitlines()), args
 
 
+@pytest.mark.slow
 def test_diff_compiles_a_git_side_in_the_working_directory_s_project(repo):
     (repo / "mylayers.py").write_text(GATE)
     (repo / "gated.yaml").write_text(GATED.format(name="Gated"))

@@ -148,6 +148,7 @@ def test_another_generator_is_another_key(built, compiles, monkeypatch):
 
 
 @pytest.mark.parametrize("where", ["op", "loss"])
+@pytest.mark.slow
 def test_a_spec_naming_its_own_code_is_compiled_every_time(tmp_path, compiles, where):
     (tmp_path / "mycode.py").write_text(
         "from torch import nn\n\n\nclass Gate(nn.Linear):\n    pass\n\n\n"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from helpers import EXAMPLES, ROOT, build_to
 
 
@@ -59,6 +61,7 @@ NO_MPGEN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_without_mpgen_the_generated_suite_fails_and_says_how_to_install_it(tmp_path):
     build_to(EXAMPLES / "seed.yaml", tmp_path)
     run = subprocess.run(

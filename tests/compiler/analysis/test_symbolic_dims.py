@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from helpers import build_to, mpgen, write_spec
 from mpgen.compiler import driver as build
 from mpgen.compiler.analysis import shapes
@@ -115,6 +117,7 @@ def test_the_generated_tests_and_training_script_run_at_their_own_sizes(tmp_path
     assert "step 1/1  loss" in train_one_step(tmp_path / "cpu" / "train_sym_conv.py")
 
 
+@pytest.mark.slow
 def test_a_resnet50_like_model_with_symbolic_height_and_width_passes_its_own_tests(tmp_path):
     # ResNet-50's structure (stem, max pool, bottleneck blocks with 1x1
     # projections, stride 2 in the 3x3 conv, global pool, fc), small widths.

@@ -38,6 +38,7 @@ def assert_black_clean(graph) -> None:
 
 
 @pytest.mark.parametrize("example", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.slow
 def test_the_examples_are_black_clean(example):
     assert_black_clean(driver.compile_spec(example))
 
@@ -379,6 +380,7 @@ def drawn_specs(draw) -> str:
 @settings(max_examples=12, derandomize=True, deadline=None, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(drawn_specs())
+@pytest.mark.slow
 def test_drawn_names_and_values_are_black_clean(tmp_path, spec):
     assert_black_clean(driver.compile_spec(with_factories(tmp_path, spec)))
 
@@ -550,6 +552,7 @@ def test_generate_proves_the_files_compile_without_black(tmp_path, monkeypatch):
                 driver.generate(spec)
 
 
+@pytest.mark.slow
 def test_the_model_and_its_tests_are_written_without_importing_black():
     """Black is imported when a statement does not fit, not before: the
     model module and the tests of a spec whose statements fit never import it."""

@@ -55,6 +55,7 @@ def test_every_import_of_the_generated_examples_is_listed():
         assert imported - STDLIB - own - templates.IMPORTS == set(), path.name
 
 
+@pytest.mark.slow
 def test_importing_what_the_generated_files_import_loads_only_listed_modules():
     """Every public top-level module loaded by the generated files' imports
     (TensorBoard's and the lazily imported ones included) is refused as a

@@ -77,7 +77,7 @@ class Stage2(nn.Module):
 
 
 def stage_loss(outputs, index, targets, loss_fns, microbatches):
-    """The last stage's loss (CrossEntropyLoss of decoder, MSELoss of hn, MSELoss of cn) of the micro-batch ``index`` picks."""
+    """The last stage's loss (CrossEntropyLoss of decoder + MSELoss of hn + MSELoss of cn) of the micro-batch ``index`` picks."""
     decoder, hn, cn = outputs
     decoder_target = mpgen_runtime.pipeline.pick(targets[0], 1, index)
     decoder_loss = loss_fns[0](decoder.flatten(0, -2), decoder_target.flatten())

@@ -82,7 +82,7 @@ class Stage2(nn.Module):
 
 
 def stage_loss(outputs, index, targets, loss_fns, microbatches):
-    """The last stage's loss (CrossEntropyLoss of cls_head, HuberLoss of reg_head) of the micro-batch ``index`` picks."""
+    """The last stage's loss (CrossEntropyLoss of cls_head + HuberLoss of reg_head) of the micro-batch ``index`` picks."""
     cls_head, reg_head = outputs
     cls_head_target = mpgen_runtime.pipeline.pick(targets[0], 0, index)
     cls_head_loss = loss_fns[0](cls_head, cls_head_target)

@@ -192,12 +192,19 @@ def batches(data: Dataset | DataLoader, training, args, first: int):
         epoch, skip = epoch + 1, 0
 
 
+def load_flag(training, args, flag: str) -> Dataset | DataLoader:
+    """What --data or --eval-data (``flag``: "data", "eval_data") names, the
+    spec's own factory with the spec's arguments for it."""
+    source, spec = getattr(args, flag), getattr(training, f"{flag}_kwargs")
+    kwargs = spec if source == training.default(flag) else {}
+    return load_data(source, kwargs, f"--{flag.replace('_', '-')}", training)
+
+
 def training_data(training, args) -> Dataset | DataLoader:
-    """--data (with the spec's arguments for the spec's own factory), else synthetic samples."""
+    """--data, else synthetic samples."""
     if not args.data:
         return SyntheticData(training, args.samples, args.seed)
-    kwargs = training.data_kwargs if args.data == training.default("data") else {}
-    return load_data(args.data, kwargs, "--data", training)
+    return load_flag(training, args, "data")
 
 
 def split_data(
@@ -207,9 +214,7 @@ def split_data(
     --eval-split, or more synthetic samples for --eval-every (None: none)."""
     eval_data = None
     if args.eval_data:
-        spec = args.eval_data == training.default("eval_data")
-        kwargs = training.eval_data_kwargs if spec else {}
-        eval_data = load_data(args.eval_data, kwargs, "--eval-data", training)
+        eval_data = load_flag(training, args, "eval_data")
     elif args.eval_split:
         if isinstance(data, DataLoader):
             parser.error(

@@ -18,8 +18,6 @@ from typing import Optional
 
 from mpgen import __version__
 
-__all__ = ["FOLDER", "HEADER", "__version__", "files", "version_of"]
-
 #: The package's folder in the output folder (the name the scripts import).
 FOLDER = "mpgen_runtime"
 #: The first line of each of its files.

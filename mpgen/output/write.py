@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator, Mapping, Optional
 
+from mpgen import __version__
 from mpgen.output import manifest as build_manifest
 from mpgen.output import runtime
 from mpgen.errors import Collector, MpgenError, Position
@@ -260,49 +261,44 @@ def _orphans(out_dir: Path, files: Mapping[str, str],
     ours = {text.split("\n", 1)[0] for text in files.values()}
     roots = _project_roots(specs, out_dir)
     found = []
-    try:
-        entries = sorted(os.scandir(out_dir), key=lambda e: e.name)
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for entry in entries:
-        name = entry.name
-        if name in files or name.startswith(".") or not name.endswith((".py", ".md")):
-            continue
-        try:
-            if not entry.is_file(follow_symlinks=False):
-                continue
-            line = _first_line(read_head(entry.path, HEAD_BYTES))
-        except OSError:
-            continue
+    for path, line in _first_lines(out_dir, "", files, (".py", ".md")):
         spec = generated_from(line)
         if spec is None:
             continue
         if line in ours:
-            found.append(Orphan(out_dir / name, spec, gone=False))
+            found.append(Orphan(path, spec, gone=False))
         elif roots and not _spec_exists(spec, roots):
-            found.append(Orphan(out_dir / name, spec, gone=True))
-    return found + _runtime_orphans(out_dir, files)
+            found.append(Orphan(path, spec, gone=True))
+    # Files of an older runtime that this one no longer has: the runtime
+    # folder is the output folder's, so every build removes them.
+    for path, line in _first_lines(out_dir, runtime.FOLDER, files):
+        version = runtime.version_of(line)
+        if version is not None:
+            found.append(Orphan(path, f"the runtime of mpgen {version}", gone=False))
+    return found
 
 
-def _runtime_orphans(out_dir: Path, files: Mapping[str, str]) -> list[Orphan]:
-    """Files of an older runtime (its header) that this one no longer has:
-    the runtime folder is the output folder's, so every build removes them."""
+def _first_lines(out_dir: Path, folder: str, files: Mapping[str, str],
+                 suffixes: Optional[tuple[str, ...]] = None) -> Iterator[tuple[Path, str]]:
+    """Each regular file directly in ``out_dir/folder`` that is not among
+    ``files`` (named by their paths in ``out_dir``), in name order, with its
+    first line; with ``suffixes``, only files ending so, not dot files; a
+    file that cannot be read is passed over."""
     try:
-        entries = sorted(os.scandir(out_dir / runtime.FOLDER), key=lambda e: e.name)
+        entries = sorted(os.scandir(out_dir / folder), key=lambda e: e.name)
     except (FileNotFoundError, NotADirectoryError):
-        return []
-    found = []
+        return
     for entry in entries:
-        name = f"{runtime.FOLDER}/{entry.name}"
+        name = f"{folder}/{entry.name}" if folder else entry.name
+        if suffixes and (entry.name.startswith(".") or not entry.name.endswith(suffixes)):
+            continue
         try:
             if name in files or not entry.is_file(follow_symlinks=False):
                 continue
-            version = runtime.version_of(_first_line(read_head(entry.path, HEAD_BYTES)))
+            line = _first_line(read_head(entry.path, HEAD_BYTES))
         except OSError:
             continue
-        if version is not None:
-            found.append(Orphan(out_dir / name, f"the runtime of mpgen {version}", gone=False))
-    return found
+        yield out_dir / name, line
 
 
 def survey(out_dir: Path, files: Mapping[str, str],
@@ -434,7 +430,7 @@ def _why_stranger(path: Path, name: str, specs: Mapping[str, str | Path],
     if not stat.S_ISREG(mode):
         return f"{kind(mode)}, not a file mpgen wrote"
     if name.startswith(f"{runtime.FOLDER}/") and name.count("/") == 1:
-        return f"not a file of mpgen {runtime.__version__}'s runtime ({runtime.FOLDER}/)"
+        return f"not a file of mpgen {__version__}'s runtime ({runtime.FOLDER}/)"
     if "/" in name:
         return f"in a sub-folder other than {runtime.FOLDER}/, where mpgen writes nothing"
     if name == build_manifest.FILE_NAME:
@@ -668,10 +664,10 @@ def diff_files(out_dir: Path, files: Mapping[str, str],
 def _other_version(target: Target) -> str:
     """A line saying a runtime file on disk comes from another mpgen, or ""."""
     version = runtime.version_of(_first_line(target.current or b""))
-    if version is None or version == runtime.__version__:
+    if version is None or version == __version__:
         return ""
     return (f"{escaped(str(target.path))}: from mpgen {escaped(version)}'s runtime; this is "
-            f"mpgen {runtime.__version__}\n")
+            f"mpgen {__version__}\n")
 
 
 def _diff(path: Path, current: bytes, data: bytes) -> str:

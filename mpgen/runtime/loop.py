@@ -23,6 +23,11 @@ from .spec import Training
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def autocast(device_type: str, amp: str) -> torch.autocast:
+    """--amp's autocast on ``device_type`` (off: none)."""
+    return torch.autocast(device_type, dtype=AMP_DTYPES[amp], enabled=amp != "off")
+
+
 def hits(output: torch.Tensor, target: torch.Tensor, class_dim: int) -> tuple:
     """How many of ``output``'s predictions (argmax on ``class_dim``) match
     ``target``, and how many count (targets >= 0)."""
@@ -86,11 +91,7 @@ class Single:
         )
 
     def autocast(self) -> torch.autocast:
-        return torch.autocast(
-            self.training.device_type,
-            dtype=AMP_DTYPES[self.args.amp],
-            enabled=self.args.amp != "off",
-        )
+        return autocast(self.training.device_type, self.args.amp)
 
     def stop(self, message: str) -> None:
         sys.exit(message)

@@ -28,7 +28,7 @@ from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
 from . import checkpoint, flags
 from .data import batches, epoch_batches, one_line, training_data
-from .loop import last_step, run
+from .loop import autocast, last_step, run
 from .spec import Stages
 
 
@@ -267,8 +267,8 @@ class Pipelined:
                 scheduler = training.scheduler(optimizer, args, self.last)
             self.optimizers[k] = optimizer
             self.schedulers[k] = None if isinstance(scheduler, plateau) else scheduler
-        groups = {len(o.param_groups) for o in self.optimizers.values()}
-        if stages.ties and groups == {2}:  # no_decay's (optim.param_groups)
+        counts = {len(o.param_groups) for o in self.optimizers.values()}
+        if stages.ties and counts == {2}:  # no_decay's (optim.param_groups)
             follow_owners(self.groups, modules, self.optimizers, device)
         self.loss_fns = training.losses()
         # The step's targets, on this device: the stage loss picks each micro-batch's.
@@ -375,9 +375,7 @@ class Pipelined:
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
         losses = []
-        with torch.autocast(
-            device.type, dtype=torch.bfloat16, enabled=args.amp == "bf16"
-        ):
+        with autocast(device.type, args.amp):
             self.schedule.step(
                 *inputs, target=target, losses=losses, return_outputs=False
             )

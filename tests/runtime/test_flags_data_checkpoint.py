@@ -108,3 +108,16 @@ def test_a_checkpoint_restores_the_model_optimizer_and_every_rng(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
                                                   again.state_dict().values()))
     assert fresh.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
+
+
+def test_the_compilers_copy_of_the_runtimes_defaults_is_the_runtimes():
+    # codegen writes only the defaults that differ from these (it cannot
+    # import the runtime, which imports torch's TensorBoard and tqdm).
+    import dataclasses
+
+    from mpgen.compiler.codegen import pp, train
+    from mpgen.runtime import Stages, spec
+
+    assert train.BASE_DEFAULTS == spec.BASE_DEFAULTS
+    fields = {f.name: f.default for f in dataclasses.fields(Stages)}
+    assert pp.STAGES_DEFAULTS == {key: fields[key] for key in pp.STAGES_DEFAULTS}

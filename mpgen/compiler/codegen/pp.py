@@ -6,13 +6,14 @@
 # class each, wired with ``torch.distributed.pipelining``. A stage class
 # builds only its layers, under the attribute names of the single-process
 # model, so its state dict holds exactly that model's keys for those layers:
-# instances of a repeated layer held by other stages are ``Elsewhere``
-# placeholders (no parameters), which keeps ``h.6.weight`` at index 6. A
-# stage's forward is its section's statements (codegen/model.py's ``_step``)
+# instances of a repeated layer held by other stages are the runtime's
+# ``Elsewhere`` placeholders (no parameters), which keeps ``h.6.weight`` at
+# index 6. A stage's forward is its section's statements (codegen/model.py's
+# ``statements``)
 # without the moves: PipelineStage delivers what it takes on its rank's
 # device, and factories make their tensors on the device of what it takes.
 # A tied parameter whose owner is on another stage is a parameter of its own
-# here (a copy); the script makes the copies equal at the start and sums
+# here (a copy); the runtime makes the copies equal at the start and sums
 # their gradients over the ranks holding them after each backward, as
 # Megatron does for first- and last-stage embeddings.
 #
@@ -51,6 +52,10 @@ RUNTIME = train_codegen.RUNTIME
 #: The names the file defines, claimed in this order after what it imports.
 OWN_NAMES = ("stage_loss", "STAGES", "PROBLEM", "main")
 _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
+#: ``mpgen_runtime.Stages``' field defaults (mpgen/runtime/spec.py, which the
+#: compiler does not import: tests/runtime keeps the two equal); a field at
+#: its default is not written.
+STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2}
 
 
 def _stage_of(all_stages: tuple[Stage, ...]) -> dict[str, int]:
@@ -254,7 +259,6 @@ def _unavailable(w: PythonWriter, graph: Graph, problem: str, n: dict[str, str])
 
 def render_pp(graph: Graph) -> str:
     """``pp_<name>.py`` in black's layout (NOTE [Written in black's layout])."""
-    names = file_names(graph)
     ns = Namespace(_reserved(graph))
     n = {base: ns.fresh(base) for base in OWN_NAMES}
     all_stages = stages(graph, graph.spec_plan)
@@ -297,8 +301,8 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     w.line()
     w.line()
     with w.block(f"def {n['stage_loss']}(outputs, index, targets, loss_fns, microbatches)"):
-        names = ", ".join(f"{loss.op} of {loss.output}" for loss in graph.train.losses)
-        w.docstring([f"The last stage's loss ({names}) of the micro-batch ``index`` picks."])
+        w.docstring([f"The last stage's loss ({train_codegen.losses_text(graph)}) of the "
+                     "micro-batch ``index`` picks."])
         for line in _loss_lines(graph, _reserved(graph) | set(n.values())):
             w.line(line)
     fields = [("training", f"{train_module}.TRAINING"),
@@ -308,11 +312,11 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     ties = _ties(graph, all_stages)
     if ties != "()":
         fields.append(("ties", ties))
-    schedule = graph.pipeline.schedule if graph.pipeline else "1f1b"
-    if schedule != "1f1b":
+    schedule = graph.pipeline.schedule if graph.pipeline else STAGES_DEFAULTS["schedule"]
+    if schedule != STAGES_DEFAULTS["schedule"]:
         fields.append(("schedule", literal(schedule)))
     microbatches = graph.pipeline.microbatches if graph.pipeline else count
-    if microbatches != 2:
+    if microbatches != STAGES_DEFAULTS["microbatches"]:
         fields.append(("microbatches", str(microbatches)))
     train_codegen.facts_and_run(w, n["STAGES"], f"{RUNTIME}.Stages", fields,
                                 f"{RUNTIME}.pipeline.train")

@@ -37,6 +37,11 @@ RUNTIME = "mpgen_runtime"
 OWN_NAMES = ("make_batch", "forward_loss", "make_optimizer", "make_scheduler", "TRAINING")
 #: forward_loss's parameters.
 _LOSS_PARAMS = ("model", "loss_fns", "inputs", "targets", "count")
+#: The flags' defaults where a spec says nothing: the runtime's BASE_DEFAULTS
+#: (mpgen/runtime/spec.py, which the compiler does not import: tests/runtime
+#: keeps the two equal); a default equal to one is not written.
+BASE_DEFAULTS = {"seed": 0, "log_every": 1, "amp": "off", "grad_clip": 0.0, "accumulate": 1,
+                 "eval_split": 0.0, "eval_every": 0, "samples": 1024, "workers": 0}
 #: The decays of the built-in schedules (mpgen_runtime.lr_factor).
 _DECAYS = {"cosine": "cosine decay", "linear": "linear decay", "constant": "then constant"}
 
@@ -209,11 +214,13 @@ def defaults(graph: Graph) -> dict:
     }
     if train.scheduler is not None and train.scheduler.built_in:
         given["decay_steps"] = train.steps if train.steps_given else None
-    base = {"steps": None, "epochs": None, "seed": 0, "log_every": 1, "amp": "off",
-            "grad_clip": 0.0, "accumulate": 1, "data": None, "eval_data": None,
-            "eval_split": 0.0, "eval_every": 0, "samples": 1024, "workers": 0}
     return {k: v for k, v in given.items()
-            if k in ("steps", "batch_size", "lr", "decay_steps") or v != base.get(k)}
+            if k in ("steps", "batch_size", "lr", "decay_steps") or v != BASE_DEFAULTS.get(k)}
+
+
+def losses_text(graph: Graph) -> str:
+    """``CrossEntropyLoss of cls + HuberLoss of reg``: the loss, in the scripts' docstrings."""
+    return " + ".join(f"{loss.op} of {loss.output}" for loss in graph.train.losses)
 
 
 def _dict_literal(values: dict) -> str:
@@ -262,8 +269,7 @@ def render_train(graph: Graph) -> str:
     w.line()
     with w.block(f"def {n['forward_loss']}(model, loss_fns, inputs, targets, count=False)"):
         classify = any(loss.class_dim is not None for loss in train.losses)
-        names = " + ".join(f"{loss.op} of {loss.output}" for loss in train.losses)
-        w.docstring([f"The loss: {names}, on {loss_device}"
+        w.docstring([f"The loss: {losses_text(graph)}, on {loss_device}"
                      + ("; with ``count``, also each class output's hits." if classify else ".")])
         for line in loss_lines:
             code, _, comment = line.partition("  # ")

@@ -202,7 +202,7 @@ def _loss_lines(graph: Graph, reserved: set[str]) -> list[str]:
     if len(outs) == 1:  # the schedule passes a stage's one output without its tuple
         lines = [f"{outs[0]} = outputs[0] if isinstance(outputs, tuple) else outputs"]
     else:
-        lines = [f"{_tuple(outs)} = outputs"]
+        lines = [f"{_tuple(outs)} = outputs{train_codegen.untrained_note(graph, outs)}"]
     losses = graph.train.losses
     parts = []
     for k, loss in enumerate(losses):
@@ -304,7 +304,8 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
         w.docstring([f"The last stage's loss ({train_codegen.losses_text(graph)}) of the "
                      "micro-batch ``index`` picks."])
         for line in _loss_lines(graph, _reserved(graph) | set(n.values())):
-            w.line(line)
+            code, _, comment = line.partition("  # ")
+            w.line(code, comment)
     fields = [("training", f"{train_module}.TRAINING"),
               ("stages", "(" + _tuple(stage_names) + ")"),
               ("devices", tuple_literal(s.device for s in all_stages)),

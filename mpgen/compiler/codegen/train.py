@@ -107,6 +107,14 @@ def target_key(graph: Graph, loss: Loss) -> str:
     return "target" if len(graph.train.losses) == 1 else f"{loss.output}_target"
 
 
+def untrained_note(graph: Graph, out_vars: list[str]) -> str:
+    """``  # hn, cn: no loss`` for the outputs ``train.loss`` does not name
+    (returned by the model, not trained on); empty when every output has one."""
+    trained = {loss.output for loss in graph.train.losses}
+    free = [var for var, out in zip(out_vars, graph.outputs) if out not in trained]
+    return f"  # {', '.join(free)}: no loss" if free else ""
+
+
 def loss_expr(loss: Loss, fn: str, out: str, target: str) -> str:
     """The loss of one output (as both scripts compute it)."""
     if loss.flatten:
@@ -123,7 +131,7 @@ def loss_code(graph: Graph) -> tuple[list[str], str]:
     devices = {v: node.devices[-1] for node in graph.nodes for v in node.value_names}
     out_vars = [ns.fresh(o) for o in graph.outputs]
     outputs = _tuple(out_vars) if len(out_vars) > 1 else out_vars[0]
-    lines = [f"{outputs} = model(*inputs)"]
+    lines = [f"{outputs} = model(*inputs){untrained_note(graph, out_vars)}"]
     multi = len(train.losses) > 1
     loss_device = devices[train.losses[0].output] if train.losses else "cpu"
     parts, hits = [], []

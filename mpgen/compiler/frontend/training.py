@@ -121,6 +121,7 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
     dims = {name: spec.dims.get(name, DEFAULT_DIM) for name in symbols}
     if "batch" in dims:
         dims["batch"] = spec.dims.get("batch", spec.batch_size)
+    # A mapping names the outputs trained on; the others are returned, not trained.
     if isinstance(spec.loss, CallSpec):
         per_output = {out: (spec.loss, ("train", "loss")) for out in graph.outputs}
     else:
@@ -130,10 +131,10 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
                 errors.add(source.key(("train", "loss", out)), f"train.loss: {out!r} is not an "
                            f"output{did_you_mean(out, graph.outputs)}")
             per_output[out] = (call, ("train", "loss", out))
-        for out in graph.outputs:
-            if out not in per_output:
-                errors.add(source.value(("train", "loss")), f"train.loss: no loss for output "
-                           f"{out!r}")
+        if not spec.loss:
+            errors.add(source.value(("train", "loss")), "train.loss: an empty mapping gives "
+                       "no output a loss; name at least one of "
+                       f"{', '.join(map(repr, graph.outputs))}")
     losses = []
     for out in graph.outputs:
         if out not in per_output:

@@ -41,7 +41,9 @@ def check_training(graph: Graph) -> None:
         errors.add(layer.pos if layer else train.losses[0].pos, "train.loss: backward from "
                    "the loss reaches no parameter, so the training script cannot train: "
                    + "; ".join(dead))
-    used = {loss.output for loss in train.losses}  # values some loss depends on
+    # Values some output depends on: an output without a loss is returned, so
+    # the layers only it reads are kept, untrained (docs/spec.md, "Training").
+    used = set(graph.outputs)
     for node in reversed(graph.nodes):
         if used & set(node.value_names):
             used.update(node.inputs)

@@ -400,6 +400,7 @@ class OpKind(enum.Enum):
 
 
 @dataclass(frozen=True)
+    TENSOR = "tensor"  # a Parameter or Buffer of the layer's own (Node.tensor)
 class Op:
     """What a layer is, resolved."""
 
@@ -412,12 +413,34 @@ class Op:
 
     @property
     def has_module(self) -> bool:
-        """True when the layer owns an nn.Module attribute."""
+        """True when the layer owns an attribute with state: an nn.Module, or
+        (``TENSOR``) a parameter or buffer of its own."""
         return self.kind is not OpKind.FUNCTION
 
 
 @dataclass(frozen=True)
 class Node:
+    @property
+    def runs(self) -> bool:
+        """True when the layer computes (a module or function); a Parameter
+        or Buffer layer only reads its tensor."""
+        return self.kind is not OpKind.TENSOR
+
+
+@dataclass(frozen=True)
+class OwnTensor:
+    """``{op: Parameter, shape: [...]}`` or ``{op: Buffer, ...}``: a tensor of
+    the layer's own, its value the tensor itself. ``shape`` holds IR values
+    (sizes, :class:`Param`, expressions); ``values`` (``init: {values: [...]}``)
+    its exact elements, flat; otherwise ``Node.inits`` has its initializer
+    (an :class:`InitRule` with no ``param``), and none is zeros."""
+
+    shape: tuple[Any, ...]
+    dtype: str = "float32"
+    buffer: bool = False
+    persistent: bool = True
+    values: Optional[tuple[Any, ...]] = None
+
     """One entry of ``layers`` (in the model or in a block)."""
 
     name: str  # spec name; the attribute name for module ops
@@ -441,6 +464,7 @@ class Node:
     # Filled by analysis.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance
+    tensor: Optional[OwnTensor] = None  # OpKind.TENSOR: the Parameter or Buffer
     flops: int = 0  # per instance, forward, at the symbolic sizes in ``dims``
     # Filled by compiler.placement: one device per instance.
     devices: tuple[str, ...] = ()

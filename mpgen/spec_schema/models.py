@@ -43,6 +43,7 @@ from pydantic import (
     StrictInt,
     StrictStr,
     Tag,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
@@ -385,11 +386,27 @@ def _check_import(value: Any) -> Any:
     return value
 
 
+#: The ops of a tensor of the layer's own (``{op: Parameter, shape: [768]}``),
+#: whose ``init:`` is one initializer, not a mapping of parameters.
+TENSOR_OPS = ("Parameter", "Buffer")
+
 #: A layer's ``init:``: parameter -> initializer; a plain value is instead the
-#: constructor's own ``init`` argument (``nn.PReLU(init=0.25)``).
-LayerInit = Annotated[Any, AfterValidator(
-    lambda v: v if _is_value(v) and not isinstance(v, list) else _check_init_map(v)),
-    WithJsonSchema({"anyOf": [{"type": ["boolean", "number", "string"]}, INITIALIZERS_FORM]})]
+#: constructor's own ``init`` argument (``nn.PReLU(init=0.25)``); for a
+#: Parameter or Buffer, its one initializer (checked in LayerSpec, which knows
+#: the op).
+LayerInit = Annotated[Any, WithJsonSchema({"anyOf": [
+    {"type": ["boolean", "number", "string"]}, INITIALIZERS_FORM, INITIALIZER_FORM]})]
+
+
+def _check_layer_init(value: Any, op: Any) -> Any:
+    if op in TENSOR_OPS:
+        if isinstance(value, dict) and len(value) == 1 and isinstance(
+                next(iter(value.values())), list):  # {values: [...]}: checked by the front end
+            return value
+        return _check_initializer(value)
+    if _is_value(value) and not isinstance(value, list):
+        return value
+    return _check_init_map(value)
 
 
 class _Model(BaseModel):
@@ -443,7 +460,9 @@ class LayerSpec(_Model):
 
     op: StrictStr = Field(description=(
         "What the layer is: a `torch.nn` class (`Linear`), a block, `torch.NAME` or `F.NAME` "
-        "(a tensor function), or the dotted path of your own `nn.Module` class."))
+        "(a tensor function), the dotted path of your own `nn.Module` class, or `Parameter` / "
+        "`Buffer` (a tensor of the layer's own: `shape`, `dtype`, `init`, a Buffer's "
+        "`persistent`)."))
     # Names, nested lists (tuple arguments) and a last mapping (keywords);
     # ``in: []`` marks a factory.
     in_: Optional[Annotated[list[Annotated[Any, AfterValidator(_check_in_item)]],
@@ -486,6 +505,11 @@ class LayerSpec(_Model):
         "(`torch.utils.checkpoint`; mpgen); each instance of a repeated layer."))
 
     _one_input = field_validator("in_", mode="before")(_one_or_many)
+
+    @field_validator("init_")
+    @classmethod
+    def _init(cls, value: Any, info: ValidationInfo) -> Any:
+        return None if value is None else _check_layer_init(value, info.data.get("op"))
 
     @model_validator(mode="before")
     @classmethod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -127,6 +128,9 @@ def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass
                 raise MpgenError(node.pos, f"layer {label!r}: {exc}") from None
             return MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
 
+    if node.op.kind is OpKind.TENSOR:
+        return hooks.build(node, label, params, lambda: OwnTensorLayer(node, params))
+
     def make() -> nn.Module:
         # The arguments too: an expression over a block's params can fail
         # (``nan // 2``), and that is the layer's failure to be built.
@@ -152,6 +156,8 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
     def call() -> Any:
         args, kwargs = call_args(node.call, params, env)
         kwargs = {**by_keyword, **kwargs}
+        if node.op.kind is OpKind.TENSOR:  # a Parameter or Buffer: the tensor itself
+            return module if isinstance(module, torch.Tensor) else module()
         if node.op.kind is OpKind.FUNCTION:
             fn = node.op.target
             if node.factory:
@@ -161,6 +167,8 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
         return pick(node, module(*tensors, *args, **kwargs))
 
     with hooks.budget.layer(node, label):
+        if node.op.kind is OpKind.TENSOR:  # reads its tensor: nothing to observe
+            return call()
         if node.op.kind is OpKind.FUNCTION:
             return hooks.run(node, label, params, None, node.op.target, inputs, call)
         return hooks.run(node, label, params, module, module, inputs, call)
@@ -182,6 +190,8 @@ def call_text(node: Node, params: Mapping[str, Any]) -> str:
             return "[" + ", ".join(show(x) for x in v) + "]"
         return shown(v)  # a 4,000-digit size is cut, not spelled out
     given = node.init or node.call
+    if node.tensor is not None:
+        given = Args((), (("shape", list(node.tensor.shape)), ("dtype", node.tensor.dtype)))
     parts = ([show(a) for a in given.positional]
              + [f"{k}={show(v)}" for k, v in given.keyword])
     return f"{node.op.spelled}({', '.join(parts)})"
@@ -259,7 +269,13 @@ class MetaBlock(nn.Module):
         for node in block.nodes:
             if not node.op.has_module:
                 continue
-            if node.repeat:
+            if node.tensor is not None:  # registered under its own name, as generated
+                layer = build(node, self.values, blocks, hooks, where)
+                if node.tensor.buffer:
+                    self.register_buffer(node.name, layer.tensor, node.tensor.persistent)
+                else:
+                    self.register_parameter(node.name, layer.tensor)
+            elif node.repeat:
                 self.add_module(node.name, nn.ModuleList(
                     build(node, self.values, blocks, hooks, where)
                     for _ in range(node.repeat)))
@@ -283,6 +299,42 @@ class MetaBlock(nn.Module):
         self.hooks.block_done(self.block, self.values, env, self)
         outs = [env[name] for name in self.block.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def parameter_count(attribute: Any) -> int:
+    """The parameters of a layer's attribute: a module's, or a Parameter's own."""
+    if isinstance(attribute, torch.Tensor):
+        return attribute.numel() if isinstance(attribute, nn.Parameter) else 0
+    return sum(p.numel() for p in attribute.parameters())
+
+
+class OwnTensorLayer(nn.Module):
+    """A Parameter or Buffer layer on meta: its tensor (``tensor``, of the
+    layer's shape and dtype, its initializer applied) and, called, the tensor.
+    In a block, :class:`MetaBlock` registers the tensor under the layer's name,
+    as the generated class does."""
+
+    def __init__(self, node: Node, params: Mapping[str, Any]) -> None:
+        super().__init__()
+        spec = node.tensor
+        shape = [value(d, params) for d in spec.shape]
+        for size in shape:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+                raise ArgumentError(f"shape: {shown(size)} is not a size")
+        if spec.values is not None and len(spec.values) != math.prod(shape):
+            raise ArgumentError(f"init: values: {len(spec.values)} values for shape "
+                                f"{shape}, which holds {math.prod(shape)}")
+        tensor = torch.empty(shape, dtype=TORCH_DTYPES[spec.dtype], device="meta")
+        for rule in node.inits:  # fails as it would in the generated __init__
+            getattr(nn.init, f"{rule.init.fn}_")(tensor, **dict(call_args(
+                Args((), rule.init.kwargs), params)[1]))
+        if spec.buffer:
+            self.register_buffer("tensor", tensor, spec.persistent)
+        else:
+            self.tensor = nn.Parameter(tensor)
+
+    def forward(self) -> torch.Tensor:
+        return self.tensor
 
 
 @functools.lru_cache(maxsize=None)

@@ -370,7 +370,7 @@ class _Runner(meta.Hooks):
         types = {name: self.symbols.type(outputs[name]) for n in block.nodes
                  for name in n.value_names}
         count = sum(p.numel() for p in module.parameters())
-        layers = {n.name: sum(p.numel() for p in getattr(module, n.name).parameters())
+        layers = {n.name: meta.parameter_count(getattr(module, n.name))
                   for n in block.nodes if n.op.has_module}
         self.block_uses.setdefault(block.name, []).append((dict(params), types, count, layers))
 

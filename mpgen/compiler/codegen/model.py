@@ -140,13 +140,13 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
         for node in block.nodes:
             if not node.op.has_module:
                 continue
-            ctor = constructor(node)
             if node.repeat:
+                ctor = constructor(node)
                 w.line(f"self.{node.name} = nn.ModuleList([{ctor} for _ in range({node.repeat})])")
             else:
-                w.line(f"self.{node.name} = {ctor}")
-            for rule in node.inits:
-                _init_line(w, f"self.{node.name}.{rule.param}", rule, guard=False)
+                attribute(w, node)
+            for rule in own_inits(node):
+                _init_line(w, _init_target(node, rule), rule, guard=False)
 
     def forward() -> None:
         for node in block.nodes:
@@ -184,7 +184,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                 device = runs[0][2]
                 w.comment(device)
             if node.repeat is None:
-                w.line(f'self.{node.name} = {ctor}.to("{device}")')
+                attribute(w, node, device)
                 continue
             parts = [f'[{ctor}.to("{d}")]' if stop - start == 1 else
                      f'[{ctor}.to("{d}") for _ in range({stop - start})]'
@@ -330,6 +330,61 @@ def constructor(node: Node, names: Optional[Names] = None) -> str:
     return _call(node.op.callee, [], node.init, names)
 
 
+def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,
+              names: Optional[Names] = None) -> None:
+    """``self.NAME = ...``: a layer's module, or its Parameter or Buffer, made
+    on ``device`` (None: where the class is moved, in a block class)."""
+    if node.tensor is None:
+        ctor = constructor(node, names)
+        w.line(f'self.{node.name} = {ctor}.to("{device}")' if device else
+               f"self.{node.name} = {ctor}")
+        return
+    spec = node.tensor
+    keywords: list[tuple[str, Any]] = []
+    if spec.dtype != "float32":
+        keywords.append(("dtype", Expr(f"torch.{spec.dtype}")))
+    if device:
+        keywords.append(("device", device))
+    shape = [literal(d, names) for d in spec.shape] or ["()"]
+    made = _made_with(node)
+    if made == "tensor":
+        values = "[" + ", ".join(literal(v) for v in spec.values) + "]"
+        tensor = call("torch.tensor", [values], keywords)
+        if len(spec.shape) != 1:
+            tensor += f".reshape({', '.join(shape)})"
+    else:
+        tensor = call(f"torch.{made}", shape, keywords)
+    parent, _, attr = f"self.{node.name}".rpartition(".")
+    if not spec.buffer:
+        w.line(f"{parent}.{attr} = nn.Parameter({tensor})")
+    else:
+        persistent = [] if spec.persistent else [("persistent", False)]
+        w.line(call(f"{parent}.register_buffer", [repr(attr), tensor], persistent))
+
+
+def _made_with(node: Node) -> str:
+    """How a Parameter or Buffer is made: ``tensor`` (its values), ``zeros``,
+    ``ones``, or ``empty`` and then its initializer (:func:`own_inits`)."""
+    if node.tensor.values is not None:
+        return "tensor"
+    if not node.inits:
+        return "zeros"
+    init = node.inits[0].init
+    return init.fn if init.fn in ("zeros", "ones") and not init.kwargs else "empty"
+
+
+def own_inits(node: Node) -> tuple[InitRule, ...]:
+    """The layer's own ``init:`` lines (a Parameter made by zeros or ones has none)."""
+    if node.tensor is not None and _made_with(node) != "empty":
+        return ()
+    return node.inits
+
+
+def _init_target(node: Node, rule: InitRule) -> str:
+    """``self.fc.weight``; ``self.gamma`` for a Parameter's own initializer."""
+    return f"self.{node.name}" + (f".{rule.param}" if rule.param else "")
+
+
 def _call(callee: str, tensors: Sequence[str], args: Args, names: Optional[Names] = None,
           extra: Sequence[tuple[str, Any]] = ()) -> str:
     positional = [*tensors, *(literal(a, names) for a in args.positional)]
@@ -352,6 +407,8 @@ def _apply(node: Node, reads: Sequence[str], target: str, names: Names,
     an ``Expr`` such as ``x.device``) is where a factory makes its tensor.
     ``checkpoint``: through ``torch.utils.checkpoint``, which calls the module
     with the same arguments again in backward."""
+    if node.op.kind is OpKind.TENSOR:  # a Parameter or Buffer: the tensor itself
+        return target
     tensors, by_keyword = node.feeding.build(list(reads), pack=_tuple_code)
     keywords = [(k, Expr(v)) for k, v in by_keyword.items()]
     if node.op.kind is OpKind.FUNCTION:
@@ -438,7 +495,7 @@ def statements(w: PythonWriter, node: Node, step: Step, names: Names,
 def initialization(w: PythonWriter, graph: Graph) -> None:
     """``init:``: the top-level rules over every module, in module order, then
     each layer's own."""
-    if not graph.init_rules and not any(n.inits for n in graph.nodes):
+    if not graph.init_rules and not any(own_inits(n) for n in graph.nodes):
         return
     w.comment("Initialization (init: in the spec), in module order")
     by_class: dict[str, list[InitRule]] = {}
@@ -451,8 +508,8 @@ def initialization(w: PythonWriter, graph: Graph) -> None:
                     for rule in rules:
                         _init_line(w, f"module.{rule.param}", rule, guard=rule.param == "bias")
     for node in graph.nodes:
-        for rule in node.inits:
-            _init_line(w, f"self.{node.name}.{rule.param}", rule, guard=False)
+        for rule in own_inits(node):
+            _init_line(w, _init_target(node, rule), rule, guard=False)
 
 
 def _init_line(w: PythonWriter, tensor: str, rule: InitRule, guard: bool) -> None:

@@ -42,7 +42,14 @@ from mpgen.compiler.codegen.common import (
     synthetic_like,
     tuple_literal,
 )
-from mpgen.compiler.codegen.model import constructor, imports, initialization, statements, variables
+from mpgen.compiler.codegen.model import (
+    attribute,
+    constructor,
+    imports,
+    initialization,
+    statements,
+    variables,
+)
 from mpgen.compiler.codegen.writer import PythonWriter
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import Expr, Graph, Node, OpKind, Step, unit_labels
@@ -132,7 +139,7 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                     continue
                 ctor = constructor(node)
                 if node.repeat is None:
-                    w.line(f"self.{node.name} = {ctor}")
+                    attribute(w, node)
                     continue
                 parts = []
                 if step.start:

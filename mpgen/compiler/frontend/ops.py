@@ -22,6 +22,7 @@ from torch import nn
 
 from mpgen.compiler.frontend import imports
 from mpgen.compiler.ir import Op, OpKind
+from mpgen.spec_schema.models import TENSOR_OPS
 
 #: nn classes that only hold other modules; the spec has blocks for that.
 _CONTAINERS = {"Module", "Sequential", "ModuleList", "ModuleDict", "ParameterList",
@@ -63,7 +64,7 @@ def function_names(prefix: str) -> frozenset[str]:
 
 def candidates(blocks: Iterable[str]) -> list[str]:
     """Every op name, for did-you-mean suggestions."""
-    return [*nn_module_names(), *blocks,
+    return [*nn_module_names(), *TENSOR_OPS, *blocks,
             *(f"{prefix}.{name}" for prefix in ("torch", "F")
               for name in sorted(function_names(prefix)))]
 
@@ -89,6 +90,10 @@ def resolve_op(spelled: str, blocks: Iterable[str],
         return Op(OpKind.FUNCTION, spelled, spelled, target=getattr(torch, name))
     if spelled in blocks:
         return Op(OpKind.BLOCK, spelled, spelled, target=spelled)
+    if spelled in TENSOR_OPS:
+        if factory:
+            raise OpError(f"a {spelled} reads no tensor: remove 'in: []'")
+        return Op(OpKind.TENSOR, spelled, spelled, target=spelled)
     if spelled.startswith(("torch.", "F.")) and spelled.count(".") == 1:
         prefix, name = spelled.split(".")
         module = torch if prefix == "torch" else F

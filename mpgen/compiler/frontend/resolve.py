@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Optional
@@ -33,6 +34,7 @@ from mpgen.compiler.ir import (
     Node,
     Op,
     OpKind,
+    OwnTensor,
     Param,
     SymDim,
     TensorType,
@@ -256,6 +258,8 @@ class _Resolver:
                     else ""
             self.errors.add(self.value(*lpath, "op"), f"{self.label(lpath)}: {exc}{hint}")
             return None
+        if op.kind is OpKind.TENSOR:
+            return self.tensor_layer(lpath, name, layer, op, params, ns)
         # Inputs: default is the previous layer, or the first input.
         factory = layer.in_ is not None and not layer.in_
         if layer.in_ is None:
@@ -339,6 +343,97 @@ class _Resolver:
                     pos=self.key(*lpath), repeat=layer.repeat, output=layer.output, feed=feed,
                     pattern=pattern, elements=elements, factory=factory, ties=ties or (),
                     inits=inits or (), checkpoint=bool(layer.checkpoint))
+
+    def tensor_layer(self, lpath, name: str, layer: LayerSpec, op: Op, params,
+                     ns: Namespace) -> Optional[Node]:
+        """``{op: Parameter, shape: [...], dtype, init}`` (or a Buffer, with
+        ``persistent``): a tensor of the layer's own, read by later layers."""
+        label = self.label(lpath)
+        buffer = op.spelled == "Buffer"
+        ok = True
+        for key, given in (("in", layer.in_ is not None), ("args", bool(layer.args)),
+                           ("repeat", layer.repeat is not None),
+                           ("output", layer.output is not None),
+                           ("outputs", layer.outputs is not None), ("call", layer.call),
+                           ("tie", layer.tie), ("checkpoint", layer.checkpoint)):
+            if given:
+                self.errors.add(self.key(*lpath, key), f"{label}: a {op.spelled} takes no "
+                                f"{key}: (it reads no tensor; a block with it can be repeated)"
+                                if key == "repeat" else
+                                f"{label}: a {op.spelled} takes no {key}: (it reads no tensor)")
+                ok = False
+        allowed = ["shape", "dtype", *(["persistent"] if buffer else [])]
+        extra = dict(layer.model_extra or {})
+        for key in extra:
+            if key not in allowed:
+                self.errors.add(self.key(*lpath, key), f"{label}: unknown key {key!r} for a "
+                                f"{op.spelled}{did_you_mean(key, [*allowed, 'init'])} (it takes "
+                                f"{', '.join(allowed)} and init)")
+                ok = False
+        shape = extra.get("shape")
+        if not isinstance(shape, list):
+            where = self.value(*lpath, "shape") if "shape" in extra else self.key(*lpath)
+            self.errors.add(where, f"{label}: a {op.spelled} needs shape: a list of sizes, "
+                            "like [1, 1, 768] or [$dim] ([] for a scalar)")
+            return None
+        dims = []
+        scope = Scope(params, None)
+        for i, dim in enumerate(shape):
+            value = self.literal(dim, (*lpath, "shape", i), scope, label)
+            if isinstance(value, bool) or isinstance(value, (float, str, list)) or (
+                    isinstance(value, int) and value < 0):
+                self.errors.add(self.value(*lpath, "shape", i), f"{label}: shape: expected a "
+                                f"size (a number >= 0, $param or expression), got {shown(dim)}")
+                ok = False
+            dims.append(value)
+        dtype = extra.get("dtype", "float32")
+        if dtype not in DTYPES:
+            self.errors.add(self.value(*lpath, "dtype"), f"{label}: unknown dtype "
+                            f"{shown(dtype)}{did_you_mean(str(dtype), DTYPES)}")
+            ok = False
+        elif not buffer and dtype not in ("float32", "float16", "bfloat16"):
+            self.errors.add(self.value(*lpath, "dtype"), f"{label}: a Parameter is trained, "
+                            f"so its dtype is a floating one (float32, float16, bfloat16), not "
+                            f"{dtype}; use a Buffer")
+            ok = False
+        persistent = extra.get("persistent", True)
+        if not isinstance(persistent, bool):
+            self.errors.add(self.value(*lpath, "persistent"), f"{label}: persistent: expected "
+                            f"true or false, got {shown(persistent)}")
+            ok = False
+        values, inits = None, ()
+        given = layer.init_
+        if isinstance(given, dict) and list(given) == ["values"]:
+            values = self.tensor_values(lpath, given["values"], dims, dtype, label)
+            ok = ok and values is not None
+        elif given is not None:
+            rules = self.initializers(lpath, {"init": given}, label)
+            if rules is None:
+                ok = False
+            else:
+                inits = tuple(dataclasses.replace(r, param="", layer=name) for r in rules)
+        if not ok:
+            return None
+        tensor = OwnTensor(tuple(dims), dtype, buffer, persistent, values)
+        return Node(name=name, var=ns.fresh(name), op=op, init=Args(), call=Args(), inputs=(),
+                    pos=self.key(*lpath), inits=inits, tensor=tensor)
+
+    def tensor_values(self, lpath, values: list, dims: list, dtype: str,
+                      label: str) -> Optional[tuple]:
+        """``init: {values: [...]}``: the tensor's elements, flat, in order."""
+        where = self.value(*lpath, "init", "values")
+        floating = dtype in ("float32", "float16", "bfloat16")
+        kinds = (bool,) if dtype == "bool" else (int, float) if floating else (int,)
+        for v in values:
+            if not isinstance(v, kinds) or (isinstance(v, bool) and dtype != "bool"):
+                self.errors.add(where, f"{label}: init: values: expected a flat list of "
+                                f"{dtype} values, got {shown(v)}")
+                return None
+        if all(isinstance(d, int) for d in dims) and len(values) != math.prod(dims):
+            self.errors.add(where, f"{label}: init: values: {len(values)} values for shape "
+                            f"{dims}, which holds {math.prod(dims)}")
+            return None
+        return tuple(float(v) for v in values) if floating else tuple(values)
 
     # -- the new forms of a layer -------------------------------------------
     def feed(self, in_path, items: list) -> tuple[list[str], list[Position], Feed]:
@@ -426,7 +521,7 @@ class _Resolver:
                             "tie a layer of the model to an earlier one")
             return None
         ties = []
-        owners = {n.name: n for n in earlier if n.op.has_module}
+        owners = {n.name: n for n in earlier if n.op.has_module and n.op.runs}
         for param, target in layer.tie.items():
             pos = self.value(*lpath, "tie", param)
             owner, dot, owner_param = target.partition(".")

@@ -61,6 +61,6 @@ def checkpointed_units(graph: Graph) -> frozenset[UnitRef]:
                 continue
             for step in section.steps:
                 node = nodes[step.node]
-                if node.op.has_module:
+                if node.op.has_module and node.op.runs:
                     units.update(node.unit(k) for k in range(step.start, step.stop))
     return frozenset(units)

@@ -289,6 +289,27 @@ def leaves(value: Any) -> Iterator[Any]:
 def params_used(value: Any) -> set[str]:
     """The block params an argument value reads."""
     return {leaf.name for leaf in leaves(value) if isinstance(leaf, Param)}
+#: ``$index`` and ``$repeat`` in a repeated layer's arguments: the copy's
+#: index (0 ... N-1) and N. ``$repeat`` is replaced by N when the layer is
+#: resolved; ``$index`` stays a :class:`Param` until each copy is made.
+INDEX, REPEAT = "index", "repeat"
+
+
+def substitute(value: Any, params: Mapping[str, Any]) -> Any:
+    """``value`` with each :class:`Param` named in ``params`` replaced by its value."""
+    if isinstance(value, Param):
+        return params.get(value.name, value)
+    if isinstance(value, list):
+        return [substitute(v, params) for v in value]
+    if isinstance(value, BinOp):
+        return BinOp(value.op, substitute(value.left, params), substitute(value.right, params))
+    if isinstance(value, Neg):
+        return Neg(substitute(value.operand, params))
+    if isinstance(value, IfTraining):
+        return IfTraining(substitute(value.value, params), substitute(value.otherwise, params))
+    return value
+
+
 
 
 def sizes_used(value: Any) -> set[str]:
@@ -314,6 +335,11 @@ class Args:
 
 #: An item of a layer's tensor arguments: an index into ``Node.inputs``, or a
 #: tuple of items (a tuple argument such as an LSTM's ``(h0, c0)``).
+    def substitute(self, params: Mapping[str, Any]) -> "Args":
+        """These arguments with the params in ``params`` set (:func:`substitute`)."""
+        return Args(tuple(substitute(v, params) for v in self.positional),
+                    tuple((k, substitute(v, params)) for k, v in self.keyword))
+
 FeedItem = Union[int, tuple]
 
 
@@ -417,9 +443,6 @@ class Op:
         (``TENSOR``) a parameter or buffer of its own."""
         return self.kind is not OpKind.FUNCTION
 
-
-@dataclass(frozen=True)
-class Node:
     @property
     def runs(self) -> bool:
         """True when the layer computes (a module or function); a Parameter
@@ -444,6 +467,9 @@ class OwnTensor:
     """One entry of ``layers`` (in the model or in a block)."""
 
     name: str  # spec name; the attribute name for module ops
+
+@dataclass(frozen=True)
+class Node:
     var: str  # the local variable holding its output in forward
     op: Op
     init: Args  # constructor arguments (modules, user modules, blocks)
@@ -476,6 +502,11 @@ class OwnTensor:
     @property
     def feeding(self) -> Feed:
         return self.feed or Feed.plain(len(self.inputs))
+    @property
+    def per_copy(self) -> bool:
+        """True when the copies of a repeated layer differ (``$index``)."""
+        return INDEX in set().union(*(params_used(v) for v in self.init.values))
+
 
     @property
     def value_names(self) -> tuple[str, ...]:

@@ -407,8 +407,8 @@ def meta_modules(graph: Graph) -> Iterable[tuple[str, nn.Module]]:
         if not node.op.has_module:
             continue
         if node.repeat:
-            yield node.name, nn.ModuleList(meta.build(node, {}, blocks)
-                                           for _ in range(node.repeat))
+            yield node.name, nn.ModuleList(meta.build(node, {}, blocks, index=k)
+                                           for k in range(node.repeat))
         else:
             yield node.name, meta.build(node, {}, blocks)
 

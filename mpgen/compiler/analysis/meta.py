@@ -27,6 +27,7 @@ from mpgen.compiler.ir import (
     BinOp,
     BlockClass,
     Expr,
+    INDEX,
     IfTraining,
     Neg,
     Node,
@@ -117,9 +118,14 @@ PLAIN = Hooks()
 
 
 def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass],
-          hooks: Hooks = PLAIN, where: str = "") -> nn.Module:
-    """One instance of a module, user or block node, on meta."""
+          hooks: Hooks = PLAIN, where: str = "", index: int = 0) -> nn.Module:
+    """One instance of a module, user or block node, on meta: of a repeated
+    layer, copy ``index`` (its ``$index``)."""
     label = f"{where}{node.name}"
+    if node.repeat:
+        params = {**params, INDEX: index}
+        if index:
+            label = f"{label}.{index}"
     if node.op.kind is OpKind.BLOCK:
         with hooks.budget.layer(node, label):
             try:
@@ -277,8 +283,8 @@ class MetaBlock(nn.Module):
                     self.register_parameter(node.name, layer.tensor)
             elif node.repeat:
                 self.add_module(node.name, nn.ModuleList(
-                    build(node, self.values, blocks, hooks, where)
-                    for _ in range(node.repeat)))
+                    build(node, self.values, blocks, hooks, where, k)
+                    for k in range(node.repeat)))
             else:
                 self.add_module(node.name, build(node, self.values, blocks, hooks, where))
         self.__class__ = _named_class(block.name)

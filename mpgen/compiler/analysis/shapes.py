@@ -428,8 +428,22 @@ def _clean(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+        if node.per_copy:
+            self.check_copies(node, module)
 def _with_high(tensor: InputTensor, nodes: Sequence[Node], blocks) -> InputTensor:
     """Integer inputs: draw synthetic values below the smallest Embedding size."""
+    def check_copies(self, node: Node, first: nn.Module) -> None:
+        """Copies made with ``$index`` must each build and hold what the first
+        does (placement and costs count every copy as the first)."""
+        want = sum(p.numel() for p in first.parameters())
+        for k in range(1, node.repeat):
+            copy = meta.build(node, {}, self.blocks, self, index=k)
+            got = sum(p.numel() for p in copy.parameters())
+            if got != want:
+                raise MpgenError(node.pos, f"layer {node.name!r}: copy {k} has {got:,} "
+                                 f"parameters and copy 0 {want:,}: $index may change how a "
+                                 "copy computes (a rate, a scale), not its sizes")
+
     if tensor.type.dtype not in ("int64", "int32"):
         return tensor
     embeddings = [n.init for n in nodes if n.inputs[:1] == (tensor.name,)

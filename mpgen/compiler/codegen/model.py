@@ -20,6 +20,7 @@ from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import (
     Args,
     BlockClass,
+    INDEX,
     Expr,
     Graph,
     InitRule,
@@ -141,8 +142,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
             if not node.op.has_module:
                 continue
             if node.repeat:
-                ctor = constructor(node)
-                w.line(f"self.{node.name} = nn.ModuleList([{ctor} for _ in range({node.repeat})])")
+                w.line(f"self.{node.name} = nn.ModuleList({copies(node, 0, node.repeat)})")
             else:
                 attribute(w, node)
             for rule in own_inits(node):
@@ -174,7 +174,6 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
         for node in graph.nodes:
             if not node.op.has_module:
                 continue
-            ctor = constructor(node)
             runs = device_runs(node.devices)
             if len(runs) > 1:
                 for line in _spread(node, runs):
@@ -186,9 +185,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
             if node.repeat is None:
                 attribute(w, node, device)
                 continue
-            parts = [f'[{ctor}.to("{d}")]' if stop - start == 1 else
-                     f'[{ctor}.to("{d}") for _ in range({stop - start})]'
-                     for start, stop, d in runs]
+            parts = [copies(node, start, stop, d, one=True) for start, stop, d in runs]
             w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
         for node in graph.nodes:
             for tie in node.ties:  # NOTE: [Tied parameters across devices]
@@ -328,6 +325,21 @@ def variables(inputs: Sequence[InputTensor], nodes: Sequence[Node]) -> dict[str,
 
 def constructor(node: Node, names: Optional[Names] = None) -> str:
     return _call(node.op.callee, [], node.init, names)
+
+
+def copies(node: Node, start: int, stop: int, device: Optional[str] = None,
+           one: bool = False) -> str:
+    """The list of copies ``start`` ... ``stop - 1`` of a repeated layer, made
+    on ``device`` (None: where the class is moved); ``one``: a single copy
+    as ``[copy]``. With ``$index`` each copy is made with its own index."""
+    to = f'.to("{device}")' if device else ""
+    if one and stop - start == 1:
+        names = Names({INDEX: str(start)}) if node.per_copy else None
+        return f"[{constructor(node, names)}{to}]"
+    if not node.per_copy:
+        return f"[{constructor(node)}{to} for _ in range({stop - start})]"
+    span = f"{stop}" if start == 0 else f"{start}, {stop}"
+    return f"[{constructor(node, Names({INDEX: INDEX}))}{to} for {INDEX} in range({span})]"
 
 
 def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,

@@ -44,7 +44,7 @@ from mpgen.compiler.codegen.common import (
 )
 from mpgen.compiler.codegen.model import (
     attribute,
-    constructor,
+    copies,
     imports,
     initialization,
     statements,
@@ -137,7 +137,6 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
             for node, step in held:
                 if not node.op.has_module:
                     continue
-                ctor = constructor(node)
                 if node.repeat is None:
                     attribute(w, node)
                     continue
@@ -147,7 +146,7 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                               f"placeholders keep the indices of {node.name}.{step.start}-"
                               f"{step.stop - 1}")
                     parts.append(f"[{elsewhere}() for _ in range({step.start})]")
-                parts.append(f"[{ctor} for _ in range({step.stop - step.start})]")
+                parts.append(copies(node, step.start, step.stop))
                 w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
             for node, _ in held:
                 for tie in node.ties:

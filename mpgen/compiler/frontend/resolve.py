@@ -38,11 +38,14 @@ from mpgen.compiler.ir import (
     Param,
     SymDim,
     TensorType,
+    INDEX,
+    REPEAT,
     IfTraining,
     Tie,
     Training,
     params_used,
     sizes_used,
+    substitute,
 )
 from mpgen.compiler.frontend.namespace import (
     GLOBALS,
@@ -188,6 +191,9 @@ class _Resolver:
         params: list[str] = []
         for i, param in enumerate(spec.params):
             problem = identifier_problem(param)
+            if problem is None and param in (INDEX, REPEAT):
+                problem = (f"${param} is the {'index of a copy' if param == INDEX else 'number of copies'} "
+                           "of a repeated layer; name the param otherwise")
             if problem or ns.taken(param):
                 self.errors.add(self.value("blocks", name, "params", i),
                                 f"block {name!r} param: " + (problem or f"{param!r} is already used"))
@@ -308,7 +314,7 @@ class _Resolver:
         label = self.label(lpath)
         # size() reads a tensor in forward: only arguments of a call made there.
         in_forward = op.kind is OpKind.FUNCTION
-        scope = Scope(params, known if in_forward else None)
+        scope = Scope(params, known if in_forward else None, layer.repeat is not None)
         args = tuple(self.literal(v, (*lpath, "args", i), scope, label)
                      for i, v in enumerate(layer.args))
         kwargs = tuple((k, self.literal(v, (*lpath, k), scope, label, key=k))
@@ -333,6 +339,9 @@ class _Resolver:
             ok = False
         if not ok:
             return None
+        if layer.repeat is not None:  # $repeat is N: written as the number
+            args = tuple(substitute(a, {REPEAT: layer.repeat}) for a in args)
+            kwargs = tuple((k, substitute(v, {REPEAT: layer.repeat})) for k, v in kwargs)
         var = ns.fresh(name)
         if op.kind is OpKind.FUNCTION:
             init, call = Args(), Args(args, _train_mode(op, n_inputs, args,
@@ -657,6 +666,13 @@ class _Resolver:
 
     def check_param(self, name: str, written: str, path, scope: "Scope", label: str) -> None:
         shown = f"${name}"
+        if name in (INDEX, REPEAT) and (scope.params is None or name not in scope.params):
+            if not scope.copies:
+                what = "index of each copy" if name == INDEX else "number of copies"
+                self.errors.add(self.value(*path), f"{label}: {shown!r} is the {what} of a "
+                                "repeated layer, in its arguments and keywords; this layer has "
+                                "no repeat:")
+            return
         if scope.params is None:
             self.errors.add(self.value(*path), f"{label}: {shown!r} is a block parameter, but "
                             "this layer is not inside a block")
@@ -776,6 +792,7 @@ class Scope:
 
     params: Optional[list[str]]
     sizes: Optional[Collection[str]]
+    copies: bool = False  # a repeated layer's arguments: $index and $repeat
 
 
 @functools.cache

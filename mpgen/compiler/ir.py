@@ -32,6 +32,9 @@ from typing import Any, Callable, ClassVar, Iterable, Iterator, Mapping, Optiona
 
 from mpgen.errors import Position
 
+#: The batch of the generated tests per micro-batch (small: they run on CPUs).
+TEST_BATCH = 2
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
@@ -286,9 +289,6 @@ def leaves(value: Any) -> Iterator[Any]:
         yield value
 
 
-def params_used(value: Any) -> set[str]:
-    """The block params an argument value reads."""
-    return {leaf.name for leaf in leaves(value) if isinstance(leaf, Param)}
 #: ``$index`` and ``$repeat`` in a repeated layer's arguments: the copy's
 #: index (0 ... N-1) and N. ``$repeat`` is replaced by N when the layer is
 #: resolved; ``$index`` stays a :class:`Param` until each copy is made.
@@ -310,6 +310,9 @@ def substitute(value: Any, params: Mapping[str, Any]) -> Any:
     return value
 
 
+def params_used(value: Any) -> set[str]:
+    """The block params an argument value reads."""
+    return {leaf.name for leaf in leaves(value) if isinstance(leaf, Param)}
 
 
 def sizes_used(value: Any) -> set[str]:
@@ -332,14 +335,14 @@ class Args:
     def values(self) -> list[Any]:
         return [*self.positional, *(v for _, v in self.keyword)]
 
-
-#: An item of a layer's tensor arguments: an index into ``Node.inputs``, or a
-#: tuple of items (a tuple argument such as an LSTM's ``(h0, c0)``).
     def substitute(self, params: Mapping[str, Any]) -> "Args":
         """These arguments with the params in ``params`` set (:func:`substitute`)."""
         return Args(tuple(substitute(v, params) for v in self.positional),
                     tuple((k, substitute(v, params)) for k, v in self.keyword))
 
+
+#: An item of a layer's tensor arguments: an index into ``Node.inputs``, or a
+#: tuple of items (a tuple argument such as an LSTM's ``(h0, c0)``).
 FeedItem = Union[int, tuple]
 
 
@@ -423,10 +426,10 @@ class OpKind(enum.Enum):
     USER = "user"  # a user's nn.Module class, by dotted import path
     BLOCK = "block"  # a block class defined in the generated module
     FUNCTION = "function"  # torch.NAME or F.NAME, applied in forward
+    TENSOR = "tensor"  # a Parameter or Buffer of the layer's own (Node.tensor)
 
 
 @dataclass(frozen=True)
-    TENSOR = "tensor"  # a Parameter or Buffer of the layer's own (Node.tensor)
 class Op:
     """What a layer is, resolved."""
 
@@ -464,12 +467,12 @@ class OwnTensor:
     persistent: bool = True
     values: Optional[tuple[Any, ...]] = None
 
-    """One entry of ``layers`` (in the model or in a block)."""
-
-    name: str  # spec name; the attribute name for module ops
 
 @dataclass(frozen=True)
 class Node:
+    """One entry of ``layers`` (in the model or in a block)."""
+
+    name: str  # spec name; the attribute name for module ops
     var: str  # the local variable holding its output in forward
     op: Op
     init: Args  # constructor arguments (modules, user modules, blocks)
@@ -487,10 +490,10 @@ class Node:
     # ``checkpoint: true``: forward recomputes it in backward instead of
     # keeping its activations (``torch.utils.checkpoint``), each instance.
     checkpoint: bool = False
+    tensor: Optional[OwnTensor] = None  # OpKind.TENSOR: the Parameter or Buffer
     # Filled by analysis.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance
-    tensor: Optional[OwnTensor] = None  # OpKind.TENSOR: the Parameter or Buffer
     flops: int = 0  # per instance, forward, at the symbolic sizes in ``dims``
     # Filled by compiler.placement: one device per instance.
     devices: tuple[str, ...] = ()
@@ -500,13 +503,13 @@ class Node:
         return self.repeat or 1
 
     @property
-    def feeding(self) -> Feed:
-        return self.feed or Feed.plain(len(self.inputs))
-    @property
     def per_copy(self) -> bool:
         """True when the copies of a repeated layer differ (``$index``)."""
         return INDEX in set().union(*(params_used(v) for v in self.init.values))
 
+    @property
+    def feeding(self) -> Feed:
+        return self.feed or Feed.plain(len(self.inputs))
 
     @property
     def value_names(self) -> tuple[str, ...]:
@@ -993,3 +996,13 @@ class Graph:
     @property
     def total_params(self) -> int:
         return sum(n.params * n.instances for n in self.nodes)
+
+    @property
+    def test_dims(self) -> dict[str, int]:
+        """The sizes of the generated tests' inputs: the training sizes
+        (``dims``) with a batch of :data:`TEST_BATCH` per micro-batch
+        (NOTE [Sample sizes] in analysis/shapes.py)."""
+        dims = dict(self.dims)
+        if "batch" in dims:
+            dims["batch"] = TEST_BATCH * (self.pipeline.microbatches if self.pipeline else 1)
+        return dims

@@ -9,8 +9,10 @@ neighbouring units. Automatic placement balances one of these numbers; the
 placement report and ``mpgen diff`` show them.
 
 # NOTE: [Cost formulas]
-# Sizes are at the training sizes: ``batch`` = ``train.batch_size`` (or
-# ``train.dims.batch``), other symbolic dims from ``train.dims`` (default 16).
+# Sizes are at the training sizes, ``Graph.dims``: ``batch`` =
+# ``train.batch_size`` (or ``train.dims.batch``), other symbolic dims from
+# ``train.dims`` (default 16), the sizes the build checked the spec at
+# (NOTE [Sample sizes] in analysis/shapes.py).
 #
 # params       the unit's parameter count (``Node.params``).
 # weights      bytes of its parameters and buffers, at their real dtypes.
@@ -82,7 +84,6 @@ from torch import nn
 
 from mpgen.compiler.analysis import meta
 from mpgen.compiler.analysis.budget import Budget, OutOfBudget
-from mpgen.compiler.frontend.training import DEFAULT_DIM
 from mpgen.compiler.ir import Costs, Graph, Node, TensorType, UnitCost
 
 #: Optimizer state kept per parameter element, in units of the parameter's own
@@ -117,15 +118,6 @@ def optimizer_state(name: str, kwargs: Mapping[str, Any]) -> int:
     """Optimizer state per parameter, in parameter-sized copies (see the table)."""
     rule = OPTIMIZER_STATE.get(name, DEFAULT_OPTIMIZER_STATE)
     return int(rule(kwargs)) if callable(rule) else int(rule)
-
-
-def train_dims(graph: Graph, batch_size: int, dims: Mapping[str, int]) -> dict[str, int]:
-    """Symbolic dim -> size at training time (as ``compiler.training`` sets them)."""
-    symbols = dict.fromkeys(s for t in graph.inputs for s in t.type.symbols)
-    sizes = {name: int(dims.get(name, DEFAULT_DIM)) for name in symbols}
-    if "batch" in sizes:
-        sizes["batch"] = int(dims.get("batch", batch_size))
-    return sizes
 
 
 def measure_graph(graph: Graph, budget: Optional[Budget] = None) -> Graph:

@@ -29,6 +29,25 @@ the layer's line, and parameter counts come from the real modules.
 # length: the state is [layers * directions, batch, hidden] and the output's
 # other dims are batch and features. An LSTM over ``seq`` costs what one
 # over 1 does.
+#
+# NOTE: [Sample sizes]
+# Runs at primes near 10,007 say what a spec computes, not that it runs at
+# the sizes its generated code uses: a 32x32 kernel over ``[batch, 3, h, w]``
+# works at h = 10,007 and fails at 16. Those sizes have one source, the
+# training sizes ``TrainConfig.dims`` (``train.batch_size``, ``train.dims``,
+# 16 for a dim ``train.dims`` leaves out): the training script's
+# ``make_batch`` defaults to them (``codegen/train.py``), the generated
+# tests' ``make_inputs`` uses them with a batch of ``TEST_BATCH`` per
+# micro-batch (``Graph.test_dims``; the tests draw no other sizes), and the
+# costs are measured at them. So after the prime runs the graph runs once
+# more at each of the two, with the batch a layer sees (a micro-batch's,
+# when ``pipeline:`` splits the batch): ``check_sample_sizes``. A failure
+# there is refused at the first input with a dim to change, naming the
+# dims, and the sizes to set in ``train.dims``: the smallest doubling of
+# the non-batch dims that runs, less each dim not needed for it
+# (``_larger_sizes``). The build never picks other sizes by itself: they
+# are the training script's defaults and the costs placement balances, so
+# they stay what the spec says.
 """
 
 from __future__ import annotations
@@ -76,6 +95,14 @@ class _Symbols:
         self.floor = min(primes)
         self.value = {n: p for n, p in zip(names, primes[::-1] if reverse else primes)}
         self.name = {p: n for n, p in self.value.items()}
+
+    @classmethod
+    def at(cls, sizes: Mapping[str, int]) -> "_Symbols":
+        """The symbols at the sizes the generated code uses, shown as numbers
+        (NOTE [Sample sizes])."""
+        symbols = cls(())
+        symbols.names, symbols.value = tuple(sizes), dict(sizes)
+        return symbols
 
     def other(self) -> "_Symbols":
         """The same symbols at other primes (the second run, NOTE [Symbolic dims])."""
@@ -154,6 +181,7 @@ def _infer(graph: Graph, budget: Budget) -> Graph:
                        count, layers)
                       for (values, types, count, layers), other
                       in zip(per_use, uses_again.get(name, []))]
+    check_sample_sizes(graph, blocks, budget)
     inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
     block_classes = tuple(_block_facts(b, uses.get(b.name, [])) for b in graph.blocks)
     return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
@@ -175,6 +203,90 @@ def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass], budg
         nodes = runner.run_nodes(graph.nodes, env)
     runner.errors.raise_if_any()
     return nodes, runner.block_uses
+
+
+#: How many times the non-batch dims may double in the search for sizes a
+#: spec runs at (16 -> 1,024), each a run of the graph on meta.
+_DOUBLINGS = 6
+
+
+def sample_sizes(graph: Graph) -> dict[str, dict[str, int]]:
+    """What each of the generated code's sizes is called -> the sizes a layer
+    sees there: the training sizes and the generated tests' (NOTE [Sample
+    sizes]), the batch a micro-batch's (the smallest ``tensor_split`` gives)."""
+    micro = graph.pipeline.microbatches if graph.pipeline else 1
+    named = {"the training sizes": dict(graph.dims),
+             "the sizes of the generated tests": graph.test_dims}
+    for dims in named.values():
+        if "batch" in dims:
+            dims["batch"] //= micro
+    if named["the training sizes"] == named["the sizes of the generated tests"]:
+        return {"the training and test sizes": named["the training sizes"]}
+    return named
+
+
+def check_sample_sizes(graph: Graph, blocks: Mapping[str, BlockClass], budget: Budget) -> None:
+    """Run the graph at :func:`sample_sizes`; a failure is an MpgenError that
+    names the dims and the ``train.dims`` that would run (NOTE [Sample sizes])."""
+    named = sample_sizes(graph)
+    for label, dims in named.items():
+        error = _failure(graph, dims, blocks, budget)
+        if error is None:
+            continue
+        per = " per micro-batch" if graph.pipeline else ""
+        shown = ", ".join(f"{name}={size}{per if name == 'batch' else ''}"
+                          for name, size in dims.items())
+        larger = _larger_sizes(graph, named, blocks, budget)
+        if larger is None:
+            raise MpgenError(error.pos, f"{error.message}, at {label} ({shown}); the training "
+                             "script and the generated tests run at these sizes: set them with "
+                             "train.batch_size and train.dims") from None
+        given = next(t for t in graph.inputs if set(t.type.symbols) & set(larger))
+        names = " and ".join(larger)
+        fix = ", ".join(f"{name}: {size}" for name, size in larger.items())
+        layer = f"line {error.pos.line}" if error.pos.file == given.pos.file else error.pos
+        raise MpgenError(given.pos, f"input {given.name!r}: {names} too small at {label} "
+                         f"({shown}): {error.message} ({layer}); set train.dims: {{{fix}}}") \
+            from None
+
+
+def _failure(graph: Graph, dims: Mapping[str, int], blocks: Mapping[str, BlockClass],
+             budget: Budget) -> Optional[MpgenError]:
+    """The first error of the graph run at ``dims`` (None: it runs)."""
+    try:
+        _run(graph, _Symbols.at(dims), blocks, budget)
+    except OutOfBudget:
+        raise
+    except MpgenError as error:
+        return _error_list(error)[0]
+    return None
+
+
+def _larger_sizes(graph: Graph, named: Mapping[str, dict[str, int]],
+                  blocks: Mapping[str, BlockClass], budget: Budget) -> Optional[dict[str, int]]:
+    """The non-batch dims to change, and their sizes, for the graph to run at
+    every one of ``named``: the smallest doubling of them all that runs,
+    less each dim that need not change (None: no doubling up to
+    :data:`_DOUBLINGS` runs)."""
+    first = next(iter(named.values()))
+    names = [name for name in first if name != "batch"]
+    if not names:
+        return None
+
+    def runs(sizes: Mapping[str, int]) -> bool:
+        return all(_failure(graph, dims | sizes, blocks, budget) is None
+                   for dims in named.values())
+
+    for k in range(1, _DOUBLINGS + 1):
+        sizes = {name: first[name] << k for name in names}
+        if runs(sizes):
+            break
+    else:
+        return None
+    for name in names:
+        if runs(sizes | {name: first[name]}):
+            sizes[name] = first[name]
+    return {name: size for name, size in sizes.items() if size != first[name]}
 
 
 def _agree_errors(error: MpgenError, graph: Graph, other: _Symbols,
@@ -316,7 +428,21 @@ class _Runner(meta.Hooks):
         out = meta.run(node, module, inputs, {}, self, env=env)
         if node.repeat and node.repeat > 1:
             self.check_chain(node, node.name, inputs[0], out)
+        if node.per_copy:
+            self.check_copies(node, module)
         return out, count
+
+    def check_copies(self, node: Node, first: nn.Module) -> None:
+        """Copies made with ``$index`` must each build and hold what the first
+        does (placement and costs count every copy as the first)."""
+        want = sum(p.numel() for p in first.parameters())
+        for k in range(1, node.repeat):
+            copy = meta.build(node, {}, self.blocks, self, index=k)
+            got = sum(p.numel() for p in copy.parameters())
+            if got != want:
+                raise MpgenError(node.pos, f"layer {node.name!r}: copy {k} has {got:,} "
+                                 f"parameters and copy 0 {want:,}: $index may change how a "
+                                 "copy computes (a rate, a scale), not its sizes")
 
     def check_chain(self, node: Node, label: str, x: torch.Tensor, out: Any) -> None:
         """A repeated layer's copy must give what it was given (the next reads it)."""
@@ -428,22 +554,8 @@ def _clean(exc: Exception) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
-        if node.per_copy:
-            self.check_copies(node, module)
 def _with_high(tensor: InputTensor, nodes: Sequence[Node], blocks) -> InputTensor:
     """Integer inputs: draw synthetic values below the smallest Embedding size."""
-    def check_copies(self, node: Node, first: nn.Module) -> None:
-        """Copies made with ``$index`` must each build and hold what the first
-        does (placement and costs count every copy as the first)."""
-        want = sum(p.numel() for p in first.parameters())
-        for k in range(1, node.repeat):
-            copy = meta.build(node, {}, self.blocks, self, index=k)
-            got = sum(p.numel() for p in copy.parameters())
-            if got != want:
-                raise MpgenError(node.pos, f"layer {node.name!r}: copy {k} has {got:,} "
-                                 f"parameters and copy 0 {want:,}: $index may change how a "
-                                 "copy computes (a rate, a scale), not its sizes")
-
     if tensor.type.dtype not in ("int64", "int32"):
         return tensor
     embeddings = [n.init for n in nodes if n.inputs[:1] == (tensor.name,)

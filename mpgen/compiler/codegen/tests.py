@@ -24,9 +24,6 @@ from mpgen.compiler.codegen.format import fits, layout_header
 from mpgen.compiler.ir import Graph, Transfer
 from mpgen.compiler.placement.stages import stages
 
-#: Sizes of symbolic dims in the generated tests (small: they run on CPUs).
-TEST_BATCH = 2
-
 
 @dataclass(frozen=True)
 class ModelFacts:
@@ -52,10 +49,8 @@ def model_facts(graph: Graph) -> ModelFacts:
     """The facts of ``graph`` that the generated tests check."""
     from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 
-    dims = dict(graph.train.dims)
+    dims = graph.test_dims  # the training sizes the build checked, a small batch
     microbatches = graph.pipeline.microbatches if graph.pipeline else 1
-    if "batch" in dims:  # a micro-batched forward: at least a sample per micro-batch
-        dims["batch"] = max(TEST_BATCH, microbatches)
     placement: dict[str, str] = {}
     for node in graph.nodes:
         if not node.op.has_module:

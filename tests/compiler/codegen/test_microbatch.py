@@ -236,7 +236,8 @@ def test_the_generated_tests_expect_each_transfer_once_per_micro_batch(tmp_path)
     spec = write_spec(tmp_path, spec_text(SHARED_INPUT, "{microbatches: 3}"))
     build_to(spec, tmp_path / "out")
     text = (tmp_path / "out" / "test_net.py").read_text()
-    assert text.count('("x", "cpu", "cuda:0", 32)') == 3  # 3 micro-batches of 1 sample
+    # 3 micro-batches of TEST_BATCH (2) samples each
+    assert text.count('("x", "cpu", "cuda:0", 64)') == 3
     assert text.count('("shift", "cpu", "cuda:1", 32)') == 3  # whole, each time
     ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           "test_net.py"], cwd=tmp_path / "out", capture_output=True,

@@ -128,7 +128,10 @@ class UnitRef:
         return self.node if self.instance is None else f"{self.node}.{self.instance}"
 
 
-_RANGE = re.compile(r"^(?P<node>[^.]+)(?:\.(?P<start>[0-9]+)(?:-(?P<stop>[0-9]+))?)?$")
+# A layer's name may be dotted: a layer inside a block instance split by
+# placement (``model.layers``, NOTE [Placement inside a block instance]).
+_RANGE = re.compile(r"^(?P<node>[^\W\d]\w*(?:\.[^\W\d]\w*)*)"
+                    r"(?:\.(?P<start>[0-9]+)(?:-(?P<stop>[0-9]+))?)?$")
 
 
 @dataclass(frozen=True)
@@ -295,18 +298,24 @@ def leaves(value: Any) -> Iterator[Any]:
 INDEX, REPEAT = "index", "repeat"
 
 
-def substitute(value: Any, params: Mapping[str, Any]) -> Any:
-    """``value`` with each :class:`Param` named in ``params`` replaced by its value."""
+def substitute(value: Any, params: Mapping[str, Any],
+               sizes: Mapping[str, str] = {}) -> Any:
+    """``value`` with each :class:`Param` named in ``params`` replaced by its
+    value, and each ``size()`` of a value renamed in ``sizes`` reading the new name."""
     if isinstance(value, Param):
         return params.get(value.name, value)
+    if isinstance(value, Size):
+        return Size(sizes.get(value.value, value.value), value.dim)
     if isinstance(value, list):
-        return [substitute(v, params) for v in value]
+        return [substitute(v, params, sizes) for v in value]
     if isinstance(value, BinOp):
-        return BinOp(value.op, substitute(value.left, params), substitute(value.right, params))
+        return BinOp(value.op, substitute(value.left, params, sizes),
+                     substitute(value.right, params, sizes))
     if isinstance(value, Neg):
-        return Neg(substitute(value.operand, params))
+        return Neg(substitute(value.operand, params, sizes))
     if isinstance(value, IfTraining):
-        return IfTraining(substitute(value.value, params), substitute(value.otherwise, params))
+        return IfTraining(substitute(value.value, params, sizes),
+                          substitute(value.otherwise, params, sizes))
     return value
 
 
@@ -335,10 +344,10 @@ class Args:
     def values(self) -> list[Any]:
         return [*self.positional, *(v for _, v in self.keyword)]
 
-    def substitute(self, params: Mapping[str, Any]) -> "Args":
+    def substitute(self, params: Mapping[str, Any], sizes: Mapping[str, str] = {}) -> "Args":
         """These arguments with the params in ``params`` set (:func:`substitute`)."""
-        return Args(tuple(substitute(v, params) for v in self.positional),
-                    tuple((k, substitute(v, params)) for k, v in self.keyword))
+        return Args(tuple(substitute(v, params, sizes) for v in self.positional),
+                    tuple((k, substitute(v, params, sizes)) for k, v in self.keyword))
 
 
 #: An item of a layer's tensor arguments: an index into ``Node.inputs``, or a
@@ -811,6 +820,20 @@ class Costs:
 # -- placement -----------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Split:
+    """A block instance that placement splits: ``model`` of block ``LlamaBody``
+    when a placement key names a layer inside it (``model.layers.16-31``). Its
+    layers are the graph's own nodes, named by their path (``model.norm``);
+    ``nodes`` are those names, its nested splits' included (NOTE [Placement
+    inside a block instance] in frontend/resolve.py)."""
+
+    path: str
+    block: str
+    nodes: tuple[str, ...]
+    pos: Position
+
+
+@dataclass(frozen=True)
 class PlacementEntry:
     """One ``key: device`` line of the explicit placement form."""
 
@@ -928,6 +951,7 @@ class Graph:
     train: Optional[TrainConfig] = None
     placement: PlacementRequest = ExplicitPlacement()  # what the spec asks for
     init_rules: tuple[InitRule, ...] = ()  # the top-level ``init:``
+    splits: tuple[Split, ...] = ()  # block instances split by placement, outer first
     # Filled by analysis.costs: per-unit costs at the training sizes.
     costs: Optional[Costs] = field(default=None, compare=False, repr=False)
     # Filled by placement:

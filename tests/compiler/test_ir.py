@@ -21,18 +21,21 @@ def test_unit_labels_compress_runs_of_instances():
     assert unit_labels([UnitRef("g", 0), UnitRef("h", 1)]) == ["g.0", "h.1"]
 
 
-@pytest.mark.parametrize("label", ["embed", "h.3", "h.0-5", "h.10-2"])
+@pytest.mark.parametrize("label", ["embed", "h.3", "h.0-5", "h.10-2", "model.layers.16-31",
+                                   "model.norm"])
 def test_unit_range_labels_round_trip(label):
     assert str(UnitRange.parse(label)) == label
 
 
-@pytest.mark.parametrize("label", ["", "h.", "h.x", "h.1-", "h.-2", "a.b.c"])
+@pytest.mark.parametrize("label", ["", "h.", "h.1-", "h.-2", "1h", "h.2.x", "h..x"])
 def test_unit_range_parse_refuses_what_is_not_a_label(label):
     assert UnitRange.parse(label) is None
 
 
 def test_unit_range_parse_gives_the_instances():
     assert UnitRange.parse("h.0-5") == UnitRange("h", 0, 5)
+    # A layer inside a split block instance is named by its path.
+    assert UnitRange.parse("model.layers.3") == UnitRange("model.layers", 3, 3)
     assert UnitRange.parse("h.3") == UnitRange("h", 3, 3)
     assert UnitRange.parse("h") == UnitRange("h")
 

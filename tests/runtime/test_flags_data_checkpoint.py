@@ -14,7 +14,7 @@ from tiny import STAGES, TRAINING, training
 TRAIN_FLAGS = {"--steps", "--epochs", "--batch-size", "--lr", "--seed", "--log-every",
                "--log-dir", "--checkpoint", "--save-every", "--resume", "--amp",
                "--grad-clip", "--accumulate", "--data", "--eval-data", "--eval-split",
-               "--eval-every", "--samples", "--workers"}
+               "--eval-every", "--samples", "--workers", "--init"}
 PIPELINE_FLAGS = {"--steps", "--epochs", "--batch-size", "--microbatches", "--schedule", "--lr",
                   "--decay-steps", "--seed", "--data", "--samples", "--workers", "--init",
                   "--checkpoint", "--save-every", "--resume", "--amp", "--grad-clip",

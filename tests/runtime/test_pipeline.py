@@ -11,6 +11,7 @@ import socket
 import time
 
 import pytest
+import safetensors.torch
 import torch
 import torch.multiprocessing as mp
 
@@ -63,9 +64,11 @@ def _losses(folder) -> list[float]:
 
 def test_two_ranks_train_as_the_single_process_loop_does(tmp_path):
     torch.manual_seed(0)
-    torch.save(Tiny().state_dict(), tmp_path / "init.pt")
+    init = Tiny().state_dict()
+    torch.save(init, tmp_path / "init.pt")
+    safetensors.torch.save_file(init, tmp_path / "init.safetensors")
     argv = ["--steps", "3", "--batch-size", "4", "--log-dir", str(tmp_path / "pp"),
-            "--init", str(tmp_path / "init.pt"), "--checkpoint", str(tmp_path / "stages")]
+            "--init", str(tmp_path / "init.safetensors"), "--checkpoint", str(tmp_path / "stages")]
     ranks = mp.start_processes(_rank, (_free_port(), argv), nprocs=2, join=False,
                                start_method="spawn")
     deadline = time.monotonic() + 300
@@ -75,18 +78,10 @@ def test_two_ranks_train_as_the_single_process_loop_does(tmp_path):
                 process.kill()
             pytest.fail("the two ranks did not finish in 300 s")
 
-    # The single-process loop from the same weights, on the same batches.
-    init = torch.load(tmp_path / "init.pt", weights_only=True)
-
-    class FromInit(Tiny):
-        def __init__(self) -> None:
-            super().__init__()
-            self.load_state_dict(init)
-
-    FromInit.__module__ = Tiny.__module__
-    single = TRAINING.__class__(**{**vars(TRAINING), "model": FromInit})
-    loop.train(single, ["--steps", "3", "--batch-size", "4", "--log-dir", str(tmp_path / "one"),
-                        "--checkpoint", str(tmp_path / "one")])
+    # The single-process loop from the same weights (a .pt file), on the same batches.
+    one = str(tmp_path / "one")
+    loop.train(TRAINING, ["--steps", "3", "--batch-size", "4", "--log-dir", one,
+                          "--checkpoint", one, "--init", str(tmp_path / "init.pt")])
     assert _losses(tmp_path / "pp") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     pipeline.merge(STAGES, str(tmp_path / "stages"), str(tmp_path / "merged.pt"))
     merged = torch.load(tmp_path / "merged.pt", weights_only=True)

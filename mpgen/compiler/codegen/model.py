@@ -48,10 +48,25 @@ def render_model(graph: Graph) -> str:
     w.line()
     for line in imports(graph):
         w.line(line)
-    for block in graph.blocks:
+    for block in used_blocks(graph):
         _block_class(w, block)
     _model_class(w, graph)
     return w.text()
+
+
+def used_blocks(graph: Graph) -> list[BlockClass]:
+    """The blocks the model's layers make, directly or inside other blocks, in
+    definition order (a block instance split by placement makes its layers
+    itself: NOTE [Placement inside a block instance])."""
+    blocks = {b.name: b for b in graph.blocks}
+    used: set[str] = set()
+    todo = [n.op.target for n in graph.nodes if n.op.kind is OpKind.BLOCK]
+    while todo:
+        name = todo.pop()
+        if name not in used:
+            used.add(name)
+            todo += [n.op.target for n in blocks[name].nodes if n.op.kind is OpKind.BLOCK]
+    return [b for b in graph.blocks if b.name in used]
 
 
 def _module_doc(graph: Graph) -> list[str]:
@@ -171,9 +186,12 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
         # whose instances span devices says which instances go where, and the
         # layer after it starts a new comment.
         device: Optional[str] = None
+        made: set[str] = set()
         for node in graph.nodes:
             if not node.op.has_module:
                 continue
+            if containers(w, graph, node, made):
+                device = None
             runs = device_runs(node.devices)
             if len(runs) > 1:
                 for line in _spread(node, runs):
@@ -340,6 +358,25 @@ def copies(node: Node, start: int, stop: int, device: Optional[str] = None,
         return f"[{constructor(node)}{to} for _ in range({stop - start})]"
     span = f"{stop}" if start == 0 else f"{start}, {stop}"
     return f"[{constructor(node, Names({INDEX: INDEX}))}{to} for {INDEX} in range({span})]"
+
+
+def containers(w: PythonWriter, graph: Graph, node: Node, made: set[str]) -> bool:
+    """``self.model = nn.Module()`` before the first layer of a block instance
+    split by placement (NOTE [Placement inside a block instance]): its layers
+    are made under it, so the state-dict keys are the unsplit block's.
+    Returns whether it wrote one."""
+    parts = node.name.split(".")
+    wrote = False
+    for end in range(1, len(parts)):
+        path = ".".join(parts[:end])
+        if path in made:
+            continue
+        made.add(path)
+        block = next(s.block for s in graph.splits if s.path == path)
+        w.comment(f"{path}: a {block}, split by placement; its layers follow")
+        w.line(f"self.{path} = nn.Module()")
+        wrote = True
+    return wrote
 
 
 def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,

@@ -44,6 +44,7 @@ from mpgen.compiler.codegen.common import (
 )
 from mpgen.compiler.codegen.model import (
     attribute,
+    containers,
     copies,
     imports,
     initialization,
@@ -134,9 +135,11 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
         w.line()
         with w.block("def __init__(self) -> None"):
             w.line("super().__init__()")
+            made: set[str] = set()
             for node, step in held:
                 if not node.op.has_module:
                     continue
+                containers(w, graph, node, made)
                 if node.repeat is None:
                     attribute(w, node)
                     continue

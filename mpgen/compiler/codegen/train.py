@@ -312,6 +312,11 @@ def render_train(graph: Graph) -> str:
             fields.append(("scheduler", n["make_scheduler"]))
         if train.closure:
             fields.append(("closure", "True"))
+    # --init fills a key a state dict leaves out (save_pretrained's tied head) from its owner's.
+    ties = [tuple_literal((f"{node.name}.{tie.param}", tie.source))
+            for node in graph.nodes for tie in node.ties]
+    if ties:
+        fields.append(("ties", "(" + _tuple(ties) + ")"))
     fields.append(("defaults", _dict_literal(defaults(graph))))
     for key, source in (("data_kwargs", train.data), ("eval_data_kwargs", train.eval_data)):
         kwargs = _source(source)[1]

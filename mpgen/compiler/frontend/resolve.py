@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from mpgen.compiler.frontend import expressions, imports, ops
 from mpgen.compiler.ir import (
     Args,
+    BinOp,
     BlockClass,
     Element,
     Expr,
@@ -34,8 +35,10 @@ from mpgen.compiler.ir import (
     Node,
     Op,
     OpKind,
+    Neg,
     OwnTensor,
     Param,
+    Split,
     SymDim,
     TensorType,
     INDEX,
@@ -129,11 +132,14 @@ class _Resolver:
         for block_name in spec.blocks:
             blocks.append(self.block(block_name, [b.name for b in blocks]))
         inputs = self.model_inputs()
+        ns = self.forward_namespace(inputs)
         nodes = self.layers(
-            ("layers",), spec.layers, inputs, [b.name for b in blocks], params=None,
-            ns=self.forward_namespace(inputs),
+            ("layers",), spec.layers, inputs, [b.name for b in blocks], params=None, ns=ns,
         )
         outputs = self.outputs(("outputs",), spec.outputs, nodes)
+        splits: list[Split] = []
+        if not self.errors.errors:
+            nodes = _Splitter(self, {b.name: b for b in blocks}, outputs, ns).split(nodes, splits)
         init_rules = self.model_inits()
         self.errors.raise_if_any()
         return Graph(
@@ -146,6 +152,7 @@ class _Resolver:
             blocks=tuple(blocks),
             pos=self.value("name"),
             init_rules=tuple(init_rules),
+            splits=tuple(splits),
         )
 
     def model_inits(self) -> list[InitRule]:
@@ -754,6 +761,174 @@ class _Resolver:
             else:
                 result.append(out)
         return result
+
+
+# NOTE: [Placement inside a block instance]
+# A placement key may name a layer inside a block instance (``model.norm``),
+# or instances of a repeated layer there (``model.layers.16-31``). Such an
+# instance is split: its block's layers become the graph's own nodes, named
+# by their path (so ``self.model.norm``, and the state-dict keys of the unsplit
+# block), its params set to the instance's arguments, its inputs and outputs
+# wired to the values around it; a ``Split`` records which nodes it became.
+# From there every stage sees ordinary layers: placement, transfers, costs,
+# pipeline stages. The generated model makes ``self.model = nn.Module()`` and
+# its layers under it, each on its device; forward runs them in place of the
+# block's call. A key that reaches inside one copy of a repeated block
+# (``model.layers.3.mlp``) is refused: the copies are made alike in one loop.
+# Splitting is asked only by explicit placement keys; a split is by path, so
+# nested instances split as far as the keys reach.
+
+
+class _Splitter:
+    """Block instances that explicit placement keys reach inside, split
+    (NOTE [Placement inside a block instance])."""
+
+    def __init__(self, resolver: "_Resolver", blocks: dict[str, BlockClass],
+                 outputs: list[str], ns: Namespace) -> None:
+        self.r = resolver
+        self.blocks = blocks
+        self.outputs = set(outputs)
+        self.ns = ns
+        self.top: dict[str, Node] = {}  # the model's layers, by name
+        self.wanted: dict[str, str] = {}  # instance path -> the key that splits it
+
+    def reach(self, key: str) -> None:
+        """Mark the block instances ``key`` names a layer inside of."""
+        parts = key.split(".")
+        scope = self.top
+        for i, part in enumerate(parts[:-1]):
+            node = scope.get(part)
+            if node is None or node.op.kind is not OpKind.BLOCK:
+                return
+            path = ".".join(parts[:i + 1])
+            if node.repeat is not None:
+                if i + 2 < len(parts):
+                    self.r.errors.add(self.r.key("placement", key), f"placement: {key!r} "
+                                      f"reaches inside one copy of {path!r}, which is repeated: "
+                                      f"its copies are made alike; place whole copies "
+                                      f"({path}.{parts[i + 1]})")
+                return
+            self.wanted.setdefault(path, key)
+            scope = {n.name: n for n in self.blocks[node.op.target].nodes}
+
+    def split(self, nodes: list[Node], splits: list["Split"]) -> list[Node]:
+        self.top = {n.name: n for n in nodes}
+        placement = self.r.spec.placement
+        for key in (placement.explicit if placement is not None and placement.auto is None
+                    else {}):
+            self.reach(key)
+        if not self.wanted:
+            return nodes
+        result: list[Node] = []
+        rename: dict[str, str] = {}
+        for node in nodes:
+            node = self.renamed(node, "", {}, rename)
+            if node.name in self.wanted:
+                result += self.expand(node, splits, rename)
+            else:
+                result.append(node)
+        return result
+
+    def renamed(self, node: Node, prefix: str, params: dict, rename: dict[str, str]) -> Node:
+        """``node`` of a block split at ``prefix``, as a node of the graph: its
+        path for a name, a fresh variable, its values and params set."""
+        if not prefix and not rename:
+            return node
+        inputs = tuple(rename.get(r, r) for r in node.inputs)
+        changes: dict[str, Any] = dict(
+            inputs=inputs, init=_folded(node.init.substitute(params, rename)),
+            call=_folded(node.call.substitute(params, rename)))
+        if prefix:
+            elements = tuple(dataclasses.replace(e, name=prefix + e.name,
+                                                 var=self.ns.fresh(e.name))
+                             for e in node.elements)
+            changes.update(
+                name=prefix + node.name, var=self.ns.fresh(node.name), elements=elements,
+                pattern=_renamed_pattern(node.pattern, prefix),
+                inits=tuple(dataclasses.replace(r, layer=prefix + node.name)
+                            for r in node.inits))
+            if node.tensor is not None:
+                changes["tensor"] = dataclasses.replace(node.tensor, shape=tuple(
+                    _folded_value(substitute(d, params)) for d in node.tensor.shape))
+        return dataclasses.replace(node, **changes)
+
+    def expand(self, node: Node, splits: list["Split"], rename: dict[str, str]) -> list[Node]:
+        """The nodes block instance ``node`` becomes; ``rename`` learns what its
+        values are now called."""
+        path, key = node.name, self.wanted[node.name]
+        block = self.blocks[node.op.target]
+        where = self.r.key("placement", key)
+        if node.feed is not None and (node.feed.keyword or any(
+                isinstance(i, tuple) for i in node.feed.positional)):
+            self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} takes a "
+                              "tuple or keyword input, so it cannot be split")
+            return [node]
+        if not node.pattern and node.name in self.outputs:
+            self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} is a model "
+                              "output, so it cannot be split: add a layer after it to be the "
+                              "output")
+            return [node]
+        params = dict(zip(block.params, node.init.positional))
+        inner = {t.name: node.inputs[i] for i, t in
+                 zip(node.feeding.positional, block.inputs)}
+        made: list[Node] = []
+        first = len(splits)
+        splits.append(None)  # its place, outer before inner
+        for n in block.nodes:
+            n = self.renamed(n, f"{path}.", params, inner)
+            for old, new in zip(_plain_names(n, f"{path}."), n.value_names):
+                inner[old] = new
+            if n.name in self.wanted:
+                made += self.expand(n, splits, inner)
+            else:
+                made.append(n)
+        outs = [inner[o] for o in block.outputs]
+        if node.pattern:
+            for element, out in zip(node.elements, outs):
+                rename[element.name] = out
+        else:
+            rename[node.name] = outs[0]
+        splits[first] = Split(path, block.name, tuple(n.name for n in made), node.pos)
+        return made
+
+
+def _plain_names(node: Node, prefix: str) -> tuple[str, ...]:
+    """The names a node of a block had there (``node`` renamed under ``prefix``)."""
+    return tuple(v.removeprefix(prefix) for v in node.value_names)
+
+
+def _renamed_pattern(pattern, prefix: str):
+    if pattern is None:
+        return None
+    return tuple(_renamed_pattern(p, prefix) if isinstance(p, tuple) else
+                 (prefix + p if p else p) for p in pattern)
+
+
+def _folded(args: Args) -> Args:
+    return Args(tuple(_folded_value(v) for v in args.positional),
+                tuple((k, _folded_value(v)) for k, v in args.keyword))
+
+
+def _folded_value(value: Any) -> Any:
+    """An expression whose params are all set, computed: ``3 * 768`` -> 2304."""
+    if isinstance(value, list):
+        return [_folded_value(v) for v in value]
+    if isinstance(value, Neg):
+        inner = _folded_value(value.operand)
+        return -inner if _number(inner) else Neg(inner)
+    if isinstance(value, BinOp):
+        left, right = _folded_value(value.left), _folded_value(value.right)
+        if _number(left) and _number(right):
+            try:
+                return expressions.fold(value.op, left, right)
+            except expressions.ExpressionError:
+                pass
+        return BinOp(value.op, left, right)
+    return value
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 #: Functions whose randomness is for training only, and the name of their flag.

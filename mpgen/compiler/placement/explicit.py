@@ -29,10 +29,20 @@ from mpgen.errors import Collector, did_you_mean
 
 def place_explicit(graph: Graph, request: ExplicitPlacement,
                    device_map: Optional[dict[str, str]] = None) -> Graph:
-    """Resolve the explicit form (or the default) into per-instance devices."""
+    """Resolve the explicit form (or the default) into per-instance devices.
+
+    Inside a split block instance (NOTE [Placement inside a block instance]),
+    a layer no key names is on the instance's device: the device its own key
+    gives, or else the one the bookmarks give where it stands (an inner
+    instance: its outer one's); the bookmarks go on from there after it."""
     errors = Collector()
     named: dict[UnitRef, PlacementEntry] = {}
+    splits = {s.path: s for s in graph.splits}
+    placed_splits: dict[str, PlacementEntry] = {}
     for entry in request.entries:
+        if entry.key in splits:
+            placed_splits[entry.key] = entry
+            continue
         units = _units_of(graph, entry, errors)
         again = [u for u in units if u in named]
         if again:
@@ -44,14 +54,31 @@ def place_explicit(graph: Graph, request: ExplicitPlacement,
     errors.raise_if_any()
     graph = dataclasses.replace(graph,
                                 layout=Layout("explicit" if request.entries else "default"))
-    current = next((named[u].device for u in graph.units if u in named), DEFAULT_DEVICE)
+    inside: dict[str, list[str]] = {}  # node -> the splits holding it, outer first
+    for split in graph.splits:
+        for name in split.nodes:
+            inside.setdefault(name, []).append(split.path)
+    first = [placed_splits[p].device for n in graph.nodes for p in inside.get(n.name, ())[:1]
+             if p in placed_splits]
+    current = next((named[u].device for u in graph.units if u in named),
+                   first[0] if first else DEFAULT_DEVICE)
     devices = []
+    split_device: dict[str, str] = {}
     for node in graph.nodes:
+        paths = inside.get(node.name, [])
+        for outer, path in zip([None, *paths], paths):
+            if path not in split_device:
+                entry = placed_splits.get(path)
+                split_device[path] = (entry.device if entry else
+                                      split_device[outer] if outer else current)
+                if outer is None:
+                    current = split_device[path]
         per_instance = []
         for unit in node.units:
-            if unit in named:
+            if unit in named and not paths:
                 current = named[unit].device
-            per_instance.append(current)
+            per_instance.append(named[unit].device if unit in named else
+                                split_device[paths[-1]] if paths else current)
         devices.append(tuple(per_instance))
     return assign(graph, devices, device_map)
 
@@ -69,7 +96,7 @@ def _units_of(graph: Graph, entry: PlacementEntry, errors: Collector) -> list[Un
         return list(node.units)
     if node.repeat is None:
         errors.add(pos, f"placement: {key!r}: layer {node.name!r} is not repeated, so it has "
-                   "no instances to index (a block instance is placed as a whole)")
+                   "no instances to index")
         return []
     if label.first > label.last:
         errors.add(pos, f"placement: {key!r}: a range goes from the lower to the higher "

@@ -1,0 +1,162 @@
+"""Placement inside a block instance (``model.layers.2-3: cuda:1``,
+``model.norm: cuda:1``): the instance is split, its layers placed one by
+one, and the generated model keeps the state-dict keys of the unsplit
+block, so a reference written with the same hierarchy loads strictly with
+no key mapping and gives the same outputs and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from helpers import build_to, import_generated, write_spec
+from mpgen.compiler import driver
+from mpgen.errors import MpgenError
+from mpgen.testing.virtual import virtual_devices
+
+SPEC = """
+mpgen: 1
+name: TinyLM
+inputs:
+  ids: {shape: [batch, seq], dtype: int64}
+blocks:
+  Layer:
+    params: [dim]
+    layers:
+      norm: {op: LayerNorm, args: [$dim]}
+      fc: {op: Linear, args: [$dim, "=2 * $dim"]}
+      act: {op: F.gelu}
+      proj: {op: Linear, args: ["=2 * $dim", $dim]}
+      add: {op: torch.add, in: [x, proj]}
+  Body:
+    params: [vocab, dim, depth]
+    inputs: [ids]
+    layers:
+      embed: {op: Embedding, args: [$vocab, $dim]}
+      scale: {op: Parameter, shape: [$dim], init: ones}
+      scaled: {op: torch.mul, in: [embed, scale]}
+      layers: {op: Layer, args: [$dim], repeat: 4}
+      norm: {op: LayerNorm, args: [$dim]}
+layers:
+  model: {op: Body, args: [64, 16, 4]}
+  lm_head: {op: Linear, args: [16, 64], bias: false}
+"""
+SPLIT = """placement:
+  model.layers.0-1: cuda:0
+  model.layers.2-3: cuda:1
+  model.norm: cuda:1
+  lm_head: cuda:1
+"""
+
+
+class Layer(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(dim), nn.Linear(dim, 2 * dim)
+        self.proj = nn.Linear(2 * dim, dim)
+
+    def forward(self, x):
+        return x + self.proj(F.gelu(self.fc(self.norm(x))))
+
+
+class Body(nn.Module):
+    def __init__(self, vocab, dim, depth):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.layers = nn.ModuleList(Layer(dim) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, ids):
+        x = self.embed(ids) * self.scale
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class Reference(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = Body(64, 16, 4)
+        self.lm_head = nn.Linear(16, 64, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+def build(tmp_path, text, device_map=None):
+    result = build_to(write_spec(tmp_path, text), tmp_path / "out", device_map)
+    path = tmp_path / "out" / "tiny_lm.py"
+    return result.graph, import_generated(path).TinyLM, path.read_text()
+
+
+def check_against_reference(model):
+    reference = Reference()
+    with torch.no_grad():  # a perturbed scale and norms: every parameter matters
+        for p in reference.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    model.load_state_dict(reference.state_dict(), strict=True)
+    ids = torch.randint(0, 64, (3, 5))
+    out, want = model(ids), reference(ids)
+    assert torch.equal(out.cpu(), want)
+    out.sum().backward()
+    want.sum().backward()
+    ours = dict(model.named_parameters())
+    for name, p in reference.named_parameters():
+        assert torch.equal(ours[name].grad.cpu(), p.grad), name
+
+
+def test_a_split_instance_keeps_the_keys_of_the_unsplit_block(tmp_path):
+    graph, Model, code = build(tmp_path, SPEC + SPLIT, {"*": "cpu"})
+    assert [s.path for s in graph.splits] == ["model"]
+    assert list(Model().state_dict()) == list(Reference().state_dict())
+    check_against_reference(Model())
+    assert "self.model = nn.Module()" in code and "class Body" not in code
+
+
+def test_a_split_instance_over_two_devices(tmp_path):
+    graph, Model, code = build(tmp_path, SPEC + SPLIT)
+    devices = {n.name: n.devices for n in graph.nodes}
+    assert devices["model.embed"] == ("cuda:0",)  # not named: the instance's device
+    assert devices["model.layers"] == ("cuda:0", "cuda:0", "cuda:1", "cuda:1")
+    assert devices["model.norm"] == devices["lm_head"] == ("cuda:1",)
+    assert "for block in self.model.layers[2:4]:" in code
+    with virtual_devices(2):
+        check_against_reference(Model())
+
+
+def test_the_unsplit_spec_has_the_same_keys(tmp_path):
+    _, Model, code = build(tmp_path, SPEC, {"*": "cpu"})
+    assert "class Body" in code
+    assert list(Model().state_dict()) == list(Reference().state_dict())
+
+
+def test_an_instance_placed_by_its_own_key(tmp_path):
+    text = SPEC + "placement:\n  model: cuda:1\n  model.layers.0: cuda:0\n  lm_head: cuda:0\n"
+    graph, _, _ = build(tmp_path, text)
+    devices = {n.name: n.devices for n in graph.nodes}
+    assert devices["model.embed"] == devices["model.norm"] == ("cuda:1",)
+    assert devices["model.layers"] == ("cuda:0", "cuda:1", "cuda:1", "cuda:1")
+
+
+@pytest.mark.parametrize("placement, message", [
+    ("  model.layers.1.fc: cuda:1\n",
+     "spec.yaml:27:3: placement: 'model.layers.1.fc' reaches inside one copy of "
+     "'model.layers', which is repeated"),
+    ("  model.nrom: cuda:1\n",
+     "spec.yaml:27:3: placement: 'model.nrom' matches no layer (did you mean 'model.norm'?)"),
+])
+def test_mistakes(tmp_path, placement, message):
+    with pytest.raises(MpgenError) as info:
+        driver.compile_spec(write_spec(tmp_path, SPEC + "placement:\n" + placement))
+    assert message in str(info.value).replace(f"{tmp_path}/", "")
+
+
+def test_an_instance_that_is_a_model_output_is_not_split(tmp_path):
+    text = SPEC.replace("  lm_head: {op: Linear, args: [16, 64], bias: false}\n", "") + \
+        "placement:\n  model.norm: cuda:1\n"
+    with pytest.raises(MpgenError) as info:
+        driver.compile_spec(write_spec(tmp_path, text))
+    assert "block instance 'model' is a model output, so it cannot be split" in str(info.value)

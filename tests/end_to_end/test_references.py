@@ -310,3 +310,44 @@ def test_unet_output_has_the_input_size_at_odd_sizes(tmp_path):
             out = model(torch.randn(1, 3, height, width))
             assert out.device == torch.device("cuda:1")
             assert tuple(out.shape) == (1, 1, height, width)
+
+
+# -- Llama: Hugging Face's hierarchy, split inside its body --------------------
+
+def hf_llama() -> nn.Module:
+    transformers = hugging_face()
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # the RMSNorm weights start at 1: make every one matter
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.parametrize("where", ["cpu", "two virtual GPUs"])
+def test_tiny_llama_loads_hugging_faces_state_dict_with_no_mapping(tmp_path, where):
+    """examples/tiny_llama.yaml mirrors LlamaForCausalLM's hierarchy (Parameter
+    RMSNorm weights, a non-persistent inv_freq Buffer, GQA) and splits its
+    body block over two devices: HF's state dict loads strictly as it is, and
+    logits and every gradient are equal bit for bit."""
+    reference = hf_llama()
+    Model = generated_model(EXAMPLES / "tiny_llama.yaml", tmp_path,
+                            CPU if where == "cpu" else None)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = reference(ids).logits
+    want.sum().backward()
+    with virtual_devices(2):
+        model = Model().eval()
+        model.load_state_dict(reference.state_dict(), strict=True)
+        if where != "cpu":
+            assert model.model.layers[3].mlp.up_proj.weight.device.index == 1
+            assert model.model.embed_tokens.weight.device.index == 0
+        out = model(ids)
+        assert torch.equal(out.cpu(), want)
+        out.sum().backward()
+        ours = dict(model.named_parameters())
+        for name, p in reference.named_parameters():
+            assert torch.equal(ours[name].grad.cpu(), p.grad), name

@@ -507,7 +507,9 @@ def _comment(node: Node, shapes: Mapping[str, Optional[TensorType]]) -> Optional
     """The shape comment of a step: its output's, or each named element's
     (``shapes``: a block's comments by value, valid for all its uses)."""
     if node.pattern:
-        types = [(e.name, shapes.get(e.name) or e.type) for e in node.elements]
+        # An element of a split block instance is named by its name there.
+        types = [(e.name.rpartition(".")[2], shapes.get(e.name) or e.type)
+                 for e in node.elements]
         return ", ".join(f"{name} {t}" for name, t in types if t is not None) or None
     return _shape(shapes.get(node.name) or node.out)
 

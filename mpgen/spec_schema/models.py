@@ -588,6 +588,10 @@ class AutoPlacementSpec(_Model):
         {"type": "number", "exclusiveMinimum": 0})]] = Field(default_factory=dict, description=(
             "Relative speeds (default 1): a device's load is its stage's cost divided by its "
             "speed."))
+    split: list[StrictStr] = Field(default_factory=list, description=(
+        "Block instances whose layers are placed one by one, as if named inside by explicit "
+        "keys (their state-dict keys stay the unsplit block's): `[model]`; a dotted path "
+        "(`model.encoder`) splits an instance inside one too."))
 
     @field_validator("devices", mode="after")
     @classmethod

@@ -811,9 +811,33 @@ class _Splitter:
             self.wanted.setdefault(path, key)
             scope = {n.name: n for n in self.blocks[node.op.target].nodes}
 
+    def instance(self, path: str, i: int) -> None:
+        """``placement.auto.split[i]``: split block instance ``path`` and those
+        it is inside of."""
+        parts = path.split(".")
+        scope = self.top
+        for end, part in enumerate(parts, 1):
+            node = scope.get(part)
+            if node is None or node.op.kind is not OpKind.BLOCK or node.repeat is not None:
+                known = [n.name for n in scope.values() if n.op.kind is OpKind.BLOCK
+                         and n.repeat is None]
+                what = (f"{part!r} is not a layer here" if node is None else
+                        f"{part!r} is a repeated layer" if node.op.kind is OpKind.BLOCK else
+                        f"{part!r} is not a block instance")
+                self.r.errors.add(self.r.value("placement", "auto", "split", i),
+                                  f"placement.auto.split: {path!r}: {what}; split names a "
+                                  f"block instance that is not repeated"
+                                  f"{did_you_mean(part, known)}")
+                return
+            self.wanted.setdefault(".".join(parts[:end]), path)
+            scope = {n.name: n for n in self.blocks[node.op.target].nodes}
+
     def split(self, nodes: list[Node], splits: list["Split"]) -> list[Node]:
         self.top = {n.name: n for n in nodes}
         placement = self.r.spec.placement
+        if placement is not None and placement.auto is not None:
+            for i, path in enumerate(placement.auto.split):
+                self.instance(path, i)
         for key in (placement.explicit if placement is not None and placement.auto is None
                     else {}):
             self.reach(key)
@@ -857,7 +881,9 @@ class _Splitter:
         values are now called."""
         path, key = node.name, self.wanted[node.name]
         block = self.blocks[node.op.target]
-        where = self.r.key("placement", key)
+        auto = self.r.spec.placement.auto
+        where = (self.r.value("placement", "auto", "split", auto.split.index(key))
+                 if auto is not None else self.r.key("placement", key))
         if node.feed is not None and (node.feed.keyword or any(
                 isinstance(i, tuple) for i in node.feed.positional)):
             self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} takes a "

@@ -160,3 +160,26 @@ def test_an_instance_that_is_a_model_output_is_not_split(tmp_path):
     with pytest.raises(MpgenError) as info:
         driver.compile_spec(write_spec(tmp_path, text))
     assert "block instance 'model' is a model output, so it cannot be split" in str(info.value)
+
+
+def test_automatic_placement_splits_the_instances_it_is_told_to(tmp_path):
+    text = SPEC + "placement:\n  auto: {devices: [cuda:0, cuda:1], split: [model]}\n"
+    graph, Model, _ = build(tmp_path, text)
+    devices = {n.name: n.devices for n in graph.nodes}
+    assert devices["model.layers"] == ("cuda:0", "cuda:0", "cuda:1", "cuda:1")
+    assert devices["lm_head"] == ("cuda:1",)
+    with virtual_devices(2):
+        check_against_reference(Model())
+
+
+@pytest.mark.parametrize("split, message", [
+    ("[modle]", "placement.auto.split: 'modle': 'modle' is not a layer here; split names a "
+                "block instance that is not repeated (did you mean 'model'?)"),
+    ("[lm_head]", "'lm_head' is not a block instance"),
+    ("[model.layers]", "'layers' is a repeated layer"),
+])
+def test_automatic_split_mistakes(tmp_path, split, message):
+    text = SPEC + f"placement:\n  auto: {{devices: [cuda:0, cuda:1], split: {split}}}\n"
+    with pytest.raises(MpgenError) as info:
+        driver.compile_spec(write_spec(tmp_path, text))
+    assert "spec.yaml:27:" in str(info.value) and message in str(info.value)

@@ -902,6 +902,8 @@ class _Splitter:
         splits.append(None)  # its place, outer before inner
         for n in block.nodes:
             n = self.renamed(n, f"{path}.", params, inner)
+            if node.checkpoint and n.op.has_module and n.op.runs:  # each layer, recomputed
+                n = dataclasses.replace(n, checkpoint=True)
             for old, new in zip(_plain_names(n, f"{path}."), n.value_names):
                 inner[old] = new
             if n.name in self.wanted:
@@ -912,6 +914,13 @@ class _Splitter:
         if node.pattern:
             for element, out in zip(node.elements, outs):
                 rename[element.name] = out
+        elif node.output is not None and len(outs) > 1:  # its element node.output
+            if not -len(outs) <= node.output < len(outs):
+                self.r.errors.add(node.pos, f"layer {path!r}: block {block.name} returns "
+                                  f"{len(outs)} values, so 'output: {node.output}' is out "
+                                  "of range")
+                return made
+            rename[node.name] = outs[node.output]
         else:
             rename[node.name] = outs[0]
         splits[first] = Split(path, block.name, tuple(n.name for n in made), node.pos)

@@ -183,3 +183,38 @@ def test_automatic_split_mistakes(tmp_path, split, message):
     with pytest.raises(MpgenError) as info:
         driver.compile_spec(write_spec(tmp_path, text))
     assert "spec.yaml:27:" in str(info.value) and message in str(info.value)
+
+
+def test_a_split_instance_of_a_block_with_two_outputs(tmp_path):
+    """The instance's elements (outputs:) or its one element (output:) read
+    the block's outputs; a checkpointed instance checkpoints its layers."""
+    text = """
+mpgen: 1
+name: Two
+inputs:
+  x: [batch, 4]
+blocks:
+  Pair:
+    layers:
+      a: {op: Linear, args: [4, 4]}
+      b: {op: Linear, args: [4, 4]}
+    outputs: [a, b]
+layers:
+  pair: {op: Pair, outputs: [p, q]}
+  one: {op: Pair, in: x, output: 1, checkpoint: true}
+  sum: {op: torch.add, in: [p, q]}
+  out: {op: torch.add, in: [sum, one]}
+placement:
+  pair.a: cuda:0
+  pair.b: cuda:1
+  one.a: cuda:1
+"""
+    result = build_to(write_spec(tmp_path, text), tmp_path / "out", {"*": "cpu"})
+    nodes = {n.name: n for n in result.graph.nodes}
+    assert nodes["out"].inputs == ("sum", "one.b")
+    assert nodes["one.a"].checkpoint and nodes["one.b"].checkpoint
+    model = import_generated(tmp_path / "out" / "two.py").Two()
+    x = torch.randn(3, 4)
+    a = model.pair.a(x)
+    want = a + model.pair.b(a) + model.one.b(model.one.a(x))
+    assert torch.allclose(model(x), want)

@@ -880,8 +880,9 @@ class TrainSpec(_Model):
         "`[-2**63, 2**64 - 1]`."))
     log_every: StrictInt = Field(default=1, ge=1, description="Print the loss every N steps.")
     dims: dict[str, Annotated[StrictInt, Field(ge=1)]] = Field(default_factory=dict, description=(
-        "Sizes of symbolic dims (`seq: 128`) for synthetic data and the build's cost "
-        "estimates (default 16; at most 2,147,483,647)."))
+        "Sizes of symbolic dims (`seq: 128`): the training script's synthetic data, the "
+        "generated tests' inputs and the build's cost estimates, which the build checks the "
+        "model runs at (default 16; at most 2,147,483,647)."))
     epochs: Optional[StrictInt] = Field(default=None, ge=1, description=(
         "Passes over the data; with `steps` too, whichever ends first."))
     scheduler: Optional[SchedulerSpec] = Field(default=None, description=(

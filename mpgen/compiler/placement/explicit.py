@@ -17,6 +17,7 @@ from mpgen.compiler.ir import (
     ExplicitPlacement,
     Graph,
     Layout,
+    OpKind,
     PlacementEntry,
     UnitRange,
     UnitRef,
@@ -95,8 +96,12 @@ def _units_of(graph: Graph, entry: PlacementEntry, errors: Collector) -> list[Un
     if label.first is None:
         return list(node.units)
     if node.repeat is None:
+        inner = next((b.nodes[0].name for b in graph.blocks
+                      if node.op.kind is OpKind.BLOCK and b.name == node.op.target), None)
+        hint = (f"; a layer inside block instance {node.name!r} is named by its path, like "
+                f"'{node.name}.{inner}'" if inner else "")
         errors.add(pos, f"placement: {key!r}: layer {node.name!r} is not repeated, so it has "
-                   "no instances to index")
+                   f"no instances to index{hint}")
         return []
     if label.first > label.last:
         errors.add(pos, f"placement: {key!r}: a range goes from the lower to the higher "

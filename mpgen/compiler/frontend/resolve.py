@@ -851,7 +851,31 @@ class _Splitter:
                 result += self.expand(node, splits, rename)
             else:
                 result.append(node)
-        return result
+        return [self.retied(node, result) if node.ties else node for node in result]
+
+    def retied(self, node: Node, nodes: list[Node]) -> Node:
+        """``node``'s ties to a parameter of a split instance, owned by the layer
+        of the instance that holds it now (``transformer.wte.weight``: the
+        layer ``transformer.wte``'s ``weight``)."""
+        owners = {n.name: n for n in nodes if n.op.has_module}
+        ties = []
+        for tie in node.ties:
+            if tie.owner in owners:
+                ties.append(tie)
+                continue
+            parts = tie.source.split(".")
+            owner = next((".".join(parts[:end]) for end in range(len(parts) - 1, 0, -1)
+                          if ".".join(parts[:end]) in owners), None)
+            if owner is None or owners[owner].repeat is not None:
+                self.r.errors.add(tie.pos, f"layer {node.name!r}: tie: {tie.param}: "
+                                  f"{tie.source!r} is in block instance {tie.owner!r}, which "
+                                  "placement splits, and not in a layer of it that is not "
+                                  "repeated")
+                ties.append(tie)
+                continue
+            ties.append(dataclasses.replace(tie, owner=owner,
+                                            owner_param=tie.source[len(owner) + 1:]))
+        return dataclasses.replace(node, ties=tuple(ties))
 
     def renamed(self, node: Node, prefix: str, params: dict, rename: dict[str, str]) -> Node:
         """``node`` of a block split at ``prefix``, as a node of the graph: its

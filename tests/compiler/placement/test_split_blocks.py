@@ -218,3 +218,20 @@ placement:
     a = model.pair.a(x)
     want = a + model.pair.b(a) + model.one.b(model.one.a(x))
     assert torch.allclose(model(x), want)
+
+
+def test_a_tie_to_a_parameter_inside_a_split_instance(tmp_path):
+    """GPT-2's head tied to transformer.wte.weight, the transformer split: the
+    tie's owner is the layer that holds the parameter now."""
+    text = SPEC.replace("lm_head: {op: Linear, args: [16, 64], bias: false}",
+                        "lm_head: {op: Linear, args: [16, 64], bias: false, "
+                        "tie: {weight: model.embed.weight}}") + SPLIT
+    graph, Model, code = build(tmp_path, text)
+    (tie,) = graph.node("lm_head").ties
+    assert (tie.owner, tie.owner_param) == ("model.embed", "weight")
+    assert "self.lm_head.weight = self.model.embed.weight" in code
+    with virtual_devices(2):
+        model = Model()
+        assert model.lm_head.weight is model.model.embed.weight
+        model(torch.randint(0, 64, (2, 5))).sum().backward()
+        assert model.model.embed.weight.grad is not None

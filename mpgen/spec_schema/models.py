@@ -868,7 +868,8 @@ class TrainSpec(_Model):
         Discriminator(_loss_form),
     ] = Field(default_factory=lambda: LossSpec(op="MSELoss"), json_schema_extra=_loss_per_output,
               description=("The loss; with several outputs, one loss applied to each, or a "
-                           "mapping of output name -> loss (mpgen)."))
+                           "mapping of output name -> loss, where an output it does not name "
+                           "is returned and not trained on (an LSTM's `hn`, `cn`)."))
     optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(op="SGD", lr=0.01),
                                      description="The optimizer.")
     batch_size: StrictInt = Field(default=32, ge=1, description=(

@@ -49,32 +49,32 @@ class TestPipelinedMLP(ModelSuite):
     }
     total_params = 4_228_362
     # Output shapes at the sizes of make_inputs() (None: not known at build time).
-    output_shapes = [(4, 10)]
+    output_shapes = [(8, 10)]
     # Forward transfers in order: (tensor, from, to, bytes at the sizes of
     # make_inputs()); the inputs start on the CPU.
     transfers = [
-        ("x", "cpu", "cuda:0", 256),
-        ("blocks.1", "cuda:0", "cuda:1", 1024),
-        ("x", "cpu", "cuda:0", 256),
-        ("blocks.3", "cuda:1", "cuda:2", 1024),
-        ("blocks.1", "cuda:0", "cuda:1", 1024),
-        ("x", "cpu", "cuda:0", 256),
-        ("blocks.5", "cuda:2", "cuda:3", 1024),
-        ("blocks.3", "cuda:1", "cuda:2", 1024),
-        ("blocks.1", "cuda:0", "cuda:1", 1024),
-        ("x", "cpu", "cuda:0", 256),
-        ("blocks.5", "cuda:2", "cuda:3", 1024),
-        ("blocks.3", "cuda:1", "cuda:2", 1024),
-        ("blocks.1", "cuda:0", "cuda:1", 1024),
-        ("blocks.5", "cuda:2", "cuda:3", 1024),
-        ("blocks.3", "cuda:1", "cuda:2", 1024),
-        ("blocks.5", "cuda:2", "cuda:3", 1024),
+        ("x", "cpu", "cuda:0", 512),
+        ("blocks.1", "cuda:0", "cuda:1", 2048),
+        ("x", "cpu", "cuda:0", 512),
+        ("blocks.3", "cuda:1", "cuda:2", 2048),
+        ("blocks.1", "cuda:0", "cuda:1", 2048),
+        ("x", "cpu", "cuda:0", 512),
+        ("blocks.5", "cuda:2", "cuda:3", 2048),
+        ("blocks.3", "cuda:1", "cuda:2", 2048),
+        ("blocks.1", "cuda:0", "cuda:1", 2048),
+        ("x", "cpu", "cuda:0", 512),
+        ("blocks.5", "cuda:2", "cuda:3", 2048),
+        ("blocks.3", "cuda:1", "cuda:2", 2048),
+        ("blocks.1", "cuda:0", "cuda:1", 2048),
+        ("blocks.5", "cuda:2", "cuda:3", 2048),
+        ("blocks.3", "cuda:1", "cuda:2", 2048),
+        ("blocks.5", "cuda:2", "cuda:3", 2048),
     ]
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:
         """Small random inputs on the CPU, the same on every call."""
         torch.manual_seed(1)
-        x = torch.randn((4, 64))  # [batch, 64]
+        x = torch.randn((8, 64))  # [batch, 64]
         return (x,)
 
     def make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:

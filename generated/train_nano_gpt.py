@@ -61,6 +61,7 @@ TRAINING = mpgen_runtime.Training(
     forward_loss=forward_loss,
     optimizer=make_optimizer,
     scheduler=make_scheduler,
+    ties=(("lm_head.weight", "wte.weight"),),
     defaults={
         "steps": 2,
         "batch_size": 4,

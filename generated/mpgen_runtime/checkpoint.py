@@ -10,6 +10,8 @@ import tempfile
 
 import torch
 
+from .data import one_line, read_tensors
+
 
 def rng_states() -> dict:
     """Every RNG's state: torch's CPU one, each CUDA device's, Python's."""
@@ -73,3 +75,37 @@ def save(state: dict, path: pathlib.Path) -> None:
 
 def load(path: pathlib.Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def initialise(modules: list, path: str, keys: list, training) -> None:
+    """--init: load the state dict in ``path`` (.pt/.pth, or a checkpoint's
+    model; .safetensors) into ``modules`` (the model, or a rank's stages),
+    strictly against ``keys`` (the whole model's). A key missing because its
+    parameter is tied to one there takes that tensor (Hugging Face's
+    save_pretrained leaves out lm_head.weight, tied to the embedding).
+    Raises ValueError saying what is wrong, in one line."""
+    try:
+        state = read_tensors(pathlib.Path(path))
+    except Exception as error:  # torch and safetensors each raise their own
+        raise ValueError(f"cannot read it ({one_line(error)})") from None
+    if isinstance(state.get("model"), dict) and "step" in state:  # DIR/last.pt
+        state = state["model"]
+    for pair in training.ties:
+        for key, owner in (pair, pair[::-1]):
+            if key not in state and owner in state:
+                state[key] = state[owner]
+    known = set(keys)
+    missing = [k for k in keys if k not in state]
+    unexpected = [k for k in state if k not in known]
+    wrong = [
+        f"{len(found)} {what} ({', '.join(found[:5])}{', ...' * (len(found) > 5)})"
+        for what, found in (("missing", missing), ("unexpected", unexpected))
+        if found
+    ]
+    if wrong:
+        raise ValueError(f"not a state dict of {training.name}: {'; '.join(wrong)}")
+    for module in modules:
+        try:
+            module.load_state_dict({key: state[key] for key in module.state_dict()})
+        except RuntimeError as error:  # a tensor of another shape
+            raise ValueError(one_line(error)) from None

@@ -78,12 +78,14 @@ def read_tensors(path: pathlib.Path) -> dict:
         with numpy.load(path) as arrays:
             return {key: torch.from_numpy(arrays[key]) for key in arrays.files}
     if path.suffix == ".safetensors":
-        import safetensors.torch
-
+        try:
+            import safetensors.torch
+        except ModuleNotFoundError:
+            raise ValueError("it needs safetensors: pip install safetensors") from None
         return safetensors.torch.load_file(path)
     tensors = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(tensors, dict):
-        sys.exit(f"{path}: expected a dict of tensors, got {type(tensors).__name__}")
+        raise ValueError(f"expected a dict of tensors, got {type(tensors).__name__}")
     return tensors
 
 

@@ -18,6 +18,8 @@ SCHEDULES = {
     "interleaved": "ScheduleInterleaved1F1B",
 }
 
+#: What --resume says of an --init it does not read.
+NOT_INIT = " (its weights, not --init's)"
 
 #: Each flag's help, where it says more than the flag's name.
 HELP = {
@@ -28,7 +30,7 @@ HELP = {
     "decay_steps": "the schedule's length in steps, whatever --steps stops at (default: the spec's train.steps, else the run's steps)",
     "log_dir": "where log.csv goes (default: --checkpoint's DIR, else runs/{})",
     "save_every": "also save every K steps (0: only at the end)",
-    "init": "start from this state dict of {} (each rank loads its stages' keys)",
+    "init": "start from this state dict of {} (.pt or .safetensors); with --resume, the checkpoint's weights win",
     "amp": "autocast to bf16, or fp16 with a gradient scaler",
     "pp_amp": "autocast to bf16 (fp16 would need a gradient scaler spanning the ranks)",
     "accumulate": "micro-batches of --batch-size per optimizer step",
@@ -87,8 +89,8 @@ def parser(
     add("--checkpoint", metavar="DIR", help=text)
     add("--save-every", type=int, default=0, metavar="K", help=HELP["save_every"])
     add("--resume", action="store_true", help=f"continue from {saved}")
+    add("--init", metavar="FILE", help=HELP["init"].format(name))
     if pipeline:
-        add("--init", metavar="FILE", help=HELP["init"].format(name))
         amp = d("amp") if d("amp") != "fp16" else "off"
         add("--amp", choices=("off", "bf16"), default=amp, help=HELP["pp_amp"])
     else:
@@ -153,5 +155,6 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         folder = pathlib.Path(given[name] or ".")  # "." for none
         if folder.exists() and not folder.is_dir():
             refuse(f"--{name.replace('_', '-')} {folder}: not a folder")
-    if given.get("init") is not None and not pathlib.Path(args.init).is_file():
-        refuse(f"--init: no file {args.init}")
+    init = None if args.resume else args.init  # --resume's checkpoint wins
+    if init is not None and not pathlib.Path(init).is_file():
+        refuse(f"--init: no file {init}")

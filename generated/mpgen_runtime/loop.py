@@ -79,6 +79,13 @@ class Single:
         )
         torch.manual_seed(args.seed)
         self.model = training.model()
+        if args.init and not args.resume:  # a checkpoint holds the weights to resume
+            try:
+                keys = list(self.model.state_dict())
+                checkpoint.initialise([self.model], args.init, keys, training)
+            except ValueError as error:
+                sys.exit(f"--init {args.init}: {error}")
+            print(f"started from {args.init}")
         self.loss_fns = training.losses()
         self.optimizer = self.scheduler = None
         if (
@@ -106,7 +113,8 @@ class Single:
             done = checkpoint.restore(saved, *parts)
         except Exception as error:  # not a checkpoint of this script's model
             sys.exit(f"--resume: cannot resume from {self.path} ({one_line(error)})")
-        print(f"resumed from {self.path} at step {done}")
+        ignored = flags.NOT_INIT * bool(self.args.init)
+        print(f"resumed from {self.path} at step {done}{ignored}")
         return done
 
     def save(self, done: int) -> None:

@@ -241,7 +241,7 @@ class Pipelined:
         for k in mine:
             torch.manual_seed(args.seed * 1_000_003 + k)  # a stage's own initialisation
             modules[k] = stages.stages[k]().to(device)
-        if args.init:
+        if args.init and not args.resume:  # a checkpoint holds the weights to resume
             self.initialise(args.init)
         self.groups = tie_groups(stages, ranks, mine)
         sync_ties(self.groups, modules, gradients=False)
@@ -277,17 +277,13 @@ class Pipelined:
 
     def initialise(self, path: str) -> None:
         """--init: each stage's keys from a state dict of the whole model."""
+        with torch.device("meta"):
+            keys = [key for stage in self.stages.stages for key in stage().state_dict()]
         try:
-            full = dict(checkpoint.load(path))
-        except Exception as error:  # not a state dict
-            stop(f"--init {path}: cannot read it ({one_line(error)})")
-        for k, module in self.modules.items():
-            missing = [key for key in module.state_dict() if key not in full]
-            if missing:
-                stop(
-                    f"--init {path}: no {', '.join(missing[:5])} (stage {k}): not a state dict of {self.stages.training.name}"
-                )
-            module.load_state_dict({key: full[key] for key in module.state_dict()})
+            modules, training = list(self.modules.values()), self.stages.training
+            checkpoint.initialise(modules, path, list(dict.fromkeys(keys)), training)
+        except ValueError as error:
+            stop(f"--init {path}: {error}")
 
     def stage_path(self, k: int) -> pathlib.Path:
         return pathlib.Path(self.args.checkpoint, f"stage_{k}.pt")
@@ -303,7 +299,8 @@ class Pipelined:
             except Exception as error:  # not this stage's checkpoint
                 stop(f"--resume: cannot resume from {path} ({one_line(error)})")
         if self.logs:
-            print(f"resumed from {self.args.checkpoint} at step {done}")
+            ignored = flags.NOT_INIT * bool(self.args.init)
+            print(f"resumed from {self.args.checkpoint} at step {done}{ignored}")
         return done
 
     def save(self, done: int) -> None:

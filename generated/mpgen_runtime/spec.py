@@ -32,6 +32,7 @@ class Training:
     optimizer: Optional[Callable] = None  # None: no parameters, nothing to train
     scheduler: Optional[Callable] = None
     closure: bool = False  # the optimizer's step recomputes the loss (LBFGS)
+    ties: tuple = ()  # (key, owner's key): each tied parameter's two state-dict keys
     defaults: dict = field(default_factory=dict)
     data_kwargs: dict = field(default_factory=dict)  # for the spec's data factory
     eval_data_kwargs: dict = field(default_factory=dict)

@@ -196,12 +196,22 @@ def _parser() -> argparse.ArgumentParser:
 def _import_command(sub) -> None:
     """``mpgen import``: a spec from an existing nn.Module (docs/import.md)."""
     cmd = sub.add_parser(
-        "import", help="write the spec of an existing nn.Module, traced with torch.fx",
-        description="Build CLASS from MODULE (the working directory on sys.path), trace it "
-                    "with torch.fx and print the equivalent spec (docs/import.md).")
-    cmd.add_argument("target", metavar="MODULE:CLASS")
+        "import", help="write the spec of an existing nn.Module, traced",
+        description="Build CLASS (or call FUNCTION) from MODULE (the working directory on "
+                    "sys.path), trace it with torch.fx or TorchDynamo and print the "
+                    "equivalent spec (docs/import.md).")
+    cmd.add_argument("target", metavar="MODULE:CLASS", help="the model's class, or a "
+                     "function returning the model (torchvision.models:resnet50)")
     cmd.add_argument("--args", metavar="JSON",
-                     help="the constructor's arguments: a JSON object (keywords) or list")
+                     help="the constructor's (or function's) arguments: a JSON object "
+                          "(keywords) or list")
+    cmd.add_argument("--config", metavar="JSON",
+                     help="a Hugging Face model class's configuration (its config_class's "
+                          "keyword arguments), instead of --args")
+    cmd.add_argument("--trace", choices=("fx", "dynamo"),
+                     help="the tracer: torch.fx (default for your own classes) or "
+                          "TorchDynamo, keeping the module hierarchy as blocks (default for "
+                          "installed libraries' models)")
     cmd.add_argument("--input", action="append", required=True, metavar="NAME=D0,D1,...",
                      help="a forward argument's shape, dims as sizes or names (batch), "
                           "optionally :DTYPE (idx=batch,seq:int64); once per argument")
@@ -221,16 +231,21 @@ def _import(args: argparse.Namespace) -> int:
     inputs = [importer.parse_input(text) for text in args.input]
     if args.devices is not None and args.devices < 1:
         raise MpgenError(None, f"--devices {args.devices}: expected a number of GPUs >= 1")
-    root = importer.load_module(args.target, args.args)
+    root = importer.load_module(args.target, args.args, args.config)
+    tracer = args.trace or importer.default_tracer(args.target)
     command = ["mpgen", "import", args.target]
     if args.args is not None:
         command += ["--args", args.args]
+    if args.config is not None:
+        command += ["--config", args.config]
+    if args.trace is not None:
+        command += ["--trace", args.trace]
     for text in args.input:
         command += ["--input", text]
     if args.devices:
         command += ["--devices", str(args.devices)]
     imported = importer.import_module(root, inputs, shlex.join(command), args.devices,
-                                      args.time_limit)
+                                      args.time_limit, tracer)
     for note in imported.notes:
         _say(f"mpgen import: note: {note}", sys.stderr)
     if args.out is None:

@@ -287,8 +287,8 @@ def test_an_order_that_cannot_match_is_noted(project):
 
 @pytest.mark.slow
 def test_torchvision_resnet18(project):
+    let_torchvision_import()  # before torchvision is first imported
     pytest.importorskip("torchvision")
-    let_torchvision_import()
     (project / "tvresnet.py").write_text(textwrap.dedent('''
         from torchvision.models.resnet import BasicBlock, ResNet
 
@@ -372,7 +372,7 @@ def test_what_cannot_be_expressed_is_an_error_at_its_line(project, cls, expected
     (("importmodels:MLP", "--input", "x=batch,8:float"),
      "--input 'x=batch,8:float': unknown dtype 'float'"),
     (("importmodels:Mlp", "--input", "x=batch,8"),
-     "importmodels:Mlp: importmodels has no nn.Module class 'Mlp' (did you mean 'MLP'?)"),
+     "importmodels:Mlp: importmodels has no nn.Module class or function 'Mlp' (did you mean 'MLP'?)"),
     (("importmodels:MLP", "--input", "x=batch,8", "--args", '{"width": 3}'),
      "MLP(width=3) failed: TypeError"),
     (("importmodels:MLP", "--input", "x=batch,4"),

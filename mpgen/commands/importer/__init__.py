@@ -24,24 +24,28 @@ and :mod:`.emit` (the spec's text); :func:`import_module` runs them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from torch import nn
 
 from mpgen.commands.importer.arguments import LAYER_FIELDS, constructor
-from mpgen.commands.importer.emit import check_builds, model_name, render, write_spec
+from mpgen.commands.importer.capture import capture
+from mpgen.commands.importer.emit import (
+    check_builds, model_name, render, spec_text, write_spec)
 from mpgen.commands.importer.fold import fold_blocks, fold_repeats
 from mpgen.commands.importer.nodes import Importer
 from mpgen.commands.importer.order import param_order, reorder
+from mpgen.commands.importer.scopes import import_hierarchy
 from mpgen.commands.importer.trace import (
-    MAX_ARGS_DEPTH, SAMPLE_BATCH, SAMPLE_DIM, InputSpec, load_module, parse_input)
+    MAX_ARGS_DEPTH, SAMPLE_BATCH, SAMPLE_DIM, InputSpec, default_tracer, load_module,
+    parse_input)
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.errors import MpgenError
 
 __all__ = ["LAYER_FIELDS", "MAX_ARGS_DEPTH", "SAMPLE_BATCH", "SAMPLE_DIM", "Imported",
-           "InputSpec", "constructor", "import_module", "load_module", "parse_input",
-           "write_spec"]
+           "InputSpec", "constructor", "default_tracer", "import_module", "load_module",
+           "parse_input", "write_spec"]
 
 
 @dataclass(frozen=True)
@@ -52,13 +56,37 @@ class Imported:
     name: str
     layers: int
     notes: tuple[str, ...]
+    #: modules the spec names otherwise than the original (generated path ->
+    #: original path): the children of an nn.Sequential that a repeat
+    #: cannot hold (docs/import.md, "State-dict keys")
+    renamed: dict = field(default_factory=dict)
+
+    def original_key(self, key: str) -> str:
+        """The original's state-dict key of the generated model's ``key``."""
+        parts = key.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:cut])
+            if prefix in self.renamed:
+                return ".".join([self.renamed[prefix], *parts[cut:]])
+        return key
 
 
 def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
                   devices: Optional[int] = None,
-                  time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Imported:
-    """The spec of ``root`` traced with torch.fx; raises MpgenError. The spec
-    is compiled before it is returned, so it builds."""
+                  time_limit: Optional[float] = DEFAULT_TIME_LIMIT,
+                  tracer: str = "fx") -> Imported:
+    """The spec of ``root`` traced with torch.fx (``tracer="fx"``) or, its
+    module hierarchy kept as blocks, with TorchDynamo (``"dynamo"``);
+    raises MpgenError. The spec is compiled before it is returned, so it
+    builds."""
+    if tracer == "dynamo":
+        captured = capture(root, inputs)
+        name = model_name(type(root))
+        top, blocks = import_hierarchy(captured, root, name)
+        text = spec_text(root, "TorchDynamo", captured.inputs, blocks.imports, blocks.lines,
+                         top.layers, top.outputs, command, devices)
+        check_builds(text, time_limit)
+        return Imported(text, name, len(top.layers), tuple(blocks.notes), blocks.renamed)
     importer = Importer(root, inputs)
     importer.run()
     notes = []

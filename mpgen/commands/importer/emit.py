@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 from torch import nn
 
@@ -27,20 +27,32 @@ def model_name(cls: type) -> str:
 
 def render(root: nn.Module, importer: Importer, layers: list[Layer],
            blocks: dict[str, list[str]], command: str, devices: Optional[int]) -> str:
+    """The spec of a torch.fx import (its blocks' layers as lines)."""
+    bodies = {name: ["  layers:", *(f"  {line}" for line in block)]
+              for name, block in blocks.items()}
+    return spec_text(root, "torch.fx", importer.inputs, (), bodies, layers,
+                     importer.outputs, command, devices)
+
+
+def spec_text(root: nn.Module, tracer: str, inputs: list, imports: Iterable[str],
+              blocks: dict[str, list[str]], layers: list[Layer], outputs: list[str],
+              command: str, devices: Optional[int]) -> str:
+    """A spec's text: ``blocks`` maps a block's name to its body's lines."""
     cls = type(root)
     lines = [f"# Made by `{command}`:",
-             f"# {cls.__module__}.{cls.__qualname__} traced with torch.fx (docs/import.md).",
+             f"# {cls.__module__}.{cls.__qualname__} traced with {tracer} (docs/import.md).",
              "mpgen: 1", f"name: {model_name(cls)}", "", "inputs:"]
-    for spec in importer.inputs:
+    for spec in inputs:
         shape = scalar(list(spec.dims))
         lines.append(f"  {spec.name}: " + (shape if spec.dtype == "float32"
                                            else f"{{shape: {shape}, dtype: {spec.dtype}}}"))
+    if imports:
+        lines += ["", f"imports: {scalar(sorted(imports))}"]
     if blocks:
         lines += ["", "blocks:"]
-        for name, block in blocks.items():
-            lines += [f"  {name}:", "    layers:", *(f"    {line}" for line in block)]
-    lines += ["", "layers:", *layer_lines(layers, importer.inputs[0].name)]
-    outputs = importer.outputs
+        for name, body in blocks.items():
+            lines += [f"  {name}:", *(f"  {line}" for line in body)]
+    lines += ["", "layers:", *layer_lines(layers, inputs[0].name)]
     if outputs != [layers[-1].name] or layers[-1].elements is not None:
         lines += ["", f"outputs: {scalar(outputs)}"]
     if devices:

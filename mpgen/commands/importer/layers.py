@@ -14,6 +14,10 @@ import yaml
 from torch import nn
 
 
+#: Ops whose layer is a tensor of its own (no ``in:``).
+TENSOR_OPS = frozenset({"Parameter", "Buffer"})
+
+
 class Leaf:
     """One element of a returned tuple; named when something reads it."""
 
@@ -121,7 +125,9 @@ def _layer_line(layer: Layer, default_input: Optional[str],
     items: list = list(layer.inputs)
     if layer.keyword_inputs:
         items.append(dict(layer.keyword_inputs))
-    if layer.factory:
+    if layer.op in TENSOR_OPS:
+        pass  # a tensor of the layer's own reads nothing
+    elif layer.factory:
         fields["in"] = []
     elif items != [default_input] or default_input is None:
         fields["in"] = items[0] if len(items) == 1 and isinstance(items[0], str) else items

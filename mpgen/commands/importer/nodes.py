@@ -32,7 +32,10 @@ _OPERATORS = {operator.add: "torch.add", operator.iadd: "torch.add",
               operator.pow: "torch.pow", operator.mod: "torch.remainder",
               operator.neg: "torch.neg", operator.eq: "torch.eq", operator.ne: "torch.ne",
               operator.lt: "torch.lt", operator.le: "torch.le", operator.gt: "torch.gt",
-              operator.ge: "torch.ge"}
+              operator.ge: "torch.ge", operator.and_: "torch.bitwise_and",
+              operator.iand: "torch.bitwise_and", operator.or_: "torch.bitwise_or",
+              operator.ior: "torch.bitwise_or", operator.xor: "torch.bitwise_xor",
+              operator.invert: "torch.bitwise_not"}
 #: ``2 * x``: the tensor goes first, the spec's order (inputs, then args).
 _SWAPPED = {operator.add: "torch.add", operator.mul: "torch.mul", operator.sub: "torch.rsub"}
 #: Size arithmetic: ``x.size(0) * 2`` -> ``size(x, 0) * 2``.
@@ -41,9 +44,9 @@ _INT_OPERATORS = {operator.add: "+", operator.sub: "-", operator.mul: "*",
                   operator.pow: "**"}
 #: Tensor methods spelled as another torch function (``view`` copies only
 #: where the tensor is not contiguous; the values are the same).
-_METHOD_NAMES = {"view": "reshape"}
+_METHOD_NAMES = {"view": "reshape", "expand": "broadcast_to"}
 #: Methods whose sizes may come as separate arguments: ``x.view(b, -1)``.
-_VARARG_METHODS = frozenset({"view", "reshape", "permute", "flip", "tile"})
+_VARARG_METHODS = frozenset({"view", "reshape", "permute", "flip", "tile", "expand"})
 #: Methods that return their input's values unchanged.
 _IDENTITY_METHODS = frozenset({"contiguous"})
 
@@ -118,6 +121,10 @@ class Importer:
         if written is MISSING:
             raise node_error(user, f"argument {arg!r} cannot be written in a spec")
         return written
+
+    def is_size_list(self, arg: Any) -> bool:
+        """Whether ``arg`` is a node of sizes (``x.shape[:-1] + (n,)``)."""
+        return False
 
     def is_tensor_ref(self, arg: Any) -> bool:
         return isinstance(arg, fx.Node) and arg in self.refs
@@ -287,8 +294,8 @@ class Importer:
             if name not in ops.function_names("torch"):
                 raise node_error(node, f"the tensor method {target!r} has no torch function "
                                        "a spec can apply (torch.NAME)")
-            if target in _VARARG_METHODS and not (len(args) == 2
-                                                  and isinstance(args[1], (list, tuple))):
+            if target in _VARARG_METHODS and not (len(args) == 2 and (
+                    isinstance(args[1], (list, tuple)) or self.is_size_list(args[1]))):
                 args = [args[0], list(args[1:])]  # x.view(b, -1) -> torch.reshape(x, [b, -1])
             return f"torch.{name}", args
         if target in _OPERATORS:

@@ -69,14 +69,19 @@ def parse_input(text: str) -> InputSpec:
     return InputSpec(name, tuple(dims), dtype if colon else "float32")
 
 
-def load_module(target: str, args_json: Optional[str] = None) -> nn.Module:
-    """Import ``MODULE:CLASS`` (the working directory first on ``sys.path``,
+def load_module(target: str, args_json: Optional[str] = None,
+                config_json: Optional[str] = None) -> nn.Module:
+    """Import ``MODULE:NAME`` (the working directory first on ``sys.path``,
     as the generated training script finds ``module:function`` data) and
-    build ``CLASS(**args)`` (a JSON object) or ``CLASS(*args)`` (a list)."""
+    build the model: ``NAME(**args)`` (a JSON object) or ``NAME(*args)`` (a
+    list), where NAME is an ``nn.Module`` class or a function returning one
+    (``torchvision.models:vit_b_16``); with ``config_json``, a Hugging Face
+    class built from its configuration, ``NAME(NAME.config_class(**config))``."""
     module_name, colon, class_name = target.partition(":")
     if not colon or not class_name.isidentifier() or not all(
             p.isidentifier() for p in module_name.split(".")):
-        raise MpgenError(None, f"{target!r}: expected MODULE:CLASS, like mymodels.resnet:ResNet")
+        raise MpgenError(None, f"{target!r}: expected MODULE:CLASS, like mymodels.resnet:ResNet, "
+                               "or MODULE:FUNCTION, like torchvision.models:resnet50")
     args = _json_args(args_json) if args_json is not None else {}
     if not isinstance(args, (dict, list)):
         raise MpgenError(None, "--args: expected a JSON object (keyword arguments) or a "
@@ -89,18 +94,62 @@ def load_module(target: str, args_json: Optional[str] = None) -> nn.Module:
     except Exception as exc:  # the user's code: any failure is theirs to see
         raise MpgenError(None, f"{target}: cannot import {module_name!r}: "
                                f"{type(exc).__name__}: {exc}") from None
-    cls = getattr(module, class_name, None)
-    if not (inspect.isclass(cls) and issubclass(cls, nn.Module)):
-        names = [n for n, v in vars(module).items()
-                 if inspect.isclass(v) and issubclass(v, nn.Module)]
-        raise MpgenError(None, f"{target}: {module_name} has no nn.Module class {class_name!r}"
-                               f"{did_you_mean(class_name, names)}")
     try:
-        return cls(**args) if isinstance(args, dict) else cls(*args)
+        cls = getattr(module, class_name, None)
+    except Exception as exc:  # a library's lazy attribute that fails to import
+        raise MpgenError(None, f"{target}: cannot import {class_name!r} from {module_name}: "
+                               f"{type(exc).__name__}: {exc}") from None
+    is_class = inspect.isclass(cls) and issubclass(cls, nn.Module)
+    if not (is_class or (inspect.isfunction(cls) and not inspect.isclass(cls))):
+        names = [n for n, v in vars(module).items()
+                 if (inspect.isclass(v) and issubclass(v, nn.Module)) or inspect.isfunction(v)]
+        raise MpgenError(None, f"{target}: {module_name} has no nn.Module class or function "
+                               f"{class_name!r}{did_you_mean(class_name, names)}")
+    if config_json is not None:
+        args = _config_args(target, cls, config_json, args)
+    try:
+        built = cls(**args) if isinstance(args, dict) else cls(*args)
     except Exception as exc:
         where = _user_frame(exc)
         raise MpgenError(where, f"{class_name}({shown_args(args)}) failed: "
                                 f"{type(exc).__name__}: {exc}") from None
+    if not isinstance(built, nn.Module):
+        raise MpgenError(None, f"{target}: {class_name}({shown_args(args)}) returned "
+                               f"{type(built).__name__}, not an nn.Module")
+    return built
+
+
+def _config_args(target: str, cls: Any, config_json: str, args: Union[dict, list]) -> list:
+    """``--config``: the class's configuration (``cls.config_class``), built
+    from the JSON object, as the one positional argument. A cache of past
+    keys and values is no tensor a spec returns: ``use_cache`` is false
+    unless the JSON sets it."""
+    config_class = getattr(cls, "config_class", None)
+    if config_class is None or not inspect.isclass(cls):
+        raise MpgenError(None, f"{target}: --config builds a Hugging Face model class from "
+                               "its configuration; this has no config_class (use --args)")
+    if args:
+        raise MpgenError(None, "--config and --args: give one of them")
+    config = _json_args(config_json)
+    if not isinstance(config, dict):
+        raise MpgenError(None, "--config: expected a JSON object (the configuration's "
+                               "keyword arguments)")
+    try:
+        built = config_class(**config)
+    except Exception as exc:
+        raise MpgenError(None, f"{config_class.__name__}({shown_args(config)}) failed: "
+                               f"{type(exc).__name__}: {exc}") from None
+    if "use_cache" not in config and hasattr(built, "use_cache"):
+        built.use_cache = False
+    return [built]
+
+
+def default_tracer(target: str) -> str:
+    """``dynamo`` for a model of an installed library (its hierarchy kept as
+    blocks), ``fx`` for the project's own classes (docs/import.md)."""
+    module = sys.modules.get(target.partition(":")[0])
+    origin = Path(getattr(module, "__file__", None) or ".").resolve()
+    return "fx" if Path.cwd().resolve() in origin.parents else "dynamo"
 
 
 #: How deeply ``--args`` may nest lists and objects (as a spec's YAML).
@@ -163,6 +212,20 @@ def _user_frame(exc: BaseException) -> Optional[Position]:
             continue
         found = Position(_display(frame.filename), frame.lineno, (frame.colno or 0) + 1)
     return found
+
+
+def library_frame(exc: BaseException) -> Optional[Position]:
+    """Where a traced library's (or the user's) code failed: the innermost
+    frame outside torch and mpgen of the traceback, or of the user-code
+    frames TorchDynamo quotes in its message."""
+    quoted = re.findall(r'File "([^"]+)", line (\d+)', str(exc))
+    outside = [(f, int(n)) for f, n in quoted
+               if not str(Path(f).resolve()).startswith(_TORCH_DIR)]
+    if outside:
+        file, line = outside[-1]
+        source = linecache.getline(file, line)
+        return Position(_display(file), line, len(source) - len(source.lstrip()) + 1)
+    return _user_frame(exc)
 
 
 def node_position(node: fx.Node) -> Optional[Position]:
@@ -236,17 +299,24 @@ def _check_placeholders(root: nn.Module, graph: fx.Graph, inputs: Sequence[Input
                         ) -> list[InputSpec]:
     """``inputs`` in ``forward``'s order; each of its arguments given once."""
     wanted = [n.target for n in graph.nodes if n.op == "placeholder"]
+    check_placeholders(type(root).__name__, wanted, wanted, inputs)
+    return sorted(inputs, key=lambda spec: wanted.index(spec.name))
+
+
+def check_placeholders(cls: str, wanted: Sequence[str], required: Sequence[str],
+                       inputs: Sequence[InputSpec]) -> None:
+    """Each ``--input`` names an argument of ``forward`` (``wanted``), once,
+    and every ``required`` one is given."""
     given = [spec.name for spec in inputs]
     for name in given:
         if given.count(name) > 1:
             raise MpgenError(None, f"--input {name}: given more than once")
         if name not in wanted:
-            raise MpgenError(None, f"--input {name}: {type(root).__name__}.forward "
+            raise MpgenError(None, f"--input {name}: {cls}.forward "
                                    f"has no argument {name!r}{did_you_mean(name, wanted)}; "
                                    f"its arguments: {', '.join(wanted)}")
-    missing = [n for n in wanted if n not in given]
+    missing = [n for n in required if n not in given]
     if missing:
-        raise MpgenError(None, f"{type(root).__name__}.forward takes "
+        raise MpgenError(None, f"{cls}.forward takes "
                                f"{', '.join(missing)}: give its shape with --input "
                                f"{missing[0]}=D0,D1,...")
-    return sorted(inputs, key=lambda spec: wanted.index(spec.name))

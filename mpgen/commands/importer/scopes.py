@@ -1,0 +1,730 @@
+"""The module hierarchy of a captured model as blocks (NOTE [Module
+hierarchy] in :mod:`.capture`): each module called in ``forward`` is a
+layer of its parent's block named after its attribute, so the generated
+model's state-dict keys are the original's."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Optional
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from mpgen.commands.importer.arguments import constructor, yaml_value, MISSING
+from mpgen.commands.importer.capture import (
+    Captured, LeafCall, Scope, holds, library_leaf, sym_expression)
+from mpgen.commands.importer.layers import Layer, Leaf, layer_lines, rename_reads, scalar
+from mpgen.commands.importer.nodes import Importer
+from mpgen.commands.importer.trace import node_error, node_position
+from mpgen.compiler.frontend import ops
+from mpgen.compiler.frontend.namespace import Namespace
+from mpgen.errors import MpgenError
+
+#: Tensor methods that return their input when the dtype (and device) stay.
+_CASTS = frozenset({"to", "float", "type", "type_as", "double", "half", "bfloat16", "long",
+                    "int", "bool"})
+
+
+#: ``x.new_ones(...)``: the factory, with ``x``'s dtype unless given.
+_NEW_TENSORS = {"new_ones": "ones", "new_zeros": "zeros", "new_full": "full",
+                "new_empty": "empty", "new_tensor": "tensor"}
+
+
+class Blocks:
+    """The blocks written so far: name -> text lines, and what they import."""
+
+    def __init__(self, model: str) -> None:
+        self.lines: dict[str, list[str]] = {}
+        self.taken = {model, *ops.nn_module_names()}
+        self.imports: set[str] = set()
+        self.notes: list[str] = []
+        self.written: dict[int, str] = {}  # id(tensor) -> where the spec first holds it
+        #: a module's path in the generated model -> in the original, where
+        #: they differ (NOTE [Module hierarchy]: a child of a Sequential)
+        self.renamed: dict[str, str] = {}
+
+    def add(self, cls: type, lines: list[str]) -> str:
+        for name, known in self.lines.items():
+            if known == lines:
+                return name
+        base = cls.__name__ if cls.__name__.isidentifier() else "Block"
+        name, i = base, 2
+        while name in self.taken or name in self.lines:
+            name, i = f"{base}{i}", i + 1
+        self.lines[name] = lines
+        return name
+
+
+def _hint(size: Any) -> Optional[int]:
+    if isinstance(size, torch.SymInt):
+        return size.node.hint
+    return int(size)
+
+
+def _hinted_shape(value: Any) -> Optional[tuple]:
+    if not isinstance(value, torch.Tensor):
+        return None
+    return tuple(_hint(s) for s in value.shape), value.dtype
+
+
+class ScopeImporter(Importer):
+    """The layers of one module call (a block; the root: the model)."""
+
+    def __init__(self, captured: Captured, scope: Scope, blocks: Blocks,
+                 root: nn.Module, generated_path: str = "") -> None:
+        self.root = root
+        self.generated_path = generated_path  # this call's path in the generated model
+        self.captured = captured
+        self.scope = scope
+        self.blocks = blocks
+        self.gm, self.values = captured.gm, captured.values
+        self.graph = self.gm.graph
+        self.refs: dict[fx.Node, Any] = {}
+        self.sizes: dict[fx.Node, str] = {}
+        self.size_lists: dict[fx.Node, list[str]] = {}
+        self.shapes: dict[fx.Node, str] = {}
+        self.devices: set[fx.Node] = set()
+        self.layers: list[Layer] = []
+        self.by_module: dict[int, Layer] = {}
+        self.outputs: list[str] = []
+        self.symbols: dict[str, str] = {}
+        self.relative: dict[int, str] = {}  # id(layer) -> its module's path in this scope
+        self.inside = set(scope.nodes())
+        module = scope.module
+        self.names = Namespace(set())
+        for name, _ in [*module.named_children(), *module.named_parameters(recurse=False),
+                        *module.named_buffers(recurse=False)]:
+            if name.isidentifier():
+                self.names.claim(name)
+        self.input_nodes = self.external_inputs()
+        if scope.parent is None:
+            self.inputs = captured.inputs
+            for node, name in captured.placeholders.items():
+                self.refs[node] = name
+                self.names.claim(name) if not self.names.taken(name) else None
+                self.register(name, self.values.get(node))
+        else:
+            self.inputs = []
+            named = _argument_names(scope, self.input_nodes, self.values)
+            for node in self.input_nodes:
+                # named after forward's arguments, alike in every copy of a block
+                name = self.names.fresh(named.get(node) or _base(node.name))
+                self.refs[node] = name
+                self.register(name, self.values.get(node))
+        self.input_names = [self.refs[n] for n in self.input_nodes] if scope.parent else [
+            spec.name for spec in captured.inputs]
+
+    # -- what crosses the block's boundary ------------------------------------------
+    def external_inputs(self) -> list[fx.Node]:
+        """The tensors read from outside; a parameter this module holds
+        itself though another module's node reads it first (weights tied
+        between modules) is its own Parameter layer instead (:attr:`own`)."""
+        found: dict[fx.Node, None] = {}
+        self.own: list[fx.Node] = []
+        for node in self.scope.nodes():
+            for arg in node.all_input_nodes:
+                if arg not in self.inside and _is_tensor(self.values.get(arg)):
+                    if arg.op == "get_attr" and holds(self.scope.module, self.values[arg]):
+                        if arg not in self.own:
+                            self.own.append(arg)
+                    elif arg.op == "get_attr" and _subtree_holds(self.scope, self.values[arg]):
+                        continue  # a module inside holds it too: its own there
+                    else:
+                        found.setdefault(arg)
+        known = {str(d.node.expr) for n in found for d in getattr(self.values[n], "shape", ())
+                 if isinstance(d, torch.SymInt)}
+        for node in self.scope.nodes(leaves=False):  # sizes of tensors it does not read
+            for arg in node.all_input_nodes:
+                if arg not in self.inside and isinstance(self.values.get(arg), torch.SymInt):
+                    for source in _size_sources(arg):
+                        shape = self.values[source].shape
+                        if any(isinstance(d, torch.SymInt) and str(d.node.expr) not in known
+                               for d in shape):
+                            found.setdefault(source)
+                            known |= {str(d.node.expr) for d in shape
+                                      if isinstance(d, torch.SymInt)}
+        return list(found)
+
+    def external_outputs(self) -> list[fx.Node]:
+        return [n for n in self.scope.nodes()
+                if any(u not in self.inside for u in n.users) and n.op != "get_attr"
+                and _is_tensor(self.values.get(n))]
+
+    def register(self, name: str, value: Any) -> None:
+        """Symbols of ``value``'s shape, read from ``name`` where not yet known."""
+        if not isinstance(value, torch.Tensor):
+            return
+        for dim, size in enumerate(value.shape):
+            if isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if getattr(expr, "is_Symbol", False):
+                    self.symbols.setdefault(str(expr), f"size({name}, {dim})")
+
+    def layer_name(self, node: fx.Node) -> str:
+        return self.names.fresh(_base(node.name))
+
+    # -- nodes -----------------------------------------------------------------------
+    def run(self) -> None:
+        for node in self.own:
+            self.tensor_layer(node)
+            self.blocks.notes.append(
+                f"{self.scope.path}.{self.refs[node]} is a parameter of its own: the "
+                f"original ties it to {self.captured.attributes.get(node.target)}")
+        for item in self.scope.items:
+            if isinstance(item, LeafCall):
+                self.leaf_layer(item)
+            elif isinstance(item, Scope):
+                self.scope_layer(item)
+            elif item.op == "get_attr":
+                self.tensor_layer(item)
+            elif item.op == "call_function" and not item.users and self.values.get(item) is None:
+                continue  # torch's own bookkeeping (_log_api_usage_once)
+            else:
+                self.function_node(item)
+        self.fold_repeats()
+        if self.scope.parent is None:
+            output = next(n for n in self.graph.nodes if n.op == "output")
+            self.model_outputs(output)
+        else:
+            self.outputs = [self.ref_name(self.refs[n]) for n in self.external_outputs()]
+
+    def add_layer(self, layer: Layer, node: fx.Node) -> None:
+        super().add_layer(layer, node)
+        if isinstance(self.refs.get(node), str):
+            self.register(self.refs[node], self.values.get(node))
+
+    def size_node(self, node: fx.Node, value: Any) -> bool:
+        if isinstance(value, torch.Size) or (isinstance(value, tuple) and value and all(
+                isinstance(v, (int, torch.SymInt)) for v in value)):
+            texts = [sym_expression(v, self.symbols) for v in value]
+            if None not in texts:
+                self.size_lists[node] = texts  # x.shape[:-1] + (n,)
+            return True
+        if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+            return False
+        text = sym_expression(value, self.symbols)
+        if text is None:
+            where = self.scope.path or type(self.root).__name__
+            raise node_error(node, f"a size ({value}) that no tensor of {where}'s call "
+                                   "has as a dim")
+        self.sizes[node] = text
+        return True
+
+    def is_size_list(self, arg: Any) -> bool:
+        return isinstance(arg, fx.Node) and arg in self.size_lists
+
+    def value(self, arg: Any, user: fx.Node, reads: list) -> Any:
+        if isinstance(arg, fx.Node) and arg in self.size_lists:
+            written = []
+            for text in self.size_lists[arg]:
+                reads.extend(re.findall(r"size\((\w+),", text))
+                written.append(int(text) if re.fullmatch(r"-?\d+", text) else f"={text}")
+            return written
+        if isinstance(arg, fx.Node) and arg in self.sizes and self.sizes[arg].isdigit():
+            return int(self.sizes[arg])
+        if isinstance(arg, fx.Node) and arg not in self.sizes and isinstance(
+                self.values.get(arg), (int, torch.SymInt)):
+            self.size_node(arg, self.values[arg])  # a size computed in another module
+        return super().value(arg, user, reads)
+
+    def function_node(self, node: fx.Node) -> None:
+        value = self.values.get(node)
+        args = node.args
+        if (node.op == "call_method" and node.target in _CASTS and args
+                and self.is_tensor_ref(args[0]) and isinstance(value, torch.Tensor)):
+            self.cast(node, args[0], value.dtype)
+            return
+        if node.op == "call_method" and node.target in _NEW_TENSORS:
+            source, *rest = args  # x.new_ones(size): torch.ones(size, dtype=x.dtype)
+            kwargs = {"dtype": self.values[source].dtype, **node.kwargs}
+            self.function_layer(node, f"torch.{_NEW_TENSORS[node.target]}", list(rest), kwargs)
+            return
+        if node.op == "call_function" and getattr(node.target, "__name__", "") in (
+                "_assert_tensor_metadata", "_check", "_check_is_size", "sym_constrain_range"):
+            return
+        super().function_node(node)
+
+    def indexing(self, node: fx.Node) -> None:
+        """``x[:, a:b]``, ``x[None, :, 0]``, ``x[..., :n]``: narrow, select and
+        unsqueeze layers, one per indexed dim."""
+        source, index = node.args
+        index = list(index) if isinstance(index, tuple) else [index]
+        rank = self.values[source].dim()
+        if len(index) == rank and all(self.is_tensor_ref(i) for i in index):
+            self.gather_all(node, source, index)
+            return
+        if Ellipsis in index:
+            at = index.index(Ellipsis)
+            used = sum(1 for i in index if i is not None and i is not Ellipsis)
+            index[at:at + 1] = [slice(None)] * (rank - used)
+        current, dim, steps = source, 0, []
+        for item in index:
+            if item is None:
+                steps.append(("torch.unsqueeze", [dim]))
+                dim += 1
+            elif isinstance(item, slice):
+                if item.step not in (None, 1):
+                    raise node_error(node, "indexing with a step, which a spec cannot write")
+                if item.start is None and item.stop is None:
+                    dim += 1
+                    continue
+                steps.append(("slice", [dim, item.start, item.stop]))
+                dim += 1
+            elif isinstance(item, int) or (isinstance(item, fx.Node) and item in self.sizes):
+                steps.append(("torch.select", [dim, item]))
+            else:
+                raise node_error(node, "indexing with a tensor, which a spec cannot write")
+        if not steps:
+            self.refs[node] = self.refs[source]
+            return
+        for k, (op, args) in enumerate(steps):
+            name = self.layer_name(node)
+            layer = Layer(name, "torch.narrow" if op == "slice" else op, node)
+            layer.inputs.append(self.tensor(current, node, layer.reads))
+            if op == "slice":
+                d, start, stop = args
+                size = f"size({layer.inputs[0]}, {d})"
+                begin = self.bound(start, size, node, layer) if start is not None else "0"
+                end = self.bound(stop, size, node, layer) if stop is not None else size
+                length = f"{end} - ({begin})" if begin != "0" else end
+                if stop is not None and not isinstance(stop, fx.Node) and stop >= 2 ** 62:
+                    length = f"{size} - ({begin})" if begin != "0" else size
+                layer.reads.append(layer.inputs[0])
+                layer.args = [d, _number(begin), _number(length)]
+            else:
+                layer.args = [self.value(a, node, layer.reads) for a in args]
+            self.layers.append(layer)
+            if k == len(steps) - 1:
+                self.refs[node] = name
+                self.register(name, self.values.get(node))
+            else:
+                self.refs[_Step(name)] = name
+                current = _Step(name)
+
+    def gather_all(self, node: fx.Node, source: fx.Node, index: list) -> None:
+        """``x[i, j]`` with a tensor for every dim: ``torch.take`` of the flat
+        index ``i * size(x, 1) + j`` (the index tensors broadcast)."""
+        name = self.ref_name(self.refs[source])
+        flat: Any = index[-1]
+        for d in range(len(index) - 2, -1, -1):
+            stride = " * ".join(f"size({name}, {k})" for k in range(d + 1, len(index)))
+            scaled = self.step_layer(node, "torch.mul", [index[d]], [f"={stride}"], [name])
+            flat = self.step_layer(node, "torch.add", [scaled, flat], [], [])
+        taken = self.step_layer(node, "torch.take", [source, flat], [], [])
+        self.refs[node] = self.refs[taken]
+        self.register(self.refs[node], self.values.get(node))
+
+    def step_layer(self, node: fx.Node, op: str, inputs: list, args: list,
+                   reads: list) -> "_Step":
+        """A layer of its own for one step of ``node``: its value a _Step."""
+        layer = Layer(self.layer_name(node), op, node)
+        for arg in inputs:
+            layer.inputs.append(self.tensor(arg, node, layer.reads))
+        layer.args = args
+        layer.reads.extend(reads)
+        self.layers.append(layer)
+        step = _Step(layer.name)
+        self.refs[step] = layer.name
+        return step
+
+    def bound(self, value: Any, size: str, node: fx.Node, layer: Layer) -> str:
+        """A slice bound as an expression (negative ints count from the end)."""
+        if isinstance(value, fx.Node):
+            written = self.value(value, node, layer.reads)
+            return str(written).removeprefix("=")
+        if value < 0:
+            return f"{size} - {-value}"
+        return str(value)
+
+    def cast(self, node: fx.Node, source: fx.Node, dtype: torch.dtype) -> None:
+        """``x.float()``, ``x.to(torch.bool)``: the torch function that gives
+        the same values in that dtype (none where the dtype stays)."""
+        before = self.values[source].dtype
+        if before == dtype:
+            self.refs[node] = self.refs[source]
+            return
+        if dtype == torch.get_default_dtype() and not before.is_floating_point:
+            self.function_layer(node, "torch.mul", [source, 1.0], {})  # int * 1.0: float32
+        elif dtype == torch.bool:
+            self.function_layer(node, "torch.ne", [source, 0], {})
+        elif dtype == torch.int64 and before == torch.bool:
+            self.function_layer(node, "torch.mul", [source, 1], {})  # bool * 1: int64
+        else:
+            raise node_error(node, f"casts {str(before).removeprefix('torch.')} to "
+                                   f"{str(dtype).removeprefix('torch.')}, which a spec "
+                                   "cannot write")
+
+    def tensor_layer(self, node: fx.Node) -> None:
+        """A parameter or buffer of this module: a ``Parameter``/``Buffer`` layer."""
+        value = self.values[node]
+        module = self.scope.module
+        attr = holds(module, value)
+        if attr is None:
+            full = self.captured.attributes.get(node.target) or node.target
+            raise node_error(node, f"reads the tensor {full} outside the module that "
+                                   "holds it, which a spec cannot write (a block's "
+                                   "tensors are its own)")
+        layer = Layer(attr, "Parameter" if isinstance(value, nn.Parameter) else "Buffer", node)
+        layer.factory = True
+        layer.kwargs["shape"] = list(value.shape)
+        if value.dtype != torch.float32:
+            layer.kwargs["dtype"] = str(value.dtype).removeprefix("torch.")
+        if layer.op == "Buffer" and attr in module._non_persistent_buffers_set:
+            if not _has_tensor_ops():  # until the compiler has Buffer: a constant
+                layer.op, layer.kwargs = "torch.tensor", {"data": value.tolist()}
+                if value.dtype != torch.float32:
+                    layer.kwargs["dtype"] = str(value.dtype).removeprefix("torch.")
+            else:
+                layer.kwargs["persistent"] = False
+                layer.kwargs["init"] = {"values": value.flatten().tolist()}
+        self.refs[node] = attr
+        self.layers.append(layer)
+        self.register(attr, value)
+        self.blocks.written.setdefault(id(value), f"{self.scope.path}.{attr}".lstrip("."))
+
+    # -- module calls ------------------------------------------------------------
+    def rel(self, path: str) -> str:
+        prefix = self.scope.path + "." if self.scope.path else ""
+        return path[len(prefix):] if path.startswith(prefix) else path
+
+    def leaf_layer(self, call: LeafCall) -> None:
+        group = set(call.nodes)
+        first = call.nodes[0]
+        rel = self.rel(call.path)
+        again = self.by_module.get(id(call.module))  # a module called again (relu)
+        name = rel if rel.isidentifier() and again is None else self.names.fresh(
+            rel.replace(".", "_"))
+        dotted = library_leaf(type(call.module))
+        op = dotted or type(call.module).__name__
+        try:
+            args, kwargs = constructor(call.module, name)
+        except MpgenError as exc:
+            raise MpgenError(node_position(first), exc.message) from None
+        layer = Layer(name, op, first, call.module, args=args, kwargs=kwargs)
+        self.by_module.setdefault(id(call.module), layer)
+        if again is None:
+            self.relative[id(layer)] = rel
+        else:  # its parameters are the first call's
+            layer.tie = {p: f"{again.name}.{p}" for p, _ in call.module.named_parameters()}
+        if dotted:
+            self.blocks.imports.add(dotted.partition(".")[0])
+        outside = []
+        for node in call.nodes:
+            for arg in node.all_input_nodes:
+                if arg not in group and arg not in outside and _is_tensor(self.values.get(arg)):
+                    outside.append(arg)
+        tensors = [a for a in outside if a.op != "get_attr"]
+        self.tie_params(layer, call, [a for a in outside if a.op == "get_attr"])
+        bound = _bind(call)
+        eager = [v for v in bound.values() if isinstance(v, torch.Tensor)]
+        distinct = list({id(t): t for t in eager}.values())
+        matched = _match(distinct, tensors, self.values)
+        if matched is None:
+            raise node_error(first, f"cannot tell which tensors the call of {call.path} "
+                                    f"({op}) reads")
+        by_id = {id(t): node for t, node in zip(distinct, matched)}
+        positional = True
+        for key, arg in bound.items():
+            if isinstance(arg, torch.Tensor):
+                node = by_id[id(arg)]
+                if positional and key in _positional(call):
+                    layer.inputs.append(self.tensor(node, first, layer.reads))
+                else:
+                    layer.keyword_inputs[key] = self.tensor(node, first, layer.reads)
+            else:
+                positional = False
+                written = yaml_value(arg)
+                if written is MISSING:
+                    raise node_error(first, f"calls {call.path} with {key}={arg!r}, which "
+                                            "a spec cannot write")
+                layer.call[key] = written
+        self.layers.append(layer)
+        self.leaf_outputs(layer, call, group)
+
+    def tie_params(self, layer: Layer, call: LeafCall, read: list) -> None:
+        """A parameter another module holds (``lm_head.weight = wte.weight``)."""
+        canonical = {}
+        for name, param in self.root.named_parameters():
+            canonical[id(param)] = name
+        for pname, param in call.module.named_parameters():
+            owner = self.blocks.written.get(id(param), canonical.get(id(param)))
+            if owner and owner != f"{call.path}.{pname}":
+                layer.tie[pname] = self.rel(owner)
+
+    def leaf_outputs(self, layer: Layer, call: LeafCall, group: set) -> None:
+        read = [n for n in call.nodes if any(u not in group for u in n.users)
+                and _is_tensor(self.values.get(n)) and n.op != "get_attr"]
+        if isinstance(call.output, torch.Tensor):
+            if len(read) > 1:
+                raise node_error(read[1], f"reads a value inside {call.path}")
+            if read:
+                self.refs[read[0]] = layer.name
+                self.register(layer.name, self.values.get(read[0]))
+            return
+        if not isinstance(call.output, tuple):
+            raise node_error(call.nodes[0], f"{call.path} returns "
+                                            f"{type(call.output).__name__}")
+        layer.elements = [Leaf() for _ in call.output]
+        shapes = [_hinted_shape(v) for v in call.output]
+        for node in read:
+            shape = _hinted_shape(self.values.get(node))
+            hits = [i for i, s in enumerate(shapes) if s == shape and s is not None]
+            if len(hits) != 1:
+                raise node_error(node, f"cannot tell which element of {call.path}'s "
+                                       "result this is")
+            self.refs[node] = layer.elements[hits[0]]
+            if layer.elements[hits[0]].name is None:
+                layer.elements[hits[0]].name = self.names.fresh(_base(node.name))
+
+    def scope_layer(self, child: Scope) -> None:
+        if isinstance(child.module, nn.Sequential) and not all(
+                name.isidentifier() for name, _ in child.module.named_children()):
+            for item in child.items:  # its children are named under its own path
+                if isinstance(item, LeafCall):
+                    self.leaf_layer(item)
+                elif isinstance(item, Scope):
+                    self.scope_layer(item)
+                else:
+                    self.function_node(item)
+            return
+        rel = self.rel(child.path)
+        name = rel if rel.isidentifier() else self.names.fresh(rel.replace(".", "_"))
+        inner = ScopeImporter(self.captured, child, self.blocks, self.root,
+                              f"{self.generated_path}.{name}".lstrip("."))
+        inner.run()
+        lines = inner.block_lines()
+        block = self.blocks.add(type(child.module), lines)
+        first = child.nodes()[0]
+        layer = Layer(name, block, first, child.module)
+        for node in inner.input_nodes:
+            layer.inputs.append(self.tensor(node, first, layer.reads))
+        outs = inner.external_outputs()
+        if len(outs) == 1:
+            self.refs[outs[0]] = name
+            self.register(name, self.values.get(outs[0]))
+        else:
+            layer.elements = [Leaf() for _ in outs]
+            for node, leaf in zip(outs, layer.elements):
+                self.refs[node] = leaf
+                leaf.name = self.names.fresh(_base(node.name))
+        self.relative[id(layer)] = rel
+        self.layers.append(layer)
+
+    def block_lines(self) -> list[str]:
+        lines = [f"  inputs: {scalar(self.input_names)}", "  layers:",
+                 *(f"  {line}" for line in layer_lines(self.layers, self.input_names[0]))]
+        last = self.layers[-1]
+        if self.outputs != [last.name] or last.elements is not None:
+            lines.append(f"  outputs: {scalar(self.outputs)}")
+        return lines
+
+    # -- ModuleList / Sequential children ----------------------------------------------
+    def fold_repeats(self) -> None:
+        """``layers.0`` ... ``layers.N-1``, alike and chained: ``layers`` with
+        ``repeat: N`` (NOTE [Module hierarchy])."""
+        result: list[Layer] = []
+        k = 0
+        while k < len(self.layers):
+            run = self.run_at(k)
+            if run:
+                container = self.relative[id(self.layers[k])].rpartition(".")[0]
+                first, last = self.layers[k], self.layers[k + run - 1]
+                folded = Layer(container, first.op, first.node, first.module,
+                               inputs=list(first.inputs), keyword_inputs=first.keyword_inputs,
+                               reads=list(first.reads), repeat=run)
+                self.names.claim(container) if not self.names.taken(container) else None
+                for node, ref in list(self.refs.items()):
+                    if ref == last.name:
+                        self.refs[node] = container
+                for later in self.layers[k + run:]:
+                    rename_reads(later, {last.name: container})
+                result.append(folded)
+                k += run
+                continue
+            layer = self.layers[k]
+            rel = self.relative.get(id(layer), layer.name)
+            if rel != layer.name and layer.module is not None and any(
+                    True for _ in layer.module.state_dict()):
+                self.blocks.renamed[f"{self.generated_path}.{layer.name}".lstrip(".")] = \
+                    f"{self.scope.path}.{rel}".lstrip(".")
+            result.append(layer)
+            k += 1
+        self.layers = result
+
+    def run_at(self, k: int) -> int:
+        """How many layers from ``k`` fold into one repeated layer (0: none)."""
+        first = self.layers[k]
+        rel = self.relative.get(id(first))
+        if rel is None or not rel.endswith(".0"):
+            return 0
+        container = rel[:-2]
+        if not container.isidentifier():
+            return 0
+        module = self.scope.module.get_submodule(container)
+        count = len(module)
+        if k + count > len(self.layers):
+            return 0
+        run = self.layers[k:k + count]
+        for i, layer in enumerate(run):
+            if self.relative.get(id(layer)) != f"{container}.{i}" or layer.op != first.op:
+                return 0
+            if layer.elements is not None or layer.tie or len(layer.inputs) < 1:
+                return 0
+            if i and (layer.inputs[0] != run[i - 1].name
+                      or layer.inputs[1:] != first.inputs[1:]
+                      or layer.keyword_inputs != first.keyword_inputs):
+                return 0
+        readers = [r for l in self.layers for r in l.reads]
+        if any(readers.count(l.name) != 1 for l in run[:-1]):
+            return 0
+        return count
+
+
+def _has_tensor_ops() -> bool:
+    try:
+        ops.resolve_op("Buffer", ())
+        return True
+    except Exception:
+        return False
+
+
+class _Step:
+    """A value between two layers of one indexing node."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Step) and other.name == self.name
+
+
+def _number(text: str) -> Any:
+    return int(text) if re.fullmatch(r"-?\d+", text) else f"={text}"
+
+
+def _subtree_holds(scope: Scope, tensor: torch.Tensor) -> bool:
+    for item in scope.items:
+        if isinstance(item, LeafCall) and holds(item.module, tensor):
+            return True
+        if isinstance(item, Scope) and (holds(item.module, tensor)
+                                        or _subtree_holds(item, tensor)):
+            return True
+    return False
+
+
+def _size_sources(node: fx.Node) -> list[fx.Node]:
+    """The tensors a size node reads the sizes of (through size arithmetic)."""
+    found = []
+    for arg in node.all_input_nodes:
+        value = arg.meta.get("example_value")
+        if isinstance(value, torch.Tensor):
+            found.append(arg)
+        elif isinstance(value, (torch.SymInt, int)):
+            found += _size_sources(arg)
+    return found
+
+
+def _argument_names(scope: Scope, nodes: list, values: dict) -> dict:
+    """The name of the argument of ``forward`` each input node was passed as
+    (``position_embeddings_0`` for an element of a tuple argument)."""
+    tensors = []
+    for key, value in _bind(scope).items():
+        if isinstance(value, torch.Tensor):
+            tensors.append((key, value))
+        elif isinstance(value, (tuple, list)):
+            tensors += [(f"{key}_{i}", v) for i, v in enumerate(value)
+                        if isinstance(v, torch.Tensor)]
+    left = list(nodes)
+    names = {}
+    for key, tensor in tensors:
+        want = (tuple(tensor.shape), tensor.dtype)
+        hits = [n for n in left if _hinted_shape(values.get(n)) == want]
+        if hits and key.isidentifier() and not hasattr(nn.Module, key):
+            names[hits[0]] = key
+            left.remove(hits[0])
+    return names
+
+
+def _base(name: str) -> str:
+    base = re.sub(r"_\d+$", "", name.removeprefix("l_").removeprefix("l__self___"))
+    return base if base.isidentifier() and not hasattr(nn.Module, base) else "value"
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
+def _same_tensor_type(before: Any, after: Any) -> bool:
+    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+            and before.dtype == after.dtype)
+
+
+def _bind(call: Any) -> dict:
+    """The call's arguments by parameter name, in the signature's order."""
+    import inspect  # noqa: PLC0415
+
+    signature = inspect.signature(call.module.forward)
+    try:
+        bound = signature.bind(*call.args, **call.kwargs)
+    except TypeError:
+        return {f"arg{i}": a for i, a in enumerate(call.args)} | dict(call.kwargs)
+    result = {}
+    for key, value in bound.arguments.items():
+        kind = signature.parameters[key].kind
+        if kind == kind.VAR_POSITIONAL:
+            result.update({f"{key}{i}": v for i, v in enumerate(value)})
+        elif kind == kind.VAR_KEYWORD:
+            result.update(value)
+        else:
+            default = signature.parameters[key].default
+            if not isinstance(value, torch.Tensor) and type(default) is type(value) \
+                    and default == value:
+                continue
+            result[key] = value
+    return result
+
+
+def _positional(call: LeafCall) -> set:
+    import inspect  # noqa: PLC0415
+
+    params = inspect.signature(call.module.forward).parameters
+    names = list(params)[:len(call.args)]
+    return set(names) | {f"arg{i}" for i in range(len(call.args))} | {
+        n for n in params if params[n].kind == inspect.Parameter.VAR_POSITIONAL}
+
+
+def _match(eager: list, nodes: list, values: dict) -> Optional[list]:
+    """The graph node of each eager tensor argument (by shape and dtype, in
+    order of use where several fit)."""
+    if len(eager) != len(nodes):
+        return None
+    left = list(nodes)
+    result = []
+    for tensor in eager:
+        want = (tuple(tensor.shape), tensor.dtype)
+        hits = [n for n in left if _hinted_shape(values.get(n)) == want]
+        if not hits:
+            return None
+        result.append(hits[0])
+        left.remove(hits[0])
+    return result
+
+
+def import_hierarchy(captured: Captured, root: nn.Module, model: str
+                     ) -> tuple[ScopeImporter, Blocks]:
+    """The model's layers (the root call's) and the blocks they use."""
+    blocks = Blocks(model)
+    top = ScopeImporter(captured, captured.root, blocks, root)
+    top.run()
+    if blocks.renamed:
+        shown = ", ".join(f"{o} is {g}" for g, o in list(blocks.renamed.items())[:3])
+        blocks.notes.append(f"{len(blocks.renamed)} modules of an nn.Sequential or "
+                            f"nn.ModuleList that a repeat cannot hold have other names "
+                            f"({shown}, ...): their state-dict keys differ from the "
+                            "original's")
+    return top, blocks

@@ -1,0 +1,189 @@
+"""``mpgen import`` of the models people already use: Hugging Face
+transformers' classes (tiny configurations) and torchvision's classification
+models, traced with TorchDynamo and their module hierarchy kept as blocks.
+
+Each case imports the model as ``mpgen import`` does, builds the spec for the
+CPU, loads the original's ``state_dict()`` into the generated model strictly
+(keys as they are, or, where the spec language cannot name a module as the
+original does, through :attr:`Imported.renamed`), and compares the eval
+outputs exactly and the gradients of a backward pass; then an automatic
+split over two devices builds.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.common import let_torchvision_import
+from helpers import build_to, import_generated, mpgen
+
+pytestmark = pytest.mark.slow
+
+CPU = {"*": "cpu"}
+
+#: name -> (MODULE:NAME, --config or --args, inputs, HF?)
+LLAMA = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+BERT = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 64, "num_labels": 3}
+BART = {"vocab_size": 64, "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+        "encoder_attention_heads": 4, "decoder_attention_heads": 4, "encoder_ffn_dim": 64,
+        "decoder_ffn_dim": 64, "max_position_embeddings": 64}
+GPT2 = {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+        "bos_token_id": 0, "eos_token_id": 0}
+TOKENS = ["input_ids=batch,16:int64"]
+#: Traced, transformers builds Llama's causal mask as a tensor (it passes
+#: ``is_causal=True`` and no mask only when not traced): the same outputs,
+#: gradients that differ by float rounding (SDPA's backward with a mask).
+ROUNDED_GRADIENTS = {"llama"}
+IMAGES = ["x=batch,3,32,32"]
+#: BART's ``model.shared`` is never called (its encoder's and decoder's
+#: ``embed_tokens`` share its weight): a spec holds only layers forward calls,
+#: and ties only between top-level layers, so its key is missing.
+UNCALLED = "model.shared.weight: a module forward never calls"
+
+HUGGING_FACE = {
+    "llama": ("transformers:LlamaForCausalLM", LLAMA, TOKENS),
+    "bert": ("transformers:BertForSequenceClassification", BERT, TOKENS),
+    "bart": ("transformers:BartForConditionalGeneration", BART,
+             [*TOKENS, "decoder_input_ids=batch,16:int64"]),
+    "gpt2": ("transformers:GPT2LMHeadModel", GPT2, TOKENS),
+}
+TORCHVISION = {
+    "vit_b_16": ("torchvision.models:vit_b_16", {"image_size": 32}, IMAGES),
+    "convnext_tiny": ("torchvision.models:convnext_tiny", {}, IMAGES),
+    "efficientnet_b0": ("torchvision.models:efficientnet_b0", {}, IMAGES),
+    "resnet50": ("torchvision.models:resnet50", {}, IMAGES),
+    "mobilenet_v3_small": ("torchvision.models:mobilenet_v3_small", {}, IMAGES),
+}
+
+
+def _import(target: str, arguments: dict, inputs: list, hf: bool, devices=None):
+    from mpgen.commands import importer
+
+    root = importer.load_module(target, None if hf else json.dumps(arguments),
+                                json.dumps(arguments) if hf else None)
+    specs = [importer.parse_input(text) for text in inputs]
+    imported = importer.import_module(root, specs, f"mpgen import {target}", devices,
+                                      tracer="dynamo")
+    return root, specs, imported
+
+
+def _generated(imported, tmp_path):
+    spec = tmp_path / "imported.yaml"
+    spec.write_text(imported.text)
+    result = build_to(spec, tmp_path / "out", CPU)
+    (path,) = [tmp_path / "out" / n for n in result.files if n.endswith(".py")
+               and "/" not in n and not n.startswith(("train_", "test_", "pp_"))]
+    return getattr(import_generated(path), result.graph.name)()
+
+
+def _samples(specs) -> list:
+    generator = torch.Generator().manual_seed(1)
+    samples = []
+    for spec in specs:
+        shape = [2 if d == "batch" else d for d in spec.dims]
+        if spec.dtype == "int64":
+            samples.append(torch.randint(0, 64, shape, generator=generator))
+        else:
+            samples.append(torch.randn(shape, generator=generator))
+    return samples
+
+
+def _first(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    if hasattr(output, "logits"):
+        return output.logits
+    return output[0]
+
+
+def _check(case: str, table: dict, hf: bool, tmp_path) -> None:
+    target, arguments, inputs = table[case]
+    root, specs, imported = _import(target, arguments, inputs, hf)
+    torch.manual_seed(0)
+    with torch.no_grad():  # weights that make every output depend on them
+        for param in root.parameters():
+            param.normal_(0, 0.1)
+    generated = _generated(imported, tmp_path)
+    renamed = {imported.original_key(k): k for k in generated.state_dict()}
+    state = {renamed.get(k, k): v for k, v in root.state_dict().items()}
+    generated.load_state_dict(state, strict=True)
+    root.eval()
+    generated.eval()
+    samples = _samples(specs)
+    expected = _first(root(**{s.name: x for s, x in zip(specs, samples)}))
+    got = _first(generated(*samples))
+    assert torch.equal(expected, got)
+    expected.sum().backward()
+    got.sum().backward()
+    theirs = dict(root.named_parameters())
+    for name, param in generated.named_parameters():
+        original = theirs[imported.original_key(name)]
+        if case in ROUNDED_GRADIENTS:
+            torch.testing.assert_close(param.grad, original.grad, rtol=1e-4, atol=1e-4)
+        else:
+            assert torch.equal(param.grad, original.grad), name
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=UNCALLED))
+    if case == "bart" else case for case in HUGGING_FACE])
+def test_hugging_face(case, tmp_path):
+    pytest.importorskip("transformers")
+    let_torchvision_import()  # transformers imports torchvision
+    _check(case, HUGGING_FACE, True, tmp_path)
+
+
+@pytest.mark.parametrize("case", TORCHVISION)
+def test_torchvision(case, tmp_path):
+    let_torchvision_import()
+    pytest.importorskip("torchvision")
+    _check(case, TORCHVISION, False, tmp_path)
+
+
+@pytest.mark.parametrize("case", [*HUGGING_FACE, *TORCHVISION])
+def test_split_over_two_devices_builds(case, tmp_path):
+    let_torchvision_import()
+    hf = case in HUGGING_FACE
+    target, arguments, inputs = (HUGGING_FACE if hf else TORCHVISION)[case]
+    _, _, imported = _import(target, arguments, inputs, hf, devices=2)
+    assert "devices: [cuda:0, cuda:1]" in imported.text
+    _generated(imported, tmp_path)
+
+
+def test_command_line(tmp_path):
+    """A Hugging Face class with --config, a torchvision function with --args."""
+    let_torchvision_import()
+    spec = tmp_path / "gpt2.yaml"
+    ran = mpgen("import", "transformers:GPT2LMHeadModel", "--config", json.dumps(GPT2),
+                "--input", TOKENS[0], "-o", str(spec), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "traced with TorchDynamo" in spec.read_text()
+    ran = mpgen("import", "torchvision.models:resnet18", "--input", IMAGES[0], cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "BasicBlock" in ran.stdout
+
+
+def test_an_error_names_the_line_of_the_traced_code(tmp_path):
+    """What a spec cannot write stops the import at the library's (here the
+    project's) line, not at mpgen's or torch's."""
+    (tmp_path / "halves.py").write_text(
+        "import torch.nn as nn\n"
+        "\n"
+        "\n"
+        "class Halves(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(4, 4)\n"
+        "\n"
+        "    def forward(self, x):\n"
+        "        return self.fc(x).half()\n")
+    ran = mpgen("import", "halves:Halves", "--input", "x=batch,4", "--trace", "dynamo",
+                cwd=tmp_path)
+    assert ran.returncode == 2
+    assert ran.stderr.startswith("halves.py:10:9: "), ran.stderr
+    assert "casts float32 to float16" in ran.stderr

@@ -5,6 +5,7 @@ model's state-dict keys are the original's."""
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any, Optional
 
@@ -12,7 +13,7 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from mpgen.commands.importer.arguments import constructor, yaml_value, MISSING
+from mpgen.commands.importer.arguments import MISSING, constructor, yaml_value
 from mpgen.commands.importer.capture import (
     Captured, LeafCall, Scope, holds, library_leaf, sym_expression)
 from mpgen.commands.importer.layers import Layer, Leaf, layer_lines, rename_reads, scalar
@@ -372,13 +373,8 @@ class ScopeImporter(Importer):
         if value.dtype != torch.float32:
             layer.kwargs["dtype"] = str(value.dtype).removeprefix("torch.")
         if layer.op == "Buffer" and attr in module._non_persistent_buffers_set:
-            if not _has_tensor_ops():  # until the compiler has Buffer: a constant
-                layer.op, layer.kwargs = "torch.tensor", {"data": value.tolist()}
-                if value.dtype != torch.float32:
-                    layer.kwargs["dtype"] = str(value.dtype).removeprefix("torch.")
-            else:
-                layer.kwargs["persistent"] = False
-                layer.kwargs["init"] = {"values": value.flatten().tolist()}
+            layer.kwargs["persistent"] = False  # not loaded: its values written
+            layer.kwargs["init"] = {"values": value.flatten().tolist()}
         self.refs[node] = attr
         self.layers.append(layer)
         self.register(attr, value)
@@ -582,14 +578,6 @@ class ScopeImporter(Importer):
         return count
 
 
-def _has_tensor_ops() -> bool:
-    try:
-        ops.resolve_op("Buffer", ())
-        return True
-    except Exception:
-        return False
-
-
 class _Step:
     """A value between two layers of one indexing node."""
 
@@ -659,15 +647,8 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _same_tensor_type(before: Any, after: Any) -> bool:
-    return (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
-            and before.dtype == after.dtype)
-
-
 def _bind(call: Any) -> dict:
     """The call's arguments by parameter name, in the signature's order."""
-    import inspect  # noqa: PLC0415
-
     signature = inspect.signature(call.module.forward)
     try:
         bound = signature.bind(*call.args, **call.kwargs)
@@ -690,8 +671,6 @@ def _bind(call: Any) -> dict:
 
 
 def _positional(call: LeafCall) -> set:
-    import inspect  # noqa: PLC0415
-
     params = inspect.signature(call.module.forward).parameters
     names = list(params)[:len(call.args)]
     return set(names) | {f"arg{i}" for i in range(len(call.args))} | {

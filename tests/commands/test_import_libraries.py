@@ -127,6 +127,7 @@ def _check(case: str, table: dict, hf: bool, tmp_path) -> None:
             torch.testing.assert_close(param.grad, original.grad, rtol=1e-4, atol=1e-4)
         else:
             assert torch.equal(param.grad, original.grad), name
+    return imported
 
 
 @pytest.mark.parametrize("case", [
@@ -142,7 +143,10 @@ def test_hugging_face(case, tmp_path):
 def test_torchvision(case, tmp_path):
     let_torchvision_import()
     pytest.importorskip("torchvision")
-    _check(case, TORCHVISION, False, tmp_path)
+    imported = _check(case, TORCHVISION, False, tmp_path)
+    if case == "efficientnet_b0":  # blocks alike but for numbers: one block with params
+        assert "params: [in_channels, out_channels, kernel_size" in imported.text
+        assert imported.text.count("\n  MBConv") < 8
 
 
 @pytest.mark.parametrize("case", [*HUGGING_FACE, *TORCHVISION])

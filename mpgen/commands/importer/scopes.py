@@ -6,6 +6,7 @@ model's state-dict keys are the original's."""
 from __future__ import annotations
 
 import inspect
+import pydoc
 import re
 from typing import Any, Optional
 
@@ -700,6 +701,7 @@ def import_hierarchy(captured: Captured, root: nn.Module, model: str
     blocks = Blocks(model)
     top = ScopeImporter(captured, captured.root, blocks, root)
     top.run()
+    merge_alike(blocks, top.layers)
     if blocks.renamed:
         shown = ", ".join(f"{o} is {g}" for g, o in list(blocks.renamed.items())[:3])
         blocks.notes.append(f"{len(blocks.renamed)} modules of an nn.Sequential or "
@@ -707,3 +709,158 @@ def import_hierarchy(captured: Captured, root: nn.Module, model: str
                             f"({shown}, ...): their state-dict keys differ from the "
                             "original's")
     return top, blocks
+
+
+# NOTE: [Alike blocks]
+# Two calls of one class often differ only in numbers: ConvNeXt's blocks in
+# their widths and stochastic-depth rates, EfficientNet's in kernel sizes.
+# Their blocks' lines are then the same but for the numbers at some places,
+# so they become one block with ``params:``, each instance giving its
+# values as ``args:``. Places whose numbers agree in every instance keep
+# them; places whose numbers go together (a width written five times) share
+# one parameter. Blocks are merged from the innermost out, since a parent's
+# lines name its children's blocks: merging children can make parents alike.
+
+_NUMBER = re.compile(r"(?<![\w.$\"])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w.])")
+#: At most this many parameters for a merged block: more is not one design.
+MAX_PARAMS = 6
+
+
+def _numbers(line: str) -> list[tuple[int, int, str]]:
+    """The numbers of a line outside its quoted strings (expressions): their
+    start, end and text."""
+    found, quoted, offset = [], False, 0
+    for part in re.split(r'("(?:[^"\\]|\\.)*")', line):
+        if not quoted:
+            found += [(offset + m.start(), offset + m.end(), m.group())
+                      for m in _NUMBER.finditer(part)]
+        quoted, offset = not quoted, offset + len(part)
+    return found
+
+
+def _skeleton(lines: list[str]) -> tuple[tuple[str, ...], list[str]]:
+    """The lines with each number outside quotes a ``#``, and the numbers."""
+    skeleton, numbers = [], []
+    for line in lines:
+        parts = re.split(r'("(?:[^"\\]|\\.)*")', line)
+        for i in range(0, len(parts), 2):
+            numbers += _NUMBER.findall(parts[i])
+            parts[i] = _NUMBER.sub("#", parts[i])
+        skeleton.append("".join(parts))
+    return tuple(skeleton), numbers
+
+
+def merge_alike(blocks: Blocks, layers: list[Layer]) -> None:
+    """Blocks alike but for numbers: one block with params (NOTE [Alike
+    blocks]); ``layers`` (the model's) and the blocks' lines call it."""
+    while True:
+        families: dict[tuple, list[str]] = {}
+        for name, lines in blocks.lines.items():
+            if lines[0].startswith("  params:"):
+                continue  # merged already
+            skeleton, _ = _skeleton(lines)
+            families.setdefault((re.sub(r"\d+$", "", name), skeleton), []).append(name)
+        merged = {}
+        for (_, skeleton), names in families.items():
+            if len(names) > 1:
+                merged.update(_merge(blocks, names))
+        if not merged:
+            return
+        for name in blocks.lines:
+            blocks.lines[name] = [_call(line, merged) for line in blocks.lines[name]]
+        for layer in layers:
+            if layer.op in merged:
+                layer.op, layer.args = merged[layer.op][0], list(merged[layer.op][1])
+
+
+def _merge(blocks: Blocks, names: list[str]) -> dict[str, tuple[str, list]]:
+    """``names`` as one block (the first's name): each old name -> the block
+    and the values its calls give."""
+    values = [_skeleton(blocks.lines[n])[1] for n in names]
+    differ = [i for i in range(len(values[0])) if len({v[i] for v in values}) > 1]
+    groups: dict[tuple, list[int]] = {}
+    for i in differ:
+        groups.setdefault(tuple(v[i] for v in values), []).append(i)
+    if not groups or len(groups) > MAX_PARAMS:
+        return {}
+    first = blocks.lines[names[0]]
+    param_at: dict[int, str] = {}
+    taken: set[str] = {"index", "repeat"}
+    for places in groups.values():
+        name = _param_name(first, places[0], taken, blocks)
+        taken.add(name)
+        param_at.update({i: name for i in places})
+    lines, k = [], 0
+    for line in first:
+        pieces, last = [], 0
+        for start, end, text in _numbers(line):
+            pieces.append(line[last:start])
+            pieces.append(f"${param_at[k]}" if k in param_at else text)
+            last, k = end, k + 1
+        lines.append("".join(pieces) + line[last:])
+    params = list(dict.fromkeys(param_at[places[0]] for places in groups.values()))
+    target = names[0]
+    blocks.lines[target] = [f"  params: {scalar(params)}", *lines]
+    for name in names[1:]:
+        del blocks.lines[name]
+    result = {}
+    for name, own in zip(names, values):
+        args = [_literal(own[places[0]]) for places in groups.values()]
+        result[name] = (target, args)
+    return result
+
+
+def _literal(text: str) -> Any:
+    return int(text) if re.fullmatch(r"-?\d+", text) else float(text)
+
+
+def _param_name(lines: list[str], place: int, taken: set[str], blocks: Blocks) -> str:
+    """A parameter's name after where its first number is: the keyword it is
+    the value of (``p``, ``eps``), or the argument of the op it is
+    (``in_channels`` of a ``Conv2d``'s ``args``), else the layer's name."""
+    k = 0
+    base = f"value{place}"
+    for line in lines:
+        numbers = _numbers(line)
+        if place < k + len(numbers):
+            before = line[:numbers[place - k][0]]
+            keys = re.findall(r"(\w+): ", before)
+            key = keys[-1] if keys else "value"
+            base = key if key not in ("args", "shape", "size", "dims", "op", "in") else (
+                _argument(line, before, blocks) or f"{keys[0]}_{key}")
+            break
+        k += len(numbers)
+    name, i = base, 2
+    while name in taken:
+        name, i = f"{base}{i}", i + 1
+    return name
+
+
+def _argument(line: str, before: str, blocks: Blocks) -> Optional[str]:
+    """The name of the positional argument ``before`` ends in, in ``args:``
+    of a torch.nn op or a block with params."""
+    op = re.search(r"\{op: ([\w.]+)", line)
+    listed = before.rpartition("args: [")
+    if not op or not listed[1] or "]" in listed[2]:
+        return None
+    index = listed[2].count(",")
+    if op.group(1) in blocks.lines:
+        head = blocks.lines[op.group(1)][0]
+        names = re.findall(r"\w+", head.partition("params:")[2]) if "params:" in head else []
+    else:
+        cls = getattr(nn, op.group(1), None) or pydoc.locate(op.group(1))
+        try:
+            names = list(inspect.signature(cls).parameters) if cls else []
+        except (TypeError, ValueError):
+            names = []
+    return names[index] if index < len(names) else None
+
+
+def _call(line: str, merged: dict) -> str:
+    """A layer's line calling a merged block: its new name and ``args:``."""
+    match = re.search(r"\{op: (\w+)(?=[,}])", line)
+    if not match or match.group(1) not in merged:
+        return line
+    target, args = merged[match.group(1)]
+    return (line[:match.start()] + f"{{op: {target}, args: {scalar(args)}"
+            + line[match.end():])

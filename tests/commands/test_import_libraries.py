@@ -72,12 +72,14 @@ def _import(target: str, arguments: dict, inputs: list, hf: bool, devices=None):
     return root, specs, imported
 
 
-def _generated(imported, tmp_path):
+def _generated(imported, tmp_path, device_map=CPU):
     spec = tmp_path / "imported.yaml"
     spec.write_text(imported.text)
-    result = build_to(spec, tmp_path / "out", CPU)
+    result = build_to(spec, tmp_path / "out", device_map)
     (path,) = [tmp_path / "out" / n for n in result.files if n.endswith(".py")
                and "/" not in n and not n.startswith(("train_", "test_", "pp_"))]
+    if device_map is None:
+        return path.read_text()
     return getattr(import_generated(path), result.graph.name)()
 
 
@@ -156,7 +158,9 @@ def test_split_over_two_devices_builds(case, tmp_path):
     target, arguments, inputs = (HUGGING_FACE if hf else TORCHVISION)[case]
     _, _, imported = _import(target, arguments, inputs, hf, devices=2)
     assert "devices: [cuda:0, cuda:1]" in imported.text
-    _generated(imported, tmp_path)
+    model = _generated(imported, tmp_path, None)  # for two GPUs (none needed to build)
+    per_device = model[model.index("Parameters per device:"):].split("total:")[0]
+    assert "cuda:0:" in per_device and "cuda:1:" in per_device, per_device
 
 
 def test_command_line(tmp_path):

@@ -83,8 +83,9 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
         captured = capture(root, inputs)
         name = model_name(type(root))
         top, blocks = import_hierarchy(captured, root, name)
+        total = sum(p.numel() for p in root.parameters())
         text = spec_text(root, "TorchDynamo", captured.inputs, blocks.imports, blocks.lines,
-                         top.layers, top.outputs, command, devices)
+                         top.layers, top.outputs, command, devices, blocks.split(total))
         check_builds(text, time_limit)
         return Imported(text, name, len(top.layers), tuple(blocks.notes), blocks.renamed)
     importer = Importer(root, inputs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import tempfile
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 from torch import nn
 
@@ -36,8 +36,9 @@ def render(root: nn.Module, importer: Importer, layers: list[Layer],
 
 def spec_text(root: nn.Module, tracer: str, inputs: list, imports: Iterable[str],
               blocks: dict[str, list[str]], layers: list[Layer], outputs: list[str],
-              command: str, devices: Optional[int]) -> str:
-    """A spec's text: ``blocks`` maps a block's name to its body's lines."""
+              command: str, devices: Optional[int], split: Sequence[str] = ()) -> str:
+    """A spec's text: ``blocks`` maps a block's name to its body's lines;
+    ``split``, the block instances an automatic placement splits."""
     cls = type(root)
     lines = [f"# Made by `{command}`:",
              f"# {cls.__module__}.{cls.__qualname__} traced with {tracer} (docs/import.md).",
@@ -58,6 +59,8 @@ def spec_text(root: nn.Module, tracer: str, inputs: list, imports: Iterable[str]
     if devices:
         lines += ["", "placement:", "  auto:",
                   f"    devices: {scalar([f'cuda:{i}' for i in range(devices)])}"]
+        if split:
+            lines.append(f"    split: {scalar(list(split))}")
     return "\n".join(lines) + "\n"
 
 

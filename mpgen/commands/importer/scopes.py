@@ -46,6 +46,18 @@ class Blocks:
         #: a module's path in the generated model -> in the original, where
         #: they differ (NOTE [Module hierarchy]: a child of a Sequential)
         self.renamed: dict[str, str] = {}
+        #: each block instance that is not a copy of a repeated layer (its
+        #: path in the generated model) -> its parameter count
+        self.instances: dict[str, int] = {}
+
+    def split(self, total: int) -> list[str]:
+        """The block instances an automatic placement places layer by layer:
+        those of the model holding more than half of the ``total``
+        parameters (a Llama's ``model``), else one device would hold them
+        whole. (Not yet instances inside them, ``bert.encoder``: the build
+        fails on such a split.)"""
+        return [path for path, count in self.instances.items()
+                if 2 * count > total and "." not in path]
 
     def add(self, cls: type, lines: list[str]) -> str:
         for name, known in self.lines.items():
@@ -508,6 +520,9 @@ class ScopeImporter(Importer):
                 leaf.name = self.names.fresh(_base(node.name))
         self.relative[id(layer)] = rel
         self.layers.append(layer)
+        if layer.elements is None:  # (a split of one with outputs: fails to build yet)
+            self.blocks.instances[inner.generated_path] = sum(
+                p.numel() for p in child.module.parameters())
 
     def block_lines(self) -> list[str]:
         lines = [f"  inputs: {scalar(self.input_names)}", "  layers:",
@@ -537,6 +552,9 @@ class ScopeImporter(Importer):
                         self.refs[node] = container
                 for later in self.layers[k + run:]:
                     rename_reads(later, {last.name: container})
+                for copy in self.layers[k:k + run]:  # placed as copies, each whole
+                    self.blocks.instances.pop(f"{self.generated_path}.{copy.name}".lstrip("."),
+                                              None)
                 result.append(folded)
                 k += run
                 continue

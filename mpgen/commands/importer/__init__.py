@@ -1,4 +1,10 @@
-"""``mpgen import``: trace an existing ``nn.Module`` with torch.fx into a spec.
+"""``mpgen import``: trace an existing ``nn.Module`` into a spec.
+
+Two tracers. A library's model (Hugging Face, torchvision) is traced with
+TorchDynamo and keeps its module hierarchy as blocks, so that the generated
+state-dict keys are the original's: :mod:`.capture` and :mod:`.scopes`
+(NOTE [Module hierarchy]), reusing :mod:`.nodes`' reading of each node. The
+project's own classes are traced with torch.fx, as follows.
 
 The module is built from the user's class (``MODULE:CLASS``, the working
 directory on ``sys.path``), traced with ``torch.fx.symbolic_trace``'s tracer
@@ -18,8 +24,9 @@ The passes, one module each, each importing only those before it:
 :mod:`.trace` (the command line's values, the class built, traced and run
 on samples), :mod:`.arguments` (constructor and function arguments),
 :mod:`.layers` (the spec being built), :mod:`.nodes` (each node a layer),
-:mod:`.order` (NOTE [Parameter order]), :mod:`.fold` (repeats and blocks)
-and :mod:`.emit` (the spec's text); :func:`import_module` runs them.
+:mod:`.order` (NOTE [Parameter order]), :mod:`.fold` (repeats and blocks),
+:mod:`.capture` and :mod:`.scopes` (the TorchDynamo path) and :mod:`.emit`
+(the spec's text); :func:`import_module` runs them.
 """
 
 from __future__ import annotations

@@ -195,3 +195,16 @@ def test_an_error_names_the_line_of_the_traced_code(tmp_path):
     assert ran.returncode == 2
     assert ran.stderr.startswith("halves.py:10:9: "), ran.stderr
     assert "casts float32 to float16" in ran.stderr
+
+
+def test_a_table_read_along_a_symbolic_dim_is_named(tmp_path):
+    """BERT slices its position ids (64 of them) to the sequence's length: a
+    symbolic ``seq`` fails the build's check at large sizes, and the error
+    says to give it a size."""
+    let_torchvision_import()
+    target, arguments, _ = HUGGING_FACE["bert"]
+    ran = mpgen("import", target, "--config", json.dumps(arguments), "--input",
+                "input_ids=batch,seq:int64", cwd=tmp_path)
+    assert ran.returncode == 2
+    assert "layer 'bert.embeddings.position_ids_1': torch.narrow" in ran.stderr
+    assert "hint: the build checks symbolic dims (input_ids: seq)" in ran.stderr

@@ -64,8 +64,10 @@ def spec_text(root: nn.Module, tracer: str, inputs: list, imports: Iterable[str]
     return "\n".join(lines) + "\n"
 
 
-def check_builds(text: str, time_limit: Optional[float]) -> None:
-    """Compile the spec; a failure is mpgen import's, reported as such."""
+def check_builds(text: str, time_limit: Optional[float], inputs: Sequence = ()) -> None:
+    """Compile the spec; a failure is mpgen import's, reported as such (with
+    a hint where a symbolic dim of ``inputs`` other than ``batch`` may be
+    the cause)."""
     with tempfile.TemporaryDirectory(prefix="mpgen-import-") as folder:
         path = Path(folder) / "imported.yaml"
         path.write_text(text, encoding="utf-8")
@@ -77,9 +79,15 @@ def check_builds(text: str, time_limit: Optional[float]) -> None:
             quoted = [f"  line {n}: {lines[int(n) - 1].strip()}"
                       for n in dict.fromkeys(re.findall(r"<imported spec>:(\d+):", shown))
                       if 0 < int(n) <= len(lines)]
+            dims = [f"{spec.name}: {d}" for spec in inputs for d in spec.dims
+                    if isinstance(d, str) and d != "batch"]
+            hint = ([f"hint: the build checks symbolic dims ({', '.join(dims)}) at sizes "
+                     "far beyond any table of fixed length (position embeddings); if the "
+                     "model indexes one along such a dim, give it a size in --input"]
+                    if dims else [])
             raise MpgenError(None, "the imported spec does not build (a model mpgen import "
                                    "cannot express yet; please report it):\n"
-                                   + "\n".join([shown, *quoted])) from None
+                                   + "\n".join([shown, *quoted, *hint])) from None
 
 
 def write_spec(text: str, out: Optional[str], force: bool) -> None:

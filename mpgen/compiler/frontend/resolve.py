@@ -913,7 +913,8 @@ class _Splitter:
             self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} takes a "
                               "tuple or keyword input, so it cannot be split")
             return [node]
-        if not node.pattern and node.name in self.outputs:
+        if (node.name if not node.pattern else None) in self.outputs or any(
+                e.name in self.outputs for e in node.elements):
             self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} is a model "
                               "output, so it cannot be split: add a layer after it to be the "
                               "output")
@@ -932,6 +933,8 @@ class _Splitter:
                 inner[old] = new
             if n.name in self.wanted:
                 made += self.expand(n, splits, inner)
+                for old in _plain_names(n, f"{path}."):  # read as what it became
+                    inner[old] = inner.get(inner[old], inner[old])
             else:
                 made.append(n)
         outs = [inner[o] for o in block.outputs]

@@ -235,3 +235,48 @@ def test_a_tie_to_a_parameter_inside_a_split_instance(tmp_path):
         assert model.lm_head.weight is model.model.embed.weight
         model(torch.randint(0, 64, (2, 5))).sum().backward()
         assert model.model.embed.weight.grad is not None
+
+
+NESTED = """
+mpgen: 1
+name: Nest
+inputs:
+  x: [batch, 4]
+blocks:
+  Inner:
+    layers:
+      a: {op: Linear, args: [4, 4]}
+      b: {op: Linear, args: [4, 4]}
+    outputs: [a, b]
+  Outer:
+    layers:
+      pre: {op: Linear, args: [4, 4]}
+      inner: {op: Inner, outputs: [p, q]}
+      post: {op: torch.add, in: [p, q]}
+layers:
+  model: {op: Outer}
+  head: {op: Linear, args: [4, 2]}
+placement:
+  auto: {devices: [cuda:0, cuda:1], split: [model, model.inner]}
+"""
+
+
+def test_an_instance_split_inside_a_split_instance(tmp_path):
+    result = build_to(write_spec(tmp_path, NESTED), tmp_path / "out", {"*": "cpu"})
+    assert [s.path for s in result.graph.splits] == ["model", "model.inner"]
+    assert result.graph.node("model.post").inputs == ("model.inner.a", "model.inner.b")
+    model = import_generated(tmp_path / "out" / "nest.py").Nest()
+    x = torch.randn(2, 4)
+    a = model.model.inner.a(model.model.pre(x))
+    assert torch.allclose(model(x), model.head(a + model.model.inner.b(a)))
+
+
+def test_an_instance_whose_element_is_a_model_output_is_not_split(tmp_path):
+    text = NESTED.replace("layers:\n  model: {op: Outer}\n  head: {op: Linear, args: [4, 2]}\n",
+                          "layers:\n  pre: {op: Linear, args: [4, 4]}\n"
+                          "  inner: {op: Inner, outputs: [p, q]}\n"
+                          "outputs: [p, q]\n").replace("split: [model, model.inner]",
+                                                       "split: [inner]")
+    with pytest.raises(MpgenError) as info:
+        driver.compile_spec(write_spec(tmp_path, text))
+    assert "block instance 'inner' is a model output, so it cannot be split" in str(info.value)

@@ -792,15 +792,24 @@ class _Splitter:
         self.top: dict[str, Node] = {}  # the model's layers, by name
         self.wanted: dict[str, str] = {}  # instance path -> the key that splits it
 
+    def walk(self, parts: list[str]):
+        """``(path, node, scope)`` for each part of a dotted path, stepping into
+        the block of each instance that is not repeated; stops after a part
+        that is not one (``node`` None where the scope has no such layer)."""
+        scope = self.top
+        for end, part in enumerate(parts, 1):
+            node = scope.get(part)
+            yield ".".join(parts[:end]), node, scope
+            if node is None or node.op.kind is not OpKind.BLOCK or node.repeat is not None:
+                return
+            scope = {n.name: n for n in self.blocks[node.op.target].nodes}
+
     def reach(self, key: str) -> None:
         """Mark the block instances ``key`` names a layer inside of."""
         parts = key.split(".")
-        scope = self.top
-        for i, part in enumerate(parts[:-1]):
-            node = scope.get(part)
+        for i, (path, node, _) in enumerate(self.walk(parts[:-1])):
             if node is None or node.op.kind is not OpKind.BLOCK:
                 return
-            path = ".".join(parts[:i + 1])
             if node.repeat is not None:
                 if i + 2 < len(parts):
                     self.r.errors.add(self.r.key("placement", key), f"placement: {key!r} "
@@ -809,15 +818,12 @@ class _Splitter:
                                       f"({path}.{parts[i + 1]})")
                 return
             self.wanted.setdefault(path, key)
-            scope = {n.name: n for n in self.blocks[node.op.target].nodes}
 
     def instance(self, path: str, i: int) -> None:
         """``placement.auto.split[i]``: split block instance ``path`` and those
         it is inside of."""
-        parts = path.split(".")
-        scope = self.top
-        for end, part in enumerate(parts, 1):
-            node = scope.get(part)
+        for inner, node, scope in self.walk(path.split(".")):
+            part = inner.rpartition(".")[2]
             if node is None or node.op.kind is not OpKind.BLOCK or node.repeat is not None:
                 known = [n.name for n in scope.values() if n.op.kind is OpKind.BLOCK
                          and n.repeat is None]
@@ -829,8 +835,7 @@ class _Splitter:
                                   f"block instance that is not repeated"
                                   f"{did_you_mean(part, known)}")
                 return
-            self.wanted.setdefault(".".join(parts[:end]), path)
-            scope = {n.name: n for n in self.blocks[node.op.target].nodes}
+            self.wanted.setdefault(inner, path)
 
     def split(self, nodes: list[Node], splits: list["Split"]) -> list[Node]:
         self.top = {n.name: n for n in nodes}

@@ -924,7 +924,7 @@ class PipelineConfig:
     (NOTE [Pipeline stages] in placement/stages.py)."""
 
     microbatches: int  # M: the generated forward splits the batch into M
-    schedule: str = "1f1b"  # pp_<name>.py's default --schedule: gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"  # pp_<name>.py's default --schedule: one of SCHEDULES
     #: Devices whose layers are all checkpointed (``checkpoint: [cuda:1]``),
     #: as the spec names them (before --device-map).
     checkpoint: tuple[str, ...] = ()
@@ -932,7 +932,12 @@ class PipelineConfig:
     pos: Optional[Position] = field(default=None, compare=False)
     checkpoint_pos: tuple[Position, ...] = field(default=(), compare=False)
 
-    SCHEDULES: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b", "interleaved")
+    #: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
+    #: ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,
+    #: ScheduleZBVZeroBubble and ScheduleDualPipeV (NOTE [Schedule model] in
+    #: analysis/schedule.py).
+    SCHEDULES: ClassVar[tuple[str, ...]] = ("gpipe", "1f1b", "interleaved", "looped-bfs",
+                                            "interleaved-zb", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class Single:
     gradients clipped, then the optimizer's step; or, for an optimizer that
     recomputes the loss (LBFGS), its step with a closure."""
 
-    logs = interruptible = True
+    logs = True
     evaluates = False  # whether the run has evaluation data (run() says)
 
     def __init__(self, training: Training, args, data, last: int) -> None:
@@ -102,6 +102,9 @@ class Single:
 
     def stop(self, message: str) -> None:
         sys.exit(message)
+
+    def interrupted(self, signals: list) -> bool:
+        return bool(signals)
 
     def resume(self) -> int:
         if not self.path.exists():
@@ -216,12 +219,21 @@ def last_step(args: argparse.Namespace, per_epoch: int) -> int:
     return min(args.steps or math.inf, (args.epochs or math.inf) * per_epoch)
 
 
-def run(engine, args: argparse.Namespace, last: int, per_epoch: int, eval_data=None):
+def run(
+    engine,
+    args: argparse.Namespace,
+    last: int,
+    per_epoch: int,
+    eval_data=None,
+    evaluates: bool | None = None,
+):
     """Train from the checkpoint (--resume) or the start to step ``last``:
-    log each step, evaluate every --eval-every steps and at the end, save
-    every --save-every steps, at the end and, where the engine is
-    interruptible, on Ctrl-C (after the step; a second one stops at once)."""
-    engine.evaluates = eval_data is not None
+    log each step, evaluate every --eval-every steps and at the end
+    (``evaluates``: whether there is evaluation data, where this rank holds
+    none of it), save every --save-every steps, at the end and on Ctrl-C or
+    SIGTERM (after the step, on every rank; a second one stops at once)."""
+    evaluates = eval_data is not None if evaluates is None else evaluates
+    engine.evaluates = evaluates
     done = engine.resume() if args.resume else 0
     started = done
     stream = engine.start(done)
@@ -233,15 +245,15 @@ def run(engine, args: argparse.Namespace, last: int, per_epoch: int, eval_data=N
             log = Log(folder, last, done, every, size, engine.devices)
         except OSError as error:  # a folder that cannot be made or written
             engine.stop(f"cannot write the log ({error})")
-    interrupted = []
+    interrupted = engine.signals = []
+    handled = (signal.SIGINT, signal.SIGTERM)
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
-    def on_interrupt(signum, frame) -> None:
+    def on_signal(signum, frame) -> None:
         interrupted.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signum, defaults[signum])  # a second one stops at once
 
-    if engine.interruptible:
-        previous = signal.signal(signal.SIGINT, on_interrupt)
-    saving = f"; saved {engine.where}" if args.checkpoint else ""
+    previous = {s: signal.signal(s, on_signal) for s in handled}
     try:
         for step in range(done + 1, last + 1):
             loss = engine.step(stream)
@@ -252,20 +264,22 @@ def run(engine, args: argparse.Namespace, last: int, per_epoch: int, eval_data=N
             if log is not None:
                 log.step(step, epoch, loss.item(), engine.lr())
             eval_loss = None
-            if eval_data is not None and (
+            if evaluates and (
                 step == last or args.eval_every and step % args.eval_every == 0
             ):
                 eval_loss, accuracy = engine.evaluate(eval_data)
-                log.evaluation(step, epoch, eval_loss, accuracy)
+                if log is not None:
+                    log.evaluation(step, epoch, eval_loss, accuracy)
             engine.stepped(loss, eval_loss)
-            if interrupted:
+            if engine.interrupted(interrupted):
                 engine.save(done)
+                saving = f"; saved {engine.where}" if args.checkpoint else ""
                 engine.stop(f"interrupted after step {step}{saving}")
             if args.save_every and step % args.save_every == 0 and step < last:
                 engine.save(done)
     finally:
-        if engine.interruptible:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         if log is not None:
             log.close(started)
     engine.save(done)

@@ -1,22 +1,38 @@
 """The pipeline mode of the loop (``pp_<name>.py``): each rank builds only
 its stages of the model and trains them with torch.distributed.pipelining
-under torchrun (gloo on the CPU, NCCL on GPUs), through loop.run like the
-single-process script.
+under torchrun (gloo on the CPU, NCCL on GPUs), --dp replicas of the
+pipeline on a 2-D mesh (mesh.py), through loop.run like the single-process
+script.
 
 # NOTE: [Micro-batch losses]
-# The schedules average the micro-batches' losses (their gradients are
-# divided by M), and the log shows that mean. M divides the batch (a stage
-# receives into buffers shaped by the first micro-batch, so they must be
-# equal), so for a mean loss that mean is the single-process script's loss
-# of the whole batch; a summed loss is multiplied by M (the stage loss does).
+# A step is --accumulate batches of --batch-size; each replica takes 1/dp of
+# every batch and splits it into M equal micro-batches (a stage receives
+# into buffers shaped by the first, so they must be equal). The schedules
+# run with scale_grads=False and the stage loss is divided here, so that
+# the gradients, summed over micro-batches and batches and averaged over
+# the replicas by DDP or FSDP, are the single-process script's:
+#   a mean loss        each micro-batch's mean / (M * K)
+#   a summed loss      its sum * M * dp (the stage loss multiplies by its
+#                      ``microbatches``, given M * dp) / (M * K)
+#   a mean over        its sum / (N / (M * dp)) / (M * K), N the targets the
+#   counted targets    loss counts in the whole batch (not ignore_index; by
+#                      class weight), summed over the replicas before the
+#                      batch runs (TokenMean): padding in one micro-batch
+#                      weighs what it weighs in the whole batch.
+# The log's loss is the sum of those values over the replicas, over dp:
+# the mean of the K batches' losses, as the single-process script logs.
 # A batch-coupled layer (BatchNorm) still sees micro-batches, and differs.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import pathlib
+import signal
 import sys
+import time
+from datetime import timedelta
 from os import environ
 
 import torch
@@ -26,9 +42,10 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from . import checkpoint, flags
-from .data import batches, epoch_batches, one_line, training_data
+from . import checkpoint, flags, mesh, sharded
+from .data import batches, epoch_batches, one_line, share, split_data, training_data
 from .loop import autocast, last_step, run
+from .mesh import stop
 from .spec import Stages
 
 
@@ -38,11 +55,6 @@ class Elsewhere(nn.Module):
 
     def forward(self, *args) -> None:
         raise RuntimeError("this instance is held by another stage")
-
-
-def stop(message: str) -> None:
-    """Exit with ``message``, printed once (by rank 0) however many ranks stop."""
-    sys.exit(message if environ.get("RANK", "0") == "0" else 1)
 
 
 def pick(target: torch.Tensor | None, dim: int | None, index: torch.Tensor):
@@ -99,53 +111,13 @@ def examples(stages: Stages, shapes: list, microbatches: int) -> list[tuple]:
     return found
 
 
-def placement(stages: Stages, schedule: str) -> list[int]:
-    """The rank of each stage: stage k on rank k; for the interleaved schedule,
-    the ranks take turns along a layout that visits its devices in a repeating order."""
-    if schedule != "interleaved":
-        return list(range(len(stages.stages)))
-    devices = tuple(dict.fromkeys(stages.devices))
-    turns = len(stages.devices) // len(devices)
-    if turns < 2 or stages.devices != devices * turns:
-        stop(
-            f"--schedule interleaved needs a layout that visits its devices in a repeating order at least twice "
-            f"(cuda:0, cuda:1, cuda:0, cuda:1), so that each rank holds two stages or more; {stages.training.name}'s "
-            f"stages are on {', '.join(stages.devices)}: use --schedule gpipe or 1f1b"
-        )
-    return [k % len(devices) for k in range(len(stages.stages))]
-
-
-def merge(stages: Stages, folder: str, out: str) -> None:
-    """Write one state dict of the model from FOLDER/stage_K.pt (it loads with strict=True)."""
-    if pathlib.Path(out).is_dir():
-        sys.exit(f"--merge: {out} is a folder; give the file to write")
-    state = {}
-    for k in range(len(stages.stages)):
-        path = pathlib.Path(folder, f"stage_{k}.pt")
-        if not path.is_file():
-            sys.exit(f"--merge: no checkpoint {path}")
-        try:
-            state.update(checkpoint.load(path)["model"])
-        except Exception as error:  # not a stage checkpoint of this program
-            sys.exit(f"--merge: cannot read {path} ({one_line(error)})")
-    try:
-        checkpoint.save(state, pathlib.Path(out))
-    except OSError as error:
-        sys.exit(f"--merge: cannot write {out} ({error})")
-    print(f"merged {len(stages.stages)} stages into {out} ({len(state)} tensors)")
-
-
-def tie_groups(stages: Stages, ranks: list[int], mine: list[int]) -> list[tuple]:
-    """For each tie: the process group of the ranks holding its copies (None:
-    one rank holds them all), the owner's rank, this rank's copies."""
+def tie_groups(stages: Stages, grid: mesh.Mesh) -> list[tuple]:
+    """For each tie: the process group of this replica's ranks holding its
+    copies (None: one rank holds them all), the owner's rank, this rank's copies."""
     groups = []
-    for tie in stages.ties:
-        holders = sorted({ranks[k] for k, _ in tie})
-        # every rank calls new_group, in one order
-        group = dist.new_group(holders) if len(holders) > 1 else None
-        groups.append(
-            (group, ranks[tie[0][0]], [(k, key) for k, key in tie if k in mine])
-        )
+    for t, tie in enumerate(stages.ties):
+        group, owner = grid.tie_groups[t, grid.replica], grid.of(grid.ranks[tie[0][0]])
+        groups.append((group, owner, [(k, key) for k, key in tie if k in grid.mine]))
     return groups
 
 
@@ -173,23 +145,29 @@ def follow_owners(groups: list, modules: dict, optimizers: dict, device) -> None
             optimizers[k].param_groups[int(exempt.item())]["params"].append(param)
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A tensor, or this rank's shard of a DTensor (FSDP's parameters and gradients)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def sync_ties(groups: list[tuple], modules: dict, gradients: bool) -> None:
     """Keep each tied parameter's copies equal, as Megatron does: at the start,
-    the owner's value; after a backward, every copy's gradient becomes their sum."""
+    the owner's value; after a backward, every copy's gradient becomes their
+    sum (FSDP shards the copies alike, so each rank sums its shards)."""
     for group, owner, copies in groups:
         if not copies:
             continue
         params = [modules[k].get_parameter(key) for k, key in copies]
         with torch.no_grad():
             if gradients:
-                total = sum(
-                    p.grad if p.grad is not None else torch.zeros_like(p)
-                    for p in params
-                )
+                for p in params:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                total = sum(local(p.grad) for p in params)
                 if group is not None:
                     dist.all_reduce(total, group=group)
                 for p in params:
-                    p.grad = total.clone()
+                    local(p.grad).copy_(total)
             else:
                 value = (
                     params[0].detach().clone()
@@ -200,61 +178,114 @@ def sync_ties(groups: list[tuple], modules: dict, gradients: bool) -> None:
                     p.copy_(value)
 
 
-def clip_gradients(stages: Stages, modules: dict, max_norm: float, device) -> None:
-    """Scale every rank's gradients by one factor, from the norm of all of them
-    (each tied parameter counted once), as clip_grad_norm_ does on one model."""
+def grad_norm(stages: Stages, modules: dict, group, device) -> torch.Tensor:
+    """The norm of one replica's gradients (each tied parameter counted once),
+    as clip_grad_norm_ computes it on one model; ``group``: the ranks whose
+    gradients make up a replica's (its pipeline, and with FSDP its shards)."""
     copies = {(k, key) for tie in stages.ties for k, key in tie[1:]}
     squares = torch.zeros((), device=device)
     for k, module in modules.items():
         for key, p in module.named_parameters():
             if p.grad is not None and (k, key) not in copies:
-                squares += p.grad.detach().float().pow(2).sum()
-    dist.all_reduce(squares)
-    scale = (max_norm / (squares.sqrt() + 1e-6)).clamp(max=1.0)
-    for module in modules.values():
-        for p in module.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+                squares += local(p.grad).detach().float().pow(2).sum()
+    dist.all_reduce(squares, group=group)
+    return squares.sqrt()
+
+
+class TokenMean(nn.Module):
+    """A loss that is a mean over the targets it counts (CrossEntropyLoss,
+    NLLLoss: those not ``ignore_index``, by class weight), as its sum over a
+    micro-batch divided by ``share``: the whole batch's count over the
+    micro-batches of every replica (NOTE [Micro-batch losses])."""
+
+    def __init__(self, fn: nn.Module) -> None:
+        super().__init__()
+        self.mean, self.sum = fn, copy.copy(fn)
+        self.sum.reduction = "sum"
+        self.share = torch.ones(())
+
+    @staticmethod
+    def applies(fn) -> bool:
+        return getattr(fn, "reduction", None) == "mean" and hasattr(fn, "ignore_index")
+
+    def count(self, target: torch.Tensor) -> torch.Tensor:
+        if target.is_floating_point():  # class probabilities: a plain mean
+            return torch.zeros((), dtype=torch.float64)
+        counted = target != self.mean.ignore_index
+        weight = getattr(self.mean, "weight", None)
+        if weight is not None:
+            return weight.to(target.device)[target[counted]].double().sum()
+        return counted.sum().double()
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if target.is_floating_point():
+            return self.mean(input, target)
+        return self.sum(input, target) / self.share.to(input.device)
+
+
+class Counting:
+    """Stands in for a stage's loss function to count its targets: the stage
+    loss run on the meta device's outputs with a micro-batch's real targets."""
+
+    def __init__(self, fn, totals: list, k: int) -> None:
+        self.fn, self.totals, self.k = fn, totals, k
+
+    def __call__(self, input, target, *rest, **kwargs) -> torch.Tensor:
+        if isinstance(self.fn, TokenMean):
+            self.totals[self.k] += self.fn.count(target).cpu()
+        return torch.zeros(())
 
 
 class Pipelined:
-    """This rank's stages of the model: a step is the schedule's forward and
-    backward of every micro-batch, the tied copies' gradients summed, the
-    gradients clipped over every rank, then each stage's optimizer's step;
-    the loss (the micro-batches' mean) goes from the last stage to every rank."""
+    """This rank's stages of the model: a step is --accumulate runs of the
+    schedule (forward and backward of every micro-batch of this replica's
+    part of a batch), the tied copies' gradients summed, the norm of every
+    gradient of a replica (clipped by --grad-clip), then each stage's
+    optimizer's step; the loss, from the last stages, and whether any rank
+    was interrupted go to every rank in one all_reduce."""
 
-    interruptible = False  # a rank interrupted alone would leave the others waiting
-
-    def __init__(self, stages: Stages, args, ranks: list[int], device) -> None:
-        self.stages, self.args, self.ranks, self.device = stages, args, ranks, device
+    def __init__(self, stages: Stages, args, grid: mesh.Mesh, device) -> None:
+        self.stages, self.args, self.grid, self.device = stages, args, grid, device
         training, count = stages.training, len(stages.stages)
-        rank = dist.get_rank()
-        self.mine = mine = [k for k, r in enumerate(ranks) if r == rank]
+        self.mine = mine = grid.mine
         self.first, self.last_stage = 0 in mine, count - 1 in mine
-        self.logs = rank == ranks[-1]
-        self.where = f"{args.checkpoint}/stage_*.pt"
+        self.logs = dist.get_rank() == grid.of(grid.ranks[-1], 0)
+        self.where = f"{args.checkpoint}/step_N"
         self.folder = f"runs/pp_{training.run}"
         self.devices = (str(device),) if device.type == "cuda" else ()
-        self.samples_per_step = args.batch_size
+        self.samples_per_step = args.accumulate * args.batch_size
+        self.part = args.batch_size // args.dp  # a replica's samples of a batch
+        self.stopping = False
+        self.resumed = None  # the checkpoint's step --resume found (None: start fresh)
+        if args.resume:
+            self.resumed = self.agree_on_checkpoint()
         self.modules = modules = {}
         for k in mine:
             torch.manual_seed(args.seed * 1_000_003 + k)  # a stage's own initialisation
             modules[k] = stages.stages[k]().to(device)
-        if args.init and not args.resume:  # a checkpoint holds the weights to resume
+        if args.init and self.resumed is None:  # a checkpoint holds the weights to resume
             self.initialise(args.init)
-        self.groups = tie_groups(stages, ranks, mine)
+        self.groups = tie_groups(stages, grid)
         sync_ties(self.groups, modules, gradients=False)
+        self.wrapped = {k: self.replicate(module) for k, module in modules.items()}
 
-        # The data: the first stage's rank feeds the inputs, the last stage's reads the targets.
+        # The data: the first stage's ranks feed the inputs, the last stage's read the targets.
         self.feeds = self.first or self.last_stage
-        per_epoch = [None]
+        per_epoch, self.eval_data = [None], None
         if self.feeds:
             self.data = training_data(training, args)
-            per_epoch = [epoch_batches(self.data, args.batch_size)]
-        dist.broadcast_object_list(per_epoch, src=ranks[0])
+            if args.eval_data or args.eval_split or args.eval_every:
+                self.data, self.eval_data = split_data(
+                    training, args, flags.parser(training, stages), self.data
+                )
+            per_epoch = [epoch_batches(self.data, args.batch_size) // args.accumulate]
+        dist.broadcast_object_list(per_epoch, src=grid.of(0, 0))
         self.per_epoch = per_epoch[0]
         if self.per_epoch == 0:
-            stop(f"the data gives no batch of {args.batch_size}; lower --batch-size")
+            stop(
+                f"one optimizer step needs {self.samples_per_step} samples, more than one pass over "
+                "the data gives; lower --batch-size or --accumulate"
+            )
         self.last = last_step(args, self.per_epoch)
 
         self.optimizers, self.schedulers = {}, {}
@@ -270,9 +301,52 @@ class Pipelined:
         counts = {len(o.param_groups) for o in self.optimizers.values()}
         if stages.ties and counts == {2}:  # no_decay's (optim.param_groups)
             follow_owners(self.groups, modules, self.optimizers, device)
-        self.loss_fns = training.losses()
-        # The step's targets, on this device: the stage loss picks each micro-batch's.
+        self.loss_fns = tuple(
+            TokenMean(fn) if TokenMean.applies(fn) else fn for fn in training.losses()
+        )
+        self.normalises = any(isinstance(fn, TokenMean) for fn in self.loss_fns)
+        # The batch's targets, on this device: the stage loss picks each micro-batch's.
         self.current = [()]
+        # The ranks whose gradients make up one replica's: its pipeline; FSDP shards them.
+        self.norm_group = None if args.dp_mode == "fsdp" and args.dp > 1 else grid.pp_group
+
+    def agree_on_checkpoint(self) -> int | None:
+        """The step of the newest complete checkpoint, the same on every rank
+        (None: none; --resume then starts fresh)."""
+        args = self.args
+        found = sharded.complete(args.checkpoint)
+        newest = torch.tensor([found[-1] if found else -1], dtype=torch.float64)
+        low, high = newest.clone(), newest.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX)
+        if low.item() != high.item():
+            stop(
+                f"--resume: the ranks see different checkpoints in {args.checkpoint} (steps "
+                f"{int(low.item())} and {int(high.item())}; -1: none): --checkpoint needs a folder every node shares"
+            )
+        if high.item() < 0:
+            if dist.get_rank() == 0:
+                print(f"--resume: no complete checkpoint in {args.checkpoint}; starting at step 0")
+            return None
+        return int(high.item())
+
+    def replicate(self, module: nn.Module) -> nn.Module:
+        """A stage's module as the schedule runs it: itself with one replica;
+        else synchronising its gradients over its replicas (--dp-mode)."""
+        if self.args.dp == 1:
+            return module
+        if self.args.dp_mode == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+
+            ids = [self.device] if self.device.type == "cuda" else None
+            return DistributedDataParallel(
+                module, device_ids=ids, process_group=self.grid.dp_group
+            )
+        from torch.distributed.fsdp import fully_shard
+
+        # The pipeline runs each micro-batch's forward apart: keep the
+        # gathered parameters until the backward (torchtitan does the same).
+        return fully_shard(module, mesh=self.grid.mesh["dp"], reshard_after_forward=False)
 
     def initialise(self, path: str) -> None:
         """--init: each stage's keys from a state dict of the whole model."""
@@ -284,46 +358,134 @@ class Pipelined:
         except ValueError as error:
             stop(f"--init {path}: {error}")
 
-    def stage_path(self, k: int) -> pathlib.Path:
-        return pathlib.Path(self.args.checkpoint, f"stage_{k}.pt")
+    # -- checkpoints (NOTE [Coordinated checkpoints]) ---------------------------
+
+    def state(self) -> tuple[dict, dict]:
+        """What a checkpoint holds, keyed by the model's state-dict keys, and
+        each stage's keys of the optimizer's flattened state."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        model, optim, owned = {}, {}, {}
+        for k in self.mine:
+            model.update(get_model_state_dict(self.wrapped[k]))
+            found = get_optimizer_state_dict(
+                self.wrapped[k], self.optimizers[k], options=options
+            )
+            optim.update(found)
+            owned[k] = list(found)
+        grid = self.grid
+        layout = f"{len(self.stages.stages)} stages on pipeline ranks {grid.ranks} x {grid.dp} replicas"
+        state = {"model": model, "optim": optim, "layout": layout}
+        state["step"] = {f"stage_{k}": 0 for k in self.mine}
+        state["rng"] = {f"rank_{grid.rank}": checkpoint.rng_states()}
+        return state, owned
 
     def resume(self) -> int:
+        if self.resumed is None:
+            return 0
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_optimizer_state_dict,
+        )
+
+        done, path = self.resumed, sharded.folder(self.args.checkpoint, self.resumed)
+        # The schedule's lr at step done, before the optimizer's state (it keeps that lr).
+        self.fast_forward(done)
+        state, owned = self.state()
+        saved = sharded.keys(path)
+        missing = [
+            f"{part}.{key}"
+            for part in ("model", "optim")
+            for key in state[part]
+            if f"{part}.{key}" not in saved
+        ]
+        missing += [f"step.stage_{k}" for k in self.mine if f"step.stage_{k}" not in saved]
+        if missing:
+            stop(
+                f"--resume: {path} is not a checkpoint of this model and optimizer: {len(missing)} "
+                f"missing ({', '.join(missing[:4])}{', ...' * (len(missing) > 4)})"
+            )
+        same = (
+            f"rng.rank_{self.grid.rank}.torch" in saved
+            and self.layout_of(path) == state["layout"]
+        )
+        if not same:
+            del state["rng"]
+        try:
+            sharded.load(path, state)
+        except Exception as error:  # shapes that do not match
+            stop(f"--resume: cannot load {path} ({one_line(error)})")
+        steps = {k: state["step"][f"stage_{k}"] for k in self.mine}
+        if any(step != done for step in steps.values()):
+            stop(f"--resume: {path} holds stages at different steps ({steps}); it is not whole")
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
         for k in self.mine:
-            path = self.stage_path(k)
-            if not path.is_file():
-                stop(f"--resume: no checkpoint {path}")
-            try:
-                parts = (self.modules[k], self.optimizers[k], self.schedulers[k], None)
-                done = checkpoint.restore(checkpoint.load(path), *parts)
-            except Exception as error:  # not this stage's checkpoint
-                stop(f"--resume: cannot resume from {path} ({one_line(error)})")
+            module = self.wrapped[k]
+            keys = get_keys(module)
+            set_model_state_dict(module, {key: state["model"][key] for key in keys})
+            mine = {key: state["optim"][key] for key in owned[k]}
+            set_optimizer_state_dict(module, self.optimizers[k], mine, options=options)
+        if same:
+            checkpoint.set_rng_states(state["rng"][f"rank_{self.grid.rank}"])
         if self.logs:
             ignored = flags.NOT_INIT * bool(self.args.init)
-            print(f"resumed from {self.args.checkpoint} at step {done}{ignored}")
+            how = "" if same else f" (resharded onto {self.grid.pp} x {self.grid.dp} ranks)"
+            print(f"resumed from {path} at step {done}{how}{ignored}")
         return done
+
+    def layout_of(self, path: pathlib.Path) -> str:
+        """The layout that wrote a checkpoint (a collective)."""
+        found = {"layout": ""}
+        sharded.load(path, found)
+        return found["layout"]
+
+    def fast_forward(self, done: int) -> None:
+        """Step each learning-rate schedule ``done`` times (a schedule is a
+        function of the step; its state is not in the checkpoint)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
+            for scheduler in self.schedulers.values():
+                for _ in range(done if scheduler is not None else 0):
+                    scheduler.step()
 
     def save(self, done: int) -> None:
         if not self.args.checkpoint:
             return
-        for k in self.mine:
-            parts = (self.modules[k], self.optimizers[k], self.schedulers[k], None)
-            try:
-                checkpoint.save(checkpoint.state(*parts, done), self.stage_path(k))
-            except OSError as error:
-                stop(f"step {done}: cannot write {self.stage_path(k)} ({error})")
+        state, _ = self.state()
+        state["step"] = {key: done for key in state["step"]}
+        try:
+            sharded.save(self.args.checkpoint, done, state)
+        except OSError as error:
+            stop(f"step {done}: cannot write {self.args.checkpoint} ({error})")
+        self.where = str(sharded.folder(self.args.checkpoint, done))
+
+    # -- the schedule -------------------------------------------------------------
 
     def start(self, done: int):
         """The batches from step ``done`` on (on the ranks that feed), and the schedule."""
-        args, stages, ranks = self.args, self.stages, self.ranks
+        args, stages, grid = self.args, self.stages, self.grid
         training, n = stages.training, len(stages.training.inputs)
-        stream = batches(self.data, training, args, done) if self.feeds else None
+        shard = (grid.replica, grid.dp)
+        first = done * args.accumulate
+        stream = batches(self.data, training, args, first, shard) if self.feeds else None
         shapes = [None]  # the inputs' shapes, from the first batch, for every rank
-        if dist.get_rank() == ranks[0]:
+        if dist.get_rank() == grid.of(0, 0):
             batch = next(stream)
             stream = itertools.chain([batch], stream)
             shapes = [[(tuple(x.shape), x.dtype) for x in batch[:n]]]
-        dist.broadcast_object_list(shapes, src=ranks[0])
-        found = examples(stages, shapes[0], args.microbatches)
+        dist.broadcast_object_list(shapes, src=grid.of(0, 0))
+        m = args.microbatches
+        found = examples(stages, shapes[0], m)
+        self.outputs = found[-1][1]  # the last stage's, on the meta device
         count, pipeline = len(stages.stages), []
         for k in self.mine:
             given, made = found[k]
@@ -331,36 +493,60 @@ class Pipelined:
                 self.modules[k].register_forward_hook(
                     sendable(tuple(x.dtype for x in made))
                 )
-            stage = PipelineStage(self.modules[k], k, count, self.device, given, made)
+            stage = PipelineStage(
+                self.wrapped[k], k, count, self.device, given, made, group=grid.pp_group
+            )
             pipeline.append(stage)
-        m, schedule = args.microbatches, getattr(
-            pipelining, flags.SCHEDULES[args.schedule]
-        )
+        schedule = getattr(pipelining, flags.SCHEDULES[args.schedule])
         chunks = [
             TensorChunkSpec(d) if d is not None else _Replicate()
             for d in stages.input_dims
         ]
+        scale = m * args.accumulate
 
         def loss(outputs, index: torch.Tensor) -> torch.Tensor:
-            return stages.loss(outputs, index, self.current[0], self.loss_fns, m)
+            given = stages.loss(outputs, index, self.current[0], self.loss_fns, m * args.dp)
+            return given / scale
 
         try:
-            held = pipeline if args.schedule == "interleaved" else pipeline[0]
+            held = pipeline if args.schedule in mesh.LOOPED + mesh.V_SHAPED else pipeline[0]
             self.schedule = schedule(
-                held, m, loss_fn=loss, args_chunk_spec=tuple(chunks)
+                held, m, loss_fn=loss, args_chunk_spec=tuple(chunks), scale_grads=False
             )
-        except (
-            ValueError
-        ) as error:  # e.g. interleaved micro-batches not a multiple of its rounds
-            stop(f"--schedule {args.schedule} --microbatches {m}: {error}")
+        except (ValueError, AssertionError) as error:  # e.g. too few micro-batches for the layout
+            stop(f"--schedule {args.schedule} --microbatches {m}: {one_line(error)}")
         if self.logs:
+            replicas = f" x {args.dp} replicas ({args.dp_mode})" if args.dp > 1 else ""
+            micro = f"{args.accumulate} batches of " if args.accumulate > 1 else ""
             print(
-                f"{training.name}: {count} stages on {dist.get_world_size()} ranks, --schedule {args.schedule}; "
-                f"{self.last} steps of {args.batch_size} samples in {args.microbatches} micro-batches"
+                f"{training.name}: {count} stages on {grid.pp} ranks{replicas}, --schedule {args.schedule}; "
+                f"{self.last} steps of {micro}{args.batch_size} samples, {self.part} per replica "
+                f"in {m} micro-batches"
+                if args.dp > 1
+                else f"{training.name}: {count} stages on {grid.pp} ranks, --schedule {args.schedule}; "
+                f"{self.last} steps of {micro}{args.batch_size} samples in {m} micro-batches"
             )
         return stream
 
-    def step(self, stream) -> torch.Tensor:
+    def normalise(self, targets: tuple) -> None:
+        """Before a batch: each TokenMean's share of the whole batch's count
+        of targets (the last stages count theirs, then sum over the replicas)."""
+        totals = [torch.zeros((), dtype=torch.float64) for _ in self.loss_fns]
+        counting = tuple(Counting(fn, totals, k) for k, fn in enumerate(self.loss_fns))
+        chunk = self.part // self.args.microbatches
+        for j in range(self.args.microbatches):
+            index = torch.arange(j * chunk, (j + 1) * chunk)
+            self.stages.loss(self.outputs, index, targets, counting, 1)
+        total = torch.stack(totals).to(self.device)
+        if self.args.dp > 1:
+            dist.all_reduce(total, group=self.grid.dp_group)
+        micro = self.args.microbatches * self.args.dp
+        for fn, count in zip(self.loss_fns, total):
+            if isinstance(fn, TokenMean):
+                fn.share = (count / micro).float()
+
+    def run_batch(self, stream, losses: list, backward: bool = True) -> None:
+        """One batch through the schedule (forward only: evaluation)."""
         args, device = self.args, self.device
         n = len(self.stages.training.inputs)
         batch = next(stream) if stream is not None else ()
@@ -368,27 +554,84 @@ class Pipelined:
         target = None
         if self.last_stage:
             self.current[0] = tuple(x if x is None else x.to(device) for x in batch[n:])
-            target = torch.arange(args.batch_size, device=device)
+            target = torch.arange(self.part, device=device)
+            if self.normalises:
+                self.normalise(self.current[0])
+        with autocast(device.type, args.amp):
+            run = self.schedule.step if backward else self.schedule.eval
+            kwargs = {"return_outputs": False} if backward else {}
+            run(*inputs, target=target, losses=losses, **kwargs)
+
+    def step(self, stream) -> torch.Tensor:
+        args, device = self.args, self.device
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
-        losses = []
-        with autocast(device.type, args.amp):
-            self.schedule.step(
-                *inputs, target=target, losses=losses, return_outputs=False
-            )
+        total = torch.zeros((), device=device)
+        for _ in range(args.accumulate):
+            losses = []
+            self.run_batch(stream, losses)
+            if losses:
+                total += torch.stack([x.detach().float() for x in losses]).sum()
         sync_ties(self.groups, self.modules, gradients=True)
+        self.norm = grad_norm(self.stages, self.modules, self.norm_group, device)
         if args.grad_clip:
-            clip_gradients(self.stages, self.modules, args.grad_clip, device)
+            scale = (args.grad_clip / (self.norm + 1e-6)).clamp(max=1.0).item()
+            for module in self.modules.values():
+                for p in module.parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
         for optimizer in self.optimizers.values():
             optimizer.step()
-        # The mean of the micro-batches' losses, from the last stage to every rank.
-        loss = (
-            torch.stack(losses).mean().detach().float()
-            if losses
-            else torch.zeros((), device=device)
+        # The loss (the last stages' sum over the replicas) and the stop flag, in one all_reduce.
+        word = torch.stack([total / args.dp, torch.tensor(float(bool(self.signals)), device=device)])
+        dist.all_reduce(word)
+        self.stopping = bool(word[1].item())
+        return word[0]
+
+    def evaluate(self, data) -> tuple[float, list[float]]:
+        """The mean loss over the evaluation data's whole batches (each
+        replica its part), forward only; no accuracy (outputs stay on the
+        last stages)."""
+        args = self.args
+        count = [None]
+        if self.feeds:
+            full = [b for b in data if len(b) and self.whole(b)]
+            count = [len(full)]
+            stream = iter(
+                share(b, self.stages.training, self.grid.replica, args.dp) for b in full
+            )
+        else:
+            stream = None
+        dist.broadcast_object_list(count, src=self.grid.of(0, 0))
+        if not count[0]:
+            stop(f"the evaluation data gives no whole batch of {args.batch_size}")
+        total = torch.zeros((), device=self.device)
+        for module in self.modules.values():
+            module.eval()
+        with torch.no_grad():
+            for _ in range(count[0]):
+                losses = []
+                self.run_batch(stream, losses, backward=False)
+                if losses:
+                    total += torch.stack([x.float() for x in losses]).sum() * args.accumulate
+        for module in self.modules.values():
+            module.train()
+        dist.all_reduce(total)
+        return (total / args.dp / count[0]).item(), []
+
+    def whole(self, batch) -> bool:
+        """Whether an evaluation batch has --batch-size samples."""
+        from .data import as_batch
+
+        batch = as_batch(batch, self.stages.training.keys)
+        dims = self.stages.training.batch_dims
+        return all(
+            x is None or d is None or x.shape[d] == self.args.batch_size
+            for x, d in zip(batch, dims)
         )
-        dist.broadcast(loss, src=self.ranks[-1])
-        return loss
+
+    def interrupted(self, signals: list) -> bool:
+        return self.stopping
 
     def lr(self) -> float:
         return next(iter(self.optimizers.values())).param_groups[0]["lr"]
@@ -402,43 +645,125 @@ class Pipelined:
         stop(message)
 
 
+def get_keys(module: nn.Module) -> list[str]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return list(get_model_state_dict(module))
+
+
+def merge(stages: Stages, folder: str, out: str) -> None:
+    """Write one state dict of the model from the newest complete checkpoint
+    in FOLDER (it loads with strict=True)."""
+    if pathlib.Path(out).is_dir():
+        sys.exit(f"--merge: {out} is a folder; give the file to write")
+    found = sharded.complete(folder)
+    if not found:
+        sys.exit(f"--merge: no complete checkpoint in {folder} (a step_N folder with its {sharded.MARKER} marker)")
+    path = sharded.folder(folder, found[-1])
+    try:
+        state = sharded.model_state(path)
+    except Exception as error:  # not a checkpoint of this program
+        sys.exit(f"--merge: cannot read {path} ({one_line(error)})")
+    with torch.device("meta"):
+        keys = {key for stage in stages.stages for key in stage().state_dict()}
+    if set(state) != keys:
+        sys.exit(f"--merge: {path} is not a checkpoint of {stages.training.name}")
+    try:
+        checkpoint.save(state, pathlib.Path(out))
+    except OSError as error:
+        sys.exit(f"--merge: cannot write {out} ({error})")
+    print(f"merged {path} (step {found[-1]}) into {out} ({len(state)} tensors)")
+
+
+def check_devices(stages: Stages) -> torch.device:
+    """This rank's device: cuda:LOCAL_RANK for a CUDA build (stopping with
+    the rebuild hint where this machine has too few), else the CPU."""
+    if stages.training.device_type != "cuda":
+        return torch.device("cpu")
+    local, count = int(environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        training = stages.training
+        stop(
+            f"{stages.script} was built for CUDA devices, and local rank {local} has none "
+            f"(this machine has {count}). Rebuild it for this machine: mpgen build {training.spec} "
+            f"--device-map {'cpu' if not count else ','.join(f'{d}=cuda:{k % count}' for k, d in enumerate(training.devices))}"
+        )
+    device = torch.device("cuda", local)
+    torch.cuda.set_device(device)
+    return device
+
+
 def train(stages: Stages, argv: list[str] | None = None) -> None:
-    """``pp_<name>.py``: parse the flags, start the process group, train."""
+    """``pp_<name>.py``: parse the flags, start the process groups, train."""
     parser = flags.parser(stages.training, stages)
     args = parser.parse_args(argv)
     if args.merge:
         merge(stages, *args.merge)
         return
     flags.check(parser, args)
-    size = args.batch_size
-    if (
-        args.microbatches is None
-    ):  # the smallest divisor of the batch from the default on
-        sizes = range(stages.microbatches, size + 1)
-        args.microbatches = next((m for m in sizes if size % m == 0), size)
-    if args.microbatches < 1 or args.batch_size % args.microbatches:
+    ranks = mesh.stage_ranks(stages, args.schedule)
+    pp = max(ranks) + 1
+    world = pp * args.dp
+    if args.batch_size % args.dp:
+        parser.error(f"--batch-size {args.batch_size} must split into --dp {args.dp} equal parts")
+    part = args.batch_size // args.dp
+    if args.microbatches is None:  # the smallest divisor of a replica's part from the least on
+        least = max(stages.microbatches, len(stages.stages) if args.schedule != "gpipe" else 1)
+        sizes = range(min(least, part), part + 1)
+        args.microbatches = next((m for m in sizes if part % m == 0), part)
+    if args.microbatches < 1 or part % args.microbatches:
         parser.error(
-            f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} (the stages exchange equal micro-batches)"
+            f"--microbatches {args.microbatches} must divide a replica's {part} samples of --batch-size "
+            f"{args.batch_size} (the stages exchange equal micro-batches)"
         )
-    ranks = placement(stages, args.schedule)
-    world = max(ranks) + 1
+    launch = f"torchrun --nproc-per-node {world} {stages.script} ..."
     if "RANK" not in environ:
-        stop(
-            f"run it under torchrun: torchrun --nproc-per-node {world} {stages.script} ..."
-        )
+        stop(f"run it under torchrun: {launch}")
     if int(environ["WORLD_SIZE"]) != world:
+        replicas = f" x --dp {args.dp} replicas" if args.dp > 1 else ""
         stop(
-            f"--schedule {args.schedule} runs {len(stages.stages)} stages on {world} ranks, "
-            f"but torchrun started {environ['WORLD_SIZE']}: torchrun --nproc-per-node {world} {stages.script} ..."
+            f"--schedule {args.schedule} runs {len(stages.stages)} stages on {pp} ranks{replicas} = {world}, "
+            f"but torchrun started {environ['WORLD_SIZE']}: {launch}"
         )
-    if stages.training.device_type == "cuda":
-        device = torch.device("cuda", int(environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    device = check_devices(stages)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     try:
-        engine = Pipelined(stages, args, ranks, device)
-        run(engine, args, engine.last, engine.per_epoch)
+        grid = mesh.make(stages, ranks, args.dp, device.type, args.timeout)
+        if args.checkpoint:
+            prepare(args.checkpoint)
+        engine = Pipelined(stages, args, grid, device)
+        try:
+            run(engine, args, engine.last, engine.per_epoch, engine.eval_data if engine.feeds else None,
+                evaluates=bool(args.eval_data or args.eval_split or args.eval_every))
+        except (RuntimeError, dist.DistBackendError) as error:
+            lost(grid, error)
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare(folder: str) -> None:
+    """Before anything is saved: check every rank sees --checkpoint's folder,
+    and remove what killed saves left there (NOTE [Coordinated checkpoints])."""
+    if not sharded.check_shared(folder):
+        stop(
+            f"--checkpoint {folder}: some ranks do not see rank 0's files there; a pipeline's "
+            "checkpoints need a folder every node shares"
+        )
+    if dist.get_rank() == 0:
+        for path in sharded.leftovers(folder):
+            sharded.remove(path)
+            print(f"removed {path}, left by a save that did not finish")
+    dist.barrier()
+
+
+def lost(grid: mesh.Mesh, error: BaseException) -> None:
+    """A collective or a send that failed: another rank stopped or hangs."""
+    text = one_line(error)
+    if not any(word in text.lower() for word in ("connection", "timed out", "timeout", "closed", "peer", "gloo", "nccl")):
+        raise error
+    sys.exit(
+        f"{grid.where()}: lost contact with another rank ({text}); "
+        "the first rank that failed is torchrun's 'Root Cause'; relaunch with --resume"
+    )

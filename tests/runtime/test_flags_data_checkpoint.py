@@ -15,10 +15,10 @@ TRAIN_FLAGS = {"--steps", "--epochs", "--batch-size", "--lr", "--seed", "--log-e
                "--log-dir", "--checkpoint", "--save-every", "--resume", "--amp",
                "--grad-clip", "--accumulate", "--data", "--eval-data", "--eval-split",
                "--eval-every", "--samples", "--workers", "--init"}
-PIPELINE_FLAGS = {"--steps", "--epochs", "--batch-size", "--microbatches", "--schedule", "--lr",
-                  "--decay-steps", "--seed", "--data", "--samples", "--workers", "--init",
-                  "--checkpoint", "--save-every", "--resume", "--amp", "--grad-clip",
-                  "--log-every", "--log-dir", "--merge"}
+# Every flag of the single-process script that applies (not fp16's --amp: a
+# gradient scaler would span the ranks), and the pipeline's own.
+PIPELINE_FLAGS = TRAIN_FLAGS | {"--microbatches", "--schedule", "--decay-steps", "--merge",
+                                "--dp", "--dp-mode", "--timeout"}
 
 
 def options(parser) -> set[str]:

@@ -6,6 +6,7 @@ data and initial weights."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import os
 import socket
 import time
@@ -13,9 +14,10 @@ import time
 import pytest
 import safetensors.torch
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from mpgen.runtime import checkpoint, loop, pipeline
+from mpgen.runtime import loop, mesh, pipeline, sharded
 from tiny import STAGES, TRAINING, Tiny
 
 
@@ -30,23 +32,46 @@ def test_a_placeholder_instance_refuses_to_run():
         pipeline.Elsewhere()(torch.zeros(1))
 
 
-def test_interleaved_needs_a_layout_that_repeats_its_devices():
-    assert pipeline.placement(STAGES, "1f1b") == [0, 1]
+def test_each_schedule_places_the_stages_on_its_ranks():
+    assert mesh.stage_ranks(STAGES, "1f1b") == [0, 1]
+    assert mesh.stage_ranks(STAGES, "zbv") == [0, 0]  # a V: stages r and K - 1 - r on rank r
+    four = dataclasses.replace(STAGES, stages=STAGES.stages * 2,
+                               devices=("cuda:0", "cuda:1", "cuda:0", "cuda:1"))
+    assert mesh.stage_ranks(four, "interleaved") == [0, 1, 0, 1]
+    assert mesh.stage_ranks(four, "looped-bfs") == [0, 1, 0, 1]
+    assert mesh.stage_ranks(four, "dualpipev") == [0, 1, 1, 0]
     with pytest.raises(SystemExit, match="--schedule interleaved needs a layout"):
-        pipeline.placement(STAGES, "interleaved")
+        mesh.stage_ranks(STAGES, "interleaved")
+    three = dataclasses.replace(STAGES, stages=STAGES.stages + STAGES.stages[:1],
+                                devices=("cuda:0", "cuda:1", "cuda:2"))
+    with pytest.raises(SystemExit, match="needs an even number of stages"):
+        mesh.stage_ranks(three, "zbv")
 
 
 def test_merge_writes_one_state_dict_the_model_loads_strictly(tmp_path, capsys):
-    front, back = STAGES.stages[0](), STAGES.stages[1]()
-    for k, stage in enumerate((front, back)):
-        checkpoint.save(checkpoint.state(stage, None, None, None, 3), tmp_path / f"stage_{k}.pt")
+    model = {**STAGES.stages[0]().state_dict(), **STAGES.stages[1]().state_dict()}
+    dcp.save({"model": model}, checkpoint_id=tmp_path / "step_3")
+    with pytest.raises(SystemExit, match="no complete checkpoint"):  # no marker: incomplete
+        pipeline.merge(STAGES, str(tmp_path), str(tmp_path / "model.pt"))
+    (tmp_path / "step_3" / sharded.MARKER).write_text("step 3\n")
     pipeline.merge(STAGES, str(tmp_path), str(tmp_path / "model.pt"))
-    assert "merged 2 stages" in capsys.readouterr().out
+    assert "(step 3) into" in capsys.readouterr().out
     Tiny().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict
 
 
-def _rank(rank: int, port: int, argv: list[str]) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2",
+def test_leftovers_of_a_killed_save_are_found_and_never_resumed(tmp_path):
+    (tmp_path / ".step_4.partial").mkdir()
+    (tmp_path / "step_3").mkdir()  # no marker
+    (tmp_path / "step_2").mkdir()
+    (tmp_path / "step_2" / sharded.MARKER).write_text("step 2\n")
+    (tmp_path / ".stage_1.abc.tmp").write_bytes(b"partial")
+    assert sharded.complete(str(tmp_path)) == [2]
+    assert [p.name for p in sharded.leftovers(str(tmp_path))] == [
+        ".stage_1.abc.tmp", ".step_4.partial", "step_3"]
+
+
+def _rank(rank: int, world: int, port: int, argv: list[str]) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     pipeline.train(STAGES, argv)
 
@@ -59,32 +84,55 @@ def _free_port() -> int:
 
 def _losses(folder) -> list[float]:
     with open(folder / "log.csv", newline="") as f:
-        return [float(row["loss"]) for row in csv.DictReader(f)]
+        return [float(row["loss"]) for row in csv.DictReader(f) if row["loss"]]
 
 
-def test_two_ranks_train_as_the_single_process_loop_does(tmp_path):
-    torch.manual_seed(0)
-    init = Tiny().state_dict()
-    torch.save(init, tmp_path / "init.pt")
-    safetensors.torch.save_file(init, tmp_path / "init.safetensors")
-    argv = ["--steps", "3", "--batch-size", "4", "--log-dir", str(tmp_path / "pp"),
-            "--init", str(tmp_path / "init.safetensors"), "--checkpoint", str(tmp_path / "stages")]
-    ranks = mp.start_processes(_rank, (_free_port(), argv), nprocs=2, join=False,
+def _spawn(world: int, argv: list[str], seconds: int = 300) -> None:
+    ranks = mp.start_processes(_rank, (world, _free_port(), argv), nprocs=world, join=False,
                                start_method="spawn")
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + seconds
     while not ranks.join(timeout=5):
         if time.monotonic() > deadline:
             for process in ranks.processes:
                 process.kill()
-            pytest.fail("the two ranks did not finish in 300 s")
+            pytest.fail(f"the {world} ranks did not finish in {seconds} s")
 
-    # The single-process loop from the same weights (a .pt file), on the same batches.
-    one = str(tmp_path / "one")
-    loop.train(TRAINING, ["--steps", "3", "--batch-size", "4", "--log-dir", one,
-                          "--checkpoint", one, "--init", str(tmp_path / "init.pt")])
-    assert _losses(tmp_path / "pp") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The single-process loop's run: 4 steps of 8 samples from init.pt."""
+    folder = tmp_path_factory.mktemp("single")
+    torch.manual_seed(0)
+    init = Tiny().state_dict()
+    torch.save(init, folder / "init.pt")
+    safetensors.torch.save_file(init, folder / "init.safetensors")
+    loop.train(TRAINING, ["--steps", "4", "--batch-size", "8", "--log-dir", str(folder),
+                          "--checkpoint", str(folder), "--init", str(folder / "init.pt")])
+    return folder
+
+
+def test_two_ranks_train_as_the_single_process_loop_does(single, tmp_path):
+    argv = ["--steps", "4", "--batch-size", "8", "--log-dir", str(tmp_path / "pp"),
+            "--init", str(single / "init.safetensors"), "--checkpoint", str(tmp_path / "stages")]
+    _spawn(2, argv)
+    assert _losses(tmp_path / "pp") == pytest.approx(_losses(single), rel=1e-5)
     pipeline.merge(STAGES, str(tmp_path / "stages"), str(tmp_path / "merged.pt"))
     merged = torch.load(tmp_path / "merged.pt", weights_only=True)
-    trained = torch.load(tmp_path / "one" / "last.pt", weights_only=True)["model"]
+    trained = torch.load(single / "last.pt", weights_only=True)["model"]
     for key, value in trained.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_two_replicas_of_two_stages_train_as_one_process(single, tmp_path, mode):
+    # 2 stages x 2 replicas: each replica takes half of every batch; a
+    # checkpoint written by the 2-D mesh resumes on one replica (resharded).
+    argv = ["--batch-size", "8", "--init", str(single / "init.pt"), "--dp-mode", mode,
+            "--checkpoint", str(tmp_path / "ck")]
+    _spawn(4, ["--steps", "2", "--dp", "2", "--log-dir", str(tmp_path / "a"), *argv])
+    assert sharded.complete(str(tmp_path / "ck")) == [2]
+    _spawn(2, ["--steps", "4", "--dp", "1", "--resume", "--log-dir", str(tmp_path / "b"),
+               *argv])
+    expected = _losses(single)
+    assert _losses(tmp_path / "a") == pytest.approx(expected[:2], rel=1e-5)
+    assert _losses(tmp_path / "b") == pytest.approx(expected[2:], rel=1e-5)

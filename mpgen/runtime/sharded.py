@@ -1,0 +1,141 @@
+"""The pipeline program's checkpoints: one folder per step, written by every
+rank at once with torch.distributed.checkpoint (DCP), each rank its shards.
+
+# NOTE: [Coordinated checkpoints]
+# A save writes DIR/.step_N.partial/ (DCP: one file per rank and a
+# .metadata the coordinator writes once every rank has written), then rank
+# 0 marks it complete (DIR/.step_N.partial/COMPLETE) and renames it to
+# DIR/step_N, and removes the older ones; every rank waits for that before
+# it goes on. So a folder named step_N is whole, and a save killed half way
+# leaves only a .partial folder, which the next run removes (clean) and no
+# resume reads. The state dict is keyed by the single-process model's
+# state-dict keys (``model.h.0.attn.weight``; the optimizer's state
+# flattened under those keys too), whatever the stages, replicas or
+# sharding that wrote it, so DCP loads it into another --dp, another
+# --dp-mode or another schedule's layout, resharding as it reads.
+# DCP writes every rank's files into one folder: the ranks of a multi-node
+# job need a folder they all see (a shared filesystem); check_shared says
+# so at the start instead of a resume that depends on the node.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+MARKER = "COMPLETE"
+STEP = re.compile(r"step_(\d+)")
+
+
+def folder(root: str, step: int) -> pathlib.Path:
+    return pathlib.Path(root, f"step_{step}")
+
+
+def complete(root: str) -> list[int]:
+    """The steps with a complete checkpoint in ``root``, oldest first."""
+    path = pathlib.Path(root)
+    if not path.is_dir():
+        return []
+    found = []
+    for entry in path.iterdir():
+        match = STEP.fullmatch(entry.name)
+        if match and (entry / MARKER).is_file():
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def leftovers(root: str) -> list[pathlib.Path]:
+    """What killed saves left in ``root``: .partial folders, step folders
+    without their marker, temporary files of torch.save."""
+    path = pathlib.Path(root)
+    if not path.is_dir():
+        return []
+    found = []
+    for entry in sorted(path.iterdir()):
+        if entry.name.endswith(".partial") or entry.name.endswith(".tmp"):
+            found.append(entry)
+        elif STEP.fullmatch(entry.name) and not (entry / MARKER).is_file():
+            found.append(entry)
+    return found
+
+
+def remove(path: pathlib.Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def check_shared(root: str, group=None) -> bool:
+    """Whether every rank sees the file rank 0 writes in ``root`` (a
+    collective). Run before anything is saved or resumed."""
+    probe = pathlib.Path(root, f".shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+    if dist.get_rank() == 0:
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text("written by rank 0\n")
+    dist.barrier(group=group)
+    seen = torch.tensor([float(probe.is_file())])
+    dist.all_reduce(seen, op=dist.ReduceOp.MIN, group=group)
+    dist.barrier(group=group)
+    if dist.get_rank() == 0:
+        probe.unlink(missing_ok=True)
+    return bool(seen.item())
+
+
+def save(root: str, step: int, state: dict) -> pathlib.Path:
+    """Write ``state`` (every rank's, a collective) as DIR/step_N
+    (NOTE [Coordinated checkpoints]); the older ones are removed."""
+    partial = pathlib.Path(root, f".step_{step}.partial")
+    rank = dist.get_rank()
+    if rank == 0:
+        remove(partial)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(state, checkpoint_id=partial)
+    dist.barrier()  # every rank's files are written
+    if rank == 0:
+        with open(partial / MARKER, "w") as f:
+            f.write(f"step {step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        final = folder(root, step)
+        remove(final)
+        partial.rename(final)
+        for old in complete(root):
+            if old != step:
+                remove(folder(root, old))
+    dist.barrier()
+    return folder(root, step)
+
+
+def keys(path: pathlib.Path) -> dict:
+    """The flattened keys a checkpoint holds, with their metadata."""
+    reader = dcp.FileSystemReader(str(path))
+    return dict(reader.read_metadata().state_dict_metadata)
+
+
+def load(path: pathlib.Path, state: dict) -> None:
+    """Fill ``state`` (tensors in place, other values replaced) from ``path``."""
+    dcp.load(state, checkpoint_id=path)
+
+
+def model_state(path: pathlib.Path) -> dict:
+    """The model's state dict in a checkpoint, whole, on the CPU (no
+    process group): what --merge writes."""
+    found = {}
+    for key, meta in keys(path).items():
+        if key.startswith("model.") and hasattr(meta, "size"):
+            found[key[len("model.") :]] = torch.empty(
+                tuple(meta.size), dtype=meta.properties.dtype
+            )
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({"model": found}, checkpoint_id=path)
+    return found

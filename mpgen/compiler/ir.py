@@ -925,12 +925,14 @@ class PipelineConfig:
 
     microbatches: int  # M: the generated forward splits the batch into M
     schedule: str = "1f1b"  # pp_<name>.py's default --schedule: one of SCHEDULES
+    dp: int = 1  # pp_<name>.py's default --dp: replicas of the pipeline (data parallel)
     #: Devices whose layers are all checkpointed (``checkpoint: [cuda:1]``),
     #: as the spec names them (before --device-map).
     checkpoint: tuple[str, ...] = ()
     # Where the spec says it, for the errors of checks after placement.
     pos: Optional[Position] = field(default=None, compare=False)
     checkpoint_pos: tuple[Position, ...] = field(default=(), compare=False)
+    schedule_pos: Optional[Position] = field(default=None, compare=False)
 
     #: torch.distributed.pipelining's ScheduleGPipe, Schedule1F1B,
     #: ScheduleInterleaved1F1B, ScheduleLoopedBFS, ScheduleInterleavedZeroBubble,

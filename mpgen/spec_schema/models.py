@@ -650,8 +650,15 @@ class PipelineSpec(_Model):
         "runs the stages over them; at most `train.batch_size`."))
     # mpgen extension: pp_<name>.py's default --schedule.
     schedule: StrictStr = Field("1f1b", description=(
-        "The default `--schedule` of `pp_<name>.py`: `gpipe`, `1f1b` or `interleaved` "
-        "(mpgen)."))
+        "The default `--schedule` of `pp_<name>.py`, a `torch.distributed.pipelining` schedule: "
+        "`gpipe`, `1f1b` (one stage per rank), `interleaved`, `looped-bfs`, `interleaved-zb` "
+        "(a layout that visits its devices in a repeating order at least twice, a rank per "
+        "device) or `zbv`, `dualpipev` (an even number of stages, two per rank in a V) (mpgen)."))
+    # mpgen extension: pp_<name>.py's default --dp.
+    dp: StrictInt = Field(1, ge=1, le=100_000, description=(
+        "The default `--dp` of `pp_<name>.py`: replicas of the pipeline, each training its share "
+        "of `train.batch_size` (data parallel); torchrun starts the schedule's ranks times `dp` "
+        "processes (mpgen)."))
     # mpgen extension: every layer placed on these devices is checkpointed.
     checkpoint: list[Device] = Field(default_factory=list, description=(
         "Devices whose module layers are all checkpointed (the spec's devices, before "

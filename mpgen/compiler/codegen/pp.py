@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from mpgen.compiler.analysis import schedule as schedules
 from mpgen.compiler.codegen import train as train_codegen
 from mpgen.compiler.codegen.common import (
     Names,
@@ -53,7 +54,7 @@ from mpgen.compiler.codegen.model import (
 )
 from mpgen.compiler.codegen.writer import PythonWriter
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
-from mpgen.compiler.ir import Expr, Graph, Node, OpKind, Step, unit_labels
+from mpgen.compiler.ir import Expr, Graph, Node, OpKind, PipelineConfig, Step, unit_labels
 from mpgen.compiler.placement.stages import Stage, stages
 
 RUNTIME = train_codegen.RUNTIME
@@ -63,7 +64,7 @@ _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
 #: ``mpgen_runtime.Stages``' field defaults (mpgen/runtime/spec.py, which the
 #: compiler does not import: tests/runtime keeps the two equal); a field at
 #: its default is not written.
-STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2}
+STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2, "dp": 1}
 
 
 def _stage_of(all_stages: tuple[Stage, ...]) -> dict[str, int]:
@@ -287,12 +288,22 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     names = file_names(graph)
     train_module, stem = names["train"][:-3], names["model"][:-3]
     count = len(all_stages)
+    pipeline = graph.pipeline or PipelineConfig(microbatches=count)
+    ranks = schedules.layout_ranks(pipeline.schedule, [s.device for s in all_stages])
+    processes = ranks * pipeline.dp
+    how = []
+    if processes != count:
+        replicas = (f", {pipeline.dp} replicas of the pipeline (data parallel, --dp)"
+                    if pipeline.dp != 1 else "")
+        how = ["", f"The {pipeline.schedule} schedule runs them on {ranks} ranks{replicas}:",
+               f"{processes} processes."]
     w.docstring([
         f"Train {graph.name} as {count} pipeline stages, {graph.spec_path}'s device runs, under torchrun.",
+        *how,
         "",
         "For example:",
         "",
-        f"    torchrun --nproc-per-node {count} {names['pp']} --steps 100 --checkpoint runs/pp_{stem}",
+        f"    torchrun --nproc-per-node {processes} {names['pp']} --steps 100 --checkpoint runs/pp_{stem}",
         f"    python {names['pp']} --merge runs/pp_{stem} model.pt  # one state dict of {graph.name}",
     ])
     w.line()
@@ -322,11 +333,9 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     ties = _ties(graph, all_stages)
     if ties != "()":
         fields.append(("ties", ties))
-    schedule = graph.pipeline.schedule if graph.pipeline else STAGES_DEFAULTS["schedule"]
-    if schedule != STAGES_DEFAULTS["schedule"]:
-        fields.append(("schedule", literal(schedule)))
-    microbatches = graph.pipeline.microbatches if graph.pipeline else count
-    if microbatches != STAGES_DEFAULTS["microbatches"]:
-        fields.append(("microbatches", str(microbatches)))
+    given = {"schedule": pipeline.schedule, "microbatches": pipeline.microbatches,
+             "dp": pipeline.dp}
+    fields += [(key, literal(value)) for key, value in given.items()
+               if value != STAGES_DEFAULTS[key]]
     train_codegen.facts_and_run(w, n["STAGES"], f"{RUNTIME}.Stages", fields,
                                 f"{RUNTIME}.pipeline.train")

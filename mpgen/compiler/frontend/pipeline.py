@@ -1,10 +1,11 @@
 """``pipeline:`` -> :class:`~mpgen.compiler.ir.PipelineConfig`, with positions.
 
 What the spec alone decides is checked here: the schedule's name, that some
-input has a batch dim to split, and that each micro-batch gets at least one
-sample of the training batch. Whether the outputs can be put back together
-and the checkpointed devices are used needs the inferred shapes and the
-layout (``placement.pipelining``).
+input has a batch dim to split, that the replicas (``dp``) share the training
+batch equally and that each micro-batch gets at least one sample of a
+replica's share. Whether the outputs can be put back together, the
+checkpointed devices are used and the layout suits the schedule needs the
+inferred shapes and the layout (``placement.pipelining``).
 """
 
 from __future__ import annotations
@@ -34,10 +35,17 @@ def resolve_pipeline(spec: Optional[PipelineSpec], graph: Graph,
                    "their batch dim into micro-batches, but no input has a 'batch' dim "
                    f"({', '.join(f'{t.name} {t.type}' for t in graph.inputs)})")
     batch = dict(graph.train.dims).get("batch") if graph.train else None
-    if batch is not None and spec.microbatches > batch:
+    if batch is not None and batch % spec.dp:
+        errors.add(source.value(("pipeline", "dp")), f"pipeline.dp: {spec.dp} replicas cannot "
+                   f"share a training batch of {batch} equally; use a divisor of {batch}, or "
+                   "another train.batch_size")
+    elif batch is not None and spec.microbatches > batch // spec.dp:
+        part = batch // spec.dp
+        of = (f"a training batch of {batch}" if spec.dp == 1 else
+              f"a replica's {part} samples (a training batch of {batch} over {spec.dp} replicas)")
         errors.add(source.value(("pipeline", "microbatches")), f"pipeline.microbatches: "
-                   f"{spec.microbatches} micro-batches of a training batch of {batch} would "
-                   f"leave some empty; use at most {batch}, or a larger train.batch_size")
+                   f"{spec.microbatches} micro-batches of {of} would "
+                   f"leave some empty; use at most {part}, or a larger train.batch_size")
     twice = [d for i, d in enumerate(spec.checkpoint) if d in spec.checkpoint[:i]]
     for device in dict.fromkeys(twice):
         index = len(spec.checkpoint) - 1 - spec.checkpoint[::-1].index(device)
@@ -47,8 +55,10 @@ def resolve_pipeline(spec: Optional[PipelineSpec], graph: Graph,
     return PipelineConfig(
         microbatches=spec.microbatches,
         schedule=spec.schedule,
+        dp=spec.dp,
         checkpoint=tuple(spec.checkpoint),
         pos=source.key(("pipeline",)),
+        schedule_pos=source.value(("pipeline", "schedule")),
         checkpoint_pos=tuple(source.value(("pipeline", "checkpoint", i))
                              for i in range(len(spec.checkpoint))),
     )

@@ -3,11 +3,14 @@ which units are checkpointed.
 
 A micro-batched forward concatenates each output's micro-batches along its
 batch dim, so every output needs one (known after ``analysis.shapes``); a
-device in ``pipeline.checkpoint`` must be one the spec's layout uses. A
-unit is checkpointed when its layer says ``checkpoint: true`` or it is
-placed on such a device (the spec's device, before ``--device-map``; a
-function layer there is not: it has nothing to recompute). The costs of
-the units checkpointed by device follow (NOTE [Cost formulas]).
+device in ``pipeline.checkpoint`` must be one the spec's layout uses, and
+the layout must suit the schedule (``analysis.schedule.layout_ranks``: a
+looped schedule needs devices visited in a repeating order at least twice,
+a V-shaped one an even number of stages). A unit is checkpointed when its
+layer says ``checkpoint: true`` or it is placed on such a device (the
+spec's device, before ``--device-map``; a function layer there is not: it
+has nothing to recompute). The costs of the units checkpointed by device
+follow (NOTE [Cost formulas]).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 
 from mpgen.compiler.analysis.costs import checkpointed_cost
+from mpgen.compiler.analysis.schedule import layout_ranks
 from mpgen.compiler.ir import Graph, UnitRef
 from mpgen.errors import Collector
 
@@ -34,6 +38,11 @@ def check_pipeline(graph: Graph) -> Graph:
                    + (" has" if len(flat) == 1 else " have") + " no 'batch' dim; return "
                    "outputs that keep the batch dim, or drop pipeline:")
     used = [s.device for s in graph.spec_plan.sections]
+    try:
+        layout_ranks(pipeline.schedule, used)
+    except ValueError as problem:
+        errors.add(pipeline.schedule_pos or pipeline.pos, f"pipeline.schedule: {problem}; "
+                   "use gpipe or 1f1b, or a layout that suits it")
     for device, pos in zip(pipeline.checkpoint, pipeline.checkpoint_pos):
         if device not in used:
             errors.add(pos, f"pipeline.checkpoint: no layer is placed on {device!r} (the "

@@ -577,13 +577,18 @@ def predict(batch: Pipeline, microbatches: int, schedule: str = GPIPE,
 
 def stage_times(graph: Graph, flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
                 bytes_per_second: float = DEFAULT_LINK_BYTES_PER_SECOND,
-                backward_factor: float = BACKWARD_FACTOR) -> Pipeline:
+                backward_factor: float = BACKWARD_FACTOR,
+                plan: Optional[ForwardPlan] = None) -> Pipeline:
     """The whole batch's stage times of a compiled spec, from its cost model
     (``analysis.costs``: FLOPs and cut bytes at the training sizes).
 
     The stages are the device runs of the layout in forward order: consecutive
     units on one device form one stage (a device that holds two runs counts
-    as two stages, as if they were separate devices). Forward time is the
+    as two stages, as if they were separate devices). With ``plan``
+    (``graph.spec_plan``: the spec's own devices, before --device-map, whose
+    sections are the stages of pp_<name>.py), the runs of that plan's
+    devices, one stage per section; ValueError when its sections are not
+    runs of units in order. Forward time is the
     stage's FLOPs over ``flops_per_second`` (times the device's ``speed`` in
     ``placement: {auto: ...}``); backward is ``backward_factor`` times that;
     a transfer is the cut bytes at the boundary over ``bytes_per_second``.
@@ -593,9 +598,16 @@ def stage_times(graph: Graph, flops_per_second: float = DEFAULT_FLOPS_PER_SECOND
     costs = graph.costs
     if costs is None:
         raise ValueError("the graph has no costs: compile it with compile_spec")
-    devices = [graph.nodes[u.node].devices[u.instance] for u in costs.units]
+    if plan is None:
+        devices = [graph.nodes[u.node].devices[u.instance] for u in costs.units]
+    else:
+        where = {graph.node(step.node).unit(k): section.device for section in plan.sections
+                 for step in section.steps for k in range(step.start, step.stop)}
+        devices = [where.get(u.unit) for u in costs.units]
     speeds = dict(graph.placement.speed) if isinstance(graph.placement, AutoPlacement) else {}
     runs = device_runs(devices)
+    if plan is not None and [d for _, _, d in runs] != [s.device for s in plan.sections]:
+        raise ValueError("the plan's sections are not runs of units in order")
     forward = tuple(sum(u.flops for u in costs.units[start:stop])
                     / (flops_per_second * speeds.get(device, 1.0))
                     for start, stop, device in runs)

@@ -17,8 +17,11 @@
 # their gradients over the ranks holding them after each backward, as
 # Megatron does for first- and last-stage embeddings.
 #
-# The file holds only the stages, their devices, the ties and the last
-# stage's loss, in one ``mpgen_runtime.Stages``; the loop (its pipeline
+# The file holds only the stages, their devices, the ties, the last
+# stage's loss, the spec's pipeline: defaults and the cost model's figures
+# of one sample (each stage's forward and backward seconds, each
+# boundary's transfer, the training FLOPs: for the runtime's predicted
+# bubble and MFU), in one ``mpgen_runtime.Stages``; the loop (its pipeline
 # mode, ``mpgen/runtime/pipeline.py``), the data, the optimizer and the
 # defaults are the runtime's and train_<name>.py's ``TRAINING``; block
 # classes are the model module's. A model that cannot run as a pipeline
@@ -64,7 +67,10 @@ _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
 #: ``mpgen_runtime.Stages``' field defaults (mpgen/runtime/spec.py, which the
 #: compiler does not import: tests/runtime keeps the two equal); a field at
 #: its default is not written.
-STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2, "dp": 1}
+STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2, "dp": 1, "costs": (), "transfers": (),
+                   "flops": 0.0}
+#: Significant digits of the per-sample costs (the same on every rebuild).
+COST_DIGITS = 4
 
 
 def _stage_of(all_stages: tuple[Stage, ...]) -> dict[str, int]:
@@ -334,8 +340,44 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     if ties != "()":
         fields.append(("ties", ties))
     given = {"schedule": pipeline.schedule, "microbatches": pipeline.microbatches,
-             "dp": pipeline.dp}
-    fields += [(key, literal(value)) for key, value in given.items()
+             "dp": pipeline.dp, **_per_sample(graph)}
+    fields += [(key, _literal(value)) for key, value in given.items()
                if value != STAGES_DEFAULTS[key]]
     train_codegen.facts_and_run(w, n["STAGES"], f"{RUNTIME}.Stages", fields,
                                 f"{RUNTIME}.pipeline.train")
+
+
+def _literal(value: object) -> str:
+    """A value of STAGES, its tuples (nested too) as black writes them."""
+    if isinstance(value, tuple):
+        return "(" + _tuple([_literal(v) for v in value]) + ")"
+    return literal(value)
+
+
+def _per_sample(graph: Graph) -> dict[str, object]:
+    """STAGES' ``costs``, ``transfers`` and ``flops``: one sample's seconds
+    (the cost model's stage times of the spec's own stages,
+    ``analysis.schedule.stage_times``, over the training batch) and training
+    FLOPs, at :data:`COST_DIGITS` significant digits, so that a rebuild
+    writes the same; none where unknown or zero."""
+    batch = dict(graph.costs.dims).get("batch") if graph.costs else None
+    if not batch:
+        return {}
+
+    def per_sample(value: float) -> float:
+        return float(f"{value / batch:.{COST_DIGITS}g}")
+
+    found: dict[str, object] = {}
+    try:
+        times = schedules.stage_times(graph, plan=graph.spec_plan)
+    except ValueError:  # the spec's stages are not runs of the cost model's units
+        times = None
+    if times is not None and any(times.forward):
+        found["costs"] = tuple((per_sample(f), per_sample(b))
+                               for f, b in zip(times.forward, times.backward))
+        if any(times.transfers):
+            found["transfers"] = tuple(per_sample(t) for t in times.transfers)
+    flops = sum(u.flops for u in graph.costs.units) * (1 + schedules.BACKWARD_FACTOR)
+    if flops:
+        found["flops"] = per_sample(flops)
+    return found

@@ -408,6 +408,17 @@ def test_stage_times_follow_device_runs(tmp_path):
     assert times.transfers == (4 * 20 * 4, 4 * 20 * 4 + 4 * 30 * 4)
 
 
+def test_stage_times_of_the_specs_own_stages(tmp_path):
+    """``plan=graph.spec_plan``: the stages of pp_<name>.py, at the spec's
+    devices whatever --device-map merged."""
+    spec = write_spec(tmp_path, MLP)
+    plain = compile_spec(spec)
+    assert stage_times(plain, plan=plain.spec_plan) == stage_times(plain)
+    merged = compile_spec(spec, {"cuda:1": "cuda:0"})
+    assert stage_times(merged).devices == ("cuda:0",)
+    assert stage_times(merged, plan=merged.spec_plan) == stage_times(plain)
+
+
 def test_device_speed_divides_the_forward(tmp_path):
     spec = write_spec(tmp_path, MLP.replace(
         "placement:\n  fc1: cuda:0\n  fc2: cuda:1",

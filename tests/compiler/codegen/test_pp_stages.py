@@ -1,5 +1,6 @@
-"""pp_<name>.py's STAGES: the spec's pipeline: defaults (schedule, dp) and
-the launch line's process count (NOTE [Pipeline program] in codegen/pp.py)."""
+"""pp_<name>.py's STAGES: the spec's pipeline: defaults (schedule, dp), the
+launch line's process count, and each stage's per-sample costs from the
+cost model (NOTE [Pipeline program] in codegen/pp.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import ast
 import pytest
 
 from helpers import write_spec
+from mpgen.compiler.analysis.schedule import stage_times
 from mpgen.compiler.codegen.pp import render_pp
 from mpgen.compiler.driver import compile_spec
 
@@ -71,3 +73,43 @@ def test_schedule_and_dp_are_the_scripts_defaults(tmp_path, schedule, dp, proces
         assert ("(data parallel, --dp)" in doc) == (dp != 1)
     else:
         assert "processes" not in doc
+
+
+def test_costs_are_one_samples_stage_times(tmp_path):
+    graph, text = build(tmp_path)
+    facts = stages_call(text)
+    times = stage_times(graph)
+    assert len(facts["costs"]) == len(facts["devices"]) == 4
+    for (f, b), forward, backward in zip(facts["costs"], times.forward, times.backward):
+        assert f == pytest.approx(forward / 16, rel=1e-3)
+        assert b == pytest.approx(backward / 16, rel=1e-3)
+    assert facts["transfers"] == pytest.approx([t / 16 for t in times.transfers], rel=1e-3)
+    # Training FLOPs of a sample: 3 x forward's 2 x in x out per Linear.
+    assert facts["flops"] == 3 * 2 * (8 * 16 + 16 * 32 + 32 * 16 + 16 * 4)
+    # Four significant digits: a rebuild writes the same bytes.
+    assert all(x == float(f"{x:.4g}") for pair in facts["costs"] for x in pair)
+    assert build(tmp_path)[1] == text
+
+
+def test_costs_follow_the_specs_stages_under_a_device_map(tmp_path):
+    """--device-map cuda:1=cuda:0 puts the whole model on one device; the
+    script still has the spec's four stages, and its costs four entries."""
+    graph, text = build(tmp_path, device_map={"cuda:1": "cuda:0"})
+    assert len(stage_times(graph).forward) == 1
+    facts = stages_call(text)
+    assert len(facts["costs"]) == 4 and len(facts["transfers"]) == 3
+    assert facts["costs"] == stages_call(build(tmp_path)[1])["costs"]
+
+
+def test_no_costs_where_the_stages_are_not_the_cost_models(tmp_path, monkeypatch):
+    """Stages that are not runs of the cost model's units get no costs (the
+    runtime predicts no bubble), the FLOPs still."""
+    from mpgen.compiler.analysis import schedule
+
+    def unmatched(graph, plan=None):
+        raise ValueError("the plan's sections are not runs of units in order")
+
+    monkeypatch.setattr(schedule, "stage_times", unmatched)
+    facts = stages_call(build(tmp_path)[1])
+    assert "costs" not in facts and "transfers" not in facts
+    assert facts["flops"] == 3 * 2 * (8 * 16 + 16 * 32 + 32 * 16 + 16 * 4)

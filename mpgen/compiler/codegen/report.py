@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mpgen.compiler.analysis.costs import human_bytes
+from mpgen.compiler.analysis.schedule import layout_ranks
 from mpgen.compiler.codegen.common import environment
 from mpgen.compiler.ir import Costs, Graph, device_runs, unit_labels
 from mpgen.compiler.placement.devices import map_device
@@ -165,14 +166,18 @@ def _pipeline(graph: Graph) -> list[str]:
         return []
     parts = stages(graph)
     names = ", ".join(f"{md_code(f'stage_{s.index}')} on {md_code(s.device)}" for s in parts)
+    spec_devices = [s.device for s in graph.spec_plan.sections]
+    ranks = layout_ranks(pipeline.schedule, spec_devices)
     return [
         f"**Micro-batched** (`pipeline:`): forward splits the batch into "
         f"**{pipeline.microbatches}** micro-batches and runs {len(parts)} stage(s) ({names}) "
         "over them in GPipe order: stage k runs micro-batch i while stage k + 1 runs "
         "i - 1. Each transfer above happens once per micro-batch with its share of the "
         "bytes; activations are those of the whole batch, as in the plain split.",
-        f"`pp_<name>.py` runs one stage per device of the spec's layout under `torchrun`, "
-        f"with the schedule {md_code(pipeline.schedule)} by default.",
+        f"`pp_<name>.py` runs the spec's {len(spec_devices)} stage(s) under `torchrun`, with the "
+        f"schedule {md_code(pipeline.schedule)} by default: {ranks} rank(s) per replica of the "
+        "pipeline"
+        + (f", {pipeline.dp} replicas (data parallel)." if pipeline.dp != 1 else "."),
     ]
 
 

@@ -11,6 +11,7 @@ import pytest
 from helpers import write_spec
 from mpgen.compiler.analysis.schedule import stage_times
 from mpgen.compiler.codegen.pp import render_pp
+from mpgen.compiler.codegen.report import render_report
 from mpgen.compiler.driver import compile_spec
 
 #: Four stages over two devices in a repeating order: every schedule fits.
@@ -73,6 +74,13 @@ def test_schedule_and_dp_are_the_scripts_defaults(tmp_path, schedule, dp, proces
         assert ("(data parallel, --dp)" in doc) == (dp != 1)
     else:
         assert "processes" not in doc
+
+
+def test_the_report_says_the_ranks_and_replicas(tmp_path):
+    graph, _ = build(tmp_path, "interleaved", 2)
+    assert ("`pp_<name>.py` runs the spec's 4 stage(s) under `torchrun`, with the schedule "
+            "`interleaved` by default: 2 rank(s) per replica of the pipeline, 2 replicas "
+            "(data parallel).") in " ".join(render_report(graph).split())
 
 
 def test_costs_are_one_samples_stage_times(tmp_path):

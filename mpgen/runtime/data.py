@@ -86,7 +86,14 @@ def read_tensors(path: pathlib.Path, lazy: bool = False) -> dict:
         if lazy:
             return Lazy(path)
         return safetensors.torch.load_file(path)
-    tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
+    except (
+        RuntimeError
+    ) as error:  # not a zip file (an old format, or damaged): read it whole
+        if not lazy or "mmap" not in str(error):
+            raise
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(tensors, dict):
         raise ValueError(f"expected a dict of tensors, got {type(tensors).__name__}")
     return tensors

@@ -86,7 +86,13 @@ def parser(
         )
         add("--dp", type=int, default=pipeline.dp, metavar="N", help=HELP["dp"])
         add("--dp-mode", choices=("fsdp", "ddp"), default="fsdp", help=HELP["dp_mode"])
-        add("--timeout", type=float, default=120.0, metavar="SECONDS", help=HELP["timeout"])
+        add(
+            "--timeout",
+            type=float,
+            default=120.0,
+            metavar="SECONDS",
+            help=HELP["timeout"],
+        )
     add("--lr", type=float, default=d("lr"))
     if pipeline or "decay_steps" in training.defaults:  # a built-in schedule reads it
         steps, text = (
@@ -97,7 +103,9 @@ def parser(
     add("--seed", type=int, default=d("seed"))
     add("--log-every", type=int, default=d("log_every"), metavar="K")
     add("--log-dir", metavar="DIR", help=HELP["log_dir"].format(run))
-    text = f"write {saved} at the end, every --save-every steps and on Ctrl-C or SIGTERM"
+    text = (
+        f"write {saved} at the end, every --save-every steps and on Ctrl-C or SIGTERM"
+    )
     add("--checkpoint", metavar="DIR", help=text)
     add("--save-every", type=int, default=0, metavar="K", help=HELP["save_every"])
     text = HELP["pp_resume"] if pipeline else f"continue from {saved}"
@@ -148,7 +156,9 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         refuse("give --steps or --epochs")
     if not 0 <= given.get("eval_split", 0) < 1:
         refuse("--eval-split takes a fraction in [0, 1)")
-    least = dict.fromkeys("steps epochs batch_size accumulate microbatches dp".split(), 1)
+    least = dict.fromkeys(
+        "steps epochs batch_size accumulate microbatches dp".split(), 1
+    )
     least |= dict.fromkeys(("decay_steps", "log_every", "samples"), 1)
     least |= dict.fromkeys(("workers", "save_every", "eval_every"), 0)
     for name, low in least.items():
@@ -156,7 +166,9 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         if value is not None and value < low:
             refuse(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
     if given.get("timeout") is not None and not 0 < given["timeout"] < math.inf:
-        refuse(f"--timeout must be a positive number of seconds, got {given['timeout']}")
+        refuse(
+            f"--timeout must be a positive number of seconds, got {given['timeout']}"
+        )
     for name in ("lr", "grad_clip"):
         if not 0 <= given[name] < math.inf:
             refuse(

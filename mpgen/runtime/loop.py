@@ -35,6 +35,20 @@ def hits(output: torch.Tensor, target: torch.Tensor, class_dim: int) -> tuple:
     return (output.argmax(class_dim).eq(target) & counted).sum(), counted.sum()
 
 
+def tokens_per_sample(training: Training, batch: tuple) -> int | None:
+    """Tokens in one sample: the positions of the first integer input with
+    more than its batch dim (token ids [batch, seq]); None: no such input."""
+    for x, d in zip(batch[: len(training.inputs)], training.batch_dims):
+        if (
+            x is not None
+            and d is not None
+            and x.dim() > 1
+            and not x.is_floating_point()
+        ):
+            return x.numel() // x.shape[d]
+    return None
+
+
 def check_devices(training: Training) -> None:
     """Stop, naming it, when a device the model is placed on is missing here."""
     count = torch.cuda.device_count()
@@ -96,6 +110,10 @@ class Single:
         self.scaler = torch.amp.GradScaler(
             training.device_type, enabled=args.amp == "fp16"
         )
+        self.rates, self.norm = (
+            {},
+            None,
+        )  # the log's: tokens per sample, from the first batch
 
     def autocast(self) -> torch.autocast:
         return autocast(self.training.device_type, self.args.amp)
@@ -105,6 +123,9 @@ class Single:
 
     def interrupted(self, signals: list) -> bool:
         return bool(signals)
+
+    def metrics(self) -> dict:
+        return {"grad_norm": None if self.norm is None else float(self.norm)}
 
     def resume(self) -> int:
         if not self.path.exists():
@@ -156,6 +177,8 @@ class Single:
         loss = 0.0
         for _ in range(args.accumulate):  # gradients add up over the micro-batches
             batch = next(stream)
+            if "tokens" not in self.rates:
+                self.rates["tokens"] = tokens_per_sample(self.training, batch)
             with self.autocast():
                 micro, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
             if optimizer is not None:
@@ -164,7 +187,7 @@ class Single:
         if optimizer is not None:
             if args.grad_clip:
                 self.scaler.unscale_(optimizer)  # clip the true gradients
-                nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                self.norm = nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             self.scaler.step(optimizer)  # skipped when fp16 gradients overflowed
             self.scaler.update()
         return loss
@@ -242,12 +265,15 @@ def run(
         try:
             folder = pathlib.Path(args.log_dir or args.checkpoint or engine.folder)
             every, size = args.log_every, engine.samples_per_step
-            log = Log(folder, last, done, every, size, engine.devices)
+            log = Log(folder, last, done, every, size, engine.devices, engine.rates)
         except OSError as error:  # a folder that cannot be made or written
             engine.stop(f"cannot write the log ({error})")
     interrupted = engine.signals = []
     handled = (signal.SIGINT, signal.SIGTERM)
-    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    defaults = {
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGTERM: signal.SIG_DFL,
+    }
 
     def on_signal(signum, frame) -> None:
         interrupted.append(signum)
@@ -261,8 +287,10 @@ def run(
                 kept = f" ({engine.where} keeps step {done})" if args.checkpoint else ""
                 engine.stop(f"step {step}: the loss is {loss.item()}; stopping{kept}")
             done, epoch = step, (step - 1) // per_epoch
+            shown = step % args.log_every == 0 or step == last
+            extra = engine.metrics() if shown else None  # (every rank: a collective)
             if log is not None:
-                log.step(step, epoch, loss.item(), engine.lr())
+                log.step(step, epoch, loss.item(), engine.lr(), extra)
             eval_loss = None
             if evaluates and (
                 step == last or args.eval_every and step % args.eval_every == 0

@@ -104,7 +104,9 @@ class Mesh:
         return f"rank {self.rank} (stage{'s' * (len(self.mine) > 1)} {stages}, replica {self.replica})"
 
 
-def make(stages: Stages, ranks: list[int], dp: int, device_type: str, timeout: float) -> Mesh:
+def make(
+    stages: Stages, ranks: list[int], dp: int, device_type: str, timeout: float
+) -> Mesh:
     """The groups of every dimension, made in one order on every rank."""
     pp, rank = max(ranks) + 1, dist.get_rank()
     wait = timedelta(seconds=timeout)

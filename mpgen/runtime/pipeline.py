@@ -32,6 +32,7 @@ import pathlib
 import signal
 import sys
 import time
+import warnings
 from datetime import timedelta
 from os import environ
 
@@ -42,9 +43,9 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from . import checkpoint, flags, mesh, sharded
+from . import checkpoint, flags, mesh, sharded, timeline
 from .data import batches, epoch_batches, one_line, share, split_data, training_data
-from .loop import autocast, last_step, run
+from .loop import autocast, last_step, run, tokens_per_sample
 from .mesh import stop
 from .spec import Stages
 
@@ -256,6 +257,7 @@ class Pipelined:
         self.samples_per_step = args.accumulate * args.batch_size
         self.part = args.batch_size // args.dp  # a replica's samples of a batch
         self.stopping = False
+        self.rates, self.norm = {}, None  # the log's (start() fills the rates)
         self.resumed = None  # the checkpoint's step --resume found (None: start fresh)
         if args.resume:
             self.resumed = self.agree_on_checkpoint()
@@ -263,7 +265,9 @@ class Pipelined:
         for k in mine:
             torch.manual_seed(args.seed * 1_000_003 + k)  # a stage's own initialisation
             modules[k] = stages.stages[k]().to(device)
-        if args.init and self.resumed is None:  # a checkpoint holds the weights to resume
+        if (
+            args.init and self.resumed is None
+        ):  # a checkpoint holds the weights to resume
             self.initialise(args.init)
         self.groups = tie_groups(stages, grid)
         sync_ties(self.groups, modules, gradients=False)
@@ -308,7 +312,9 @@ class Pipelined:
         # The batch's targets, on this device: the stage loss picks each micro-batch's.
         self.current = [()]
         # The ranks whose gradients make up one replica's: its pipeline; FSDP shards them.
-        self.norm_group = None if args.dp_mode == "fsdp" and args.dp > 1 else grid.pp_group
+        self.norm_group = (
+            None if args.dp_mode == "fsdp" and args.dp > 1 else grid.pp_group
+        )
 
     def agree_on_checkpoint(self) -> int | None:
         """The step of the newest complete checkpoint, the same on every rank
@@ -326,7 +332,9 @@ class Pipelined:
             )
         if high.item() < 0:
             if dist.get_rank() == 0:
-                print(f"--resume: no complete checkpoint in {args.checkpoint}; starting at step 0")
+                print(
+                    f"--resume: no complete checkpoint in {args.checkpoint}; starting at step 0"
+                )
             return None
         return int(high.item())
 
@@ -344,9 +352,15 @@ class Pipelined:
             )
         from torch.distributed.fsdp import fully_shard
 
+        # A stage's outputs are sent (copied, sendable()) or go to the loss, never changed in place.
+        warnings.filterwarnings(
+            "ignore", "FSDP2-wrapped module .* returned a view tensor"
+        )
         # The pipeline runs each micro-batch's forward apart: keep the
         # gathered parameters until the backward (torchtitan does the same).
-        return fully_shard(module, mesh=self.grid.mesh["dp"], reshard_after_forward=False)
+        return fully_shard(
+            module, mesh=self.grid.mesh["dp"], reshard_after_forward=False
+        )
 
     def initialise(self, path: str) -> None:
         """--init: each stage's keys from a state dict of the whole model."""
@@ -404,7 +418,9 @@ class Pipelined:
             for key in state[part]
             if f"{part}.{key}" not in saved
         ]
-        missing += [f"step.stage_{k}" for k in self.mine if f"step.stage_{k}" not in saved]
+        missing += [
+            f"step.stage_{k}" for k in self.mine if f"step.stage_{k}" not in saved
+        ]
         if missing:
             stop(
                 f"--resume: {path} is not a checkpoint of this model and optimizer: {len(missing)} "
@@ -422,7 +438,9 @@ class Pipelined:
             stop(f"--resume: cannot load {path} ({one_line(error)})")
         steps = {k: state["step"][f"stage_{k}"] for k in self.mine}
         if any(step != done for step in steps.values()):
-            stop(f"--resume: {path} holds stages at different steps ({steps}); it is not whole")
+            stop(
+                f"--resume: {path} holds stages at different steps ({steps}); it is not whole"
+            )
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
@@ -436,7 +454,11 @@ class Pipelined:
             checkpoint.set_rng_states(state["rng"][f"rank_{self.grid.rank}"])
         if self.logs:
             ignored = flags.NOT_INIT * bool(self.args.init)
-            how = "" if same else f" (resharded onto {self.grid.pp} x {self.grid.dp} ranks)"
+            how = (
+                ""
+                if same
+                else f" (resharded onto {self.grid.pp} x {self.grid.dp} ranks)"
+            )
             print(f"resumed from {path} at step {done}{how}{ignored}")
         return done
 
@@ -449,10 +471,10 @@ class Pipelined:
     def fast_forward(self, done: int) -> None:
         """Step each learning-rate schedule ``done`` times (a schedule is a
         function of the step; its state is not in the checkpoint)."""
-        import warnings
-
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "lr_scheduler.step() before optimizer.step()"
+            warnings.simplefilter(
+                "ignore"
+            )  # "lr_scheduler.step() before optimizer.step()"
             for scheduler in self.schedulers.values():
                 for _ in range(done if scheduler is not None else 0):
                     scheduler.step()
@@ -476,7 +498,9 @@ class Pipelined:
         training, n = stages.training, len(stages.training.inputs)
         shard = (grid.replica, grid.dp)
         first = done * args.accumulate
-        stream = batches(self.data, training, args, first, shard) if self.feeds else None
+        stream = (
+            batches(self.data, training, args, first, shard) if self.feeds else None
+        )
         shapes = [None]  # the inputs' shapes, from the first batch, for every rank
         if dist.get_rank() == grid.of(0, 0):
             batch = next(stream)
@@ -505,16 +529,47 @@ class Pipelined:
         scale = m * args.accumulate
 
         def loss(outputs, index: torch.Tensor) -> torch.Tensor:
-            given = stages.loss(outputs, index, self.current[0], self.loss_fns, m * args.dp)
+            given = stages.loss(
+                outputs, index, self.current[0], self.loss_fns, m * args.dp
+            )
             return given / scale
 
         try:
-            held = pipeline if args.schedule in mesh.LOOPED + mesh.V_SHAPED else pipeline[0]
+            held = (
+                pipeline
+                if args.schedule in mesh.LOOPED + mesh.V_SHAPED
+                else pipeline[0]
+            )
             self.schedule = schedule(
                 held, m, loss_fn=loss, args_chunk_spec=tuple(chunks), scale_grads=False
             )
-        except (ValueError, AssertionError) as error:  # e.g. too few micro-batches for the layout
+        except (
+            ValueError,
+            AssertionError,
+        ) as error:  # e.g. too few micro-batches for the layout
             stop(f"--schedule {args.schedule} --microbatches {m}: {one_line(error)}")
+        self.busy = [0.0]  # this rank's seconds in its stages' forward and backward
+        timeline.time_stages(pipeline, self.busy, self.device.type == "cuda")
+        self.rates["flops"] = stages.flops
+        peak = timeline.peak_flops(self.device)
+        self.rates["peak"] = peak * dist.get_world_size() if peak else None
+        example = [
+            torch.empty(shape, dtype=dtype, device="meta") for shape, dtype in shapes[0]
+        ]
+        tokens = tokens_per_sample(training, example)
+        self.rates["tokens"] = tokens
+        predicted = timeline.predict(
+            getattr(self.schedule, "pipeline_order", None) or {},
+            grid.ranks,
+            stages.costs,
+            stages.transfers,
+            self.part / m,
+        )
+        if predicted is not None:
+            self.rates["predicted"] = predicted[1]
+            self.rates["schedule"] = (
+                f"--schedule {args.schedule} with {m} micro-batches"
+            )
         if self.logs:
             replicas = f" x {args.dp} replicas ({args.dp_mode})" if args.dp > 1 else ""
             micro = f"{args.accumulate} batches of " if args.accumulate > 1 else ""
@@ -583,7 +638,9 @@ class Pipelined:
         for optimizer in self.optimizers.values():
             optimizer.step()
         # The loss (the last stages' sum over the replicas) and the stop flag, in one all_reduce.
-        word = torch.stack([total / args.dp, torch.tensor(float(bool(self.signals)), device=device)])
+        word = torch.stack(
+            [total / args.dp, torch.tensor(float(bool(self.signals)), device=device)]
+        )
         dist.all_reduce(word)
         self.stopping = bool(word[1].item())
         return word[0]
@@ -613,7 +670,9 @@ class Pipelined:
                 losses = []
                 self.run_batch(stream, losses, backward=False)
                 if losses:
-                    total += torch.stack([x.float() for x in losses]).sum() * args.accumulate
+                    total += (
+                        torch.stack([x.float() for x in losses]).sum() * args.accumulate
+                    )
         for module in self.modules.values():
             module.train()
         dist.all_reduce(total)
@@ -632,6 +691,29 @@ class Pipelined:
 
     def interrupted(self, signals: list) -> bool:
         return self.stopping
+
+    def metrics(self) -> dict:
+        """The shown step's gradient norm, each pipeline rank's busy seconds
+        since the last shown step (replica 0's) and each rank's peak memory
+        on a GPU: one all_reduce, on every rank."""
+        grid, cuda = self.grid, self.device.type == "cuda"
+        world = dist.get_world_size()
+        found = torch.zeros(grid.pp + world, dtype=torch.float64)
+        busy = timeline.read(self.busy)
+        if grid.replica == 0:
+            found[grid.pp_rank] = busy
+        if cuda:
+            found[grid.pp + grid.rank] = (
+                torch.cuda.max_memory_allocated(self.device) / 2**30
+            )
+        found = found.to(self.device)
+        dist.all_reduce(found)
+        found = found.tolist()
+        return {
+            "grad_norm": float(self.norm),
+            "busy": found[: grid.pp],
+            "memory": found[grid.pp :] if cuda else None,
+        }
 
     def lr(self) -> float:
         return next(iter(self.optimizers.values())).param_groups[0]["lr"]
@@ -658,7 +740,9 @@ def merge(stages: Stages, folder: str, out: str) -> None:
         sys.exit(f"--merge: {out} is a folder; give the file to write")
     found = sharded.complete(folder)
     if not found:
-        sys.exit(f"--merge: no complete checkpoint in {folder} (a step_N folder with its {sharded.MARKER} marker)")
+        sys.exit(
+            f"--merge: no complete checkpoint in {folder} (a step_N folder with its {sharded.MARKER} marker)"
+        )
     path = sharded.folder(folder, found[-1])
     try:
         state = sharded.model_state(path)
@@ -705,10 +789,16 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
     pp = max(ranks) + 1
     world = pp * args.dp
     if args.batch_size % args.dp:
-        parser.error(f"--batch-size {args.batch_size} must split into --dp {args.dp} equal parts")
+        parser.error(
+            f"--batch-size {args.batch_size} must split into --dp {args.dp} equal parts"
+        )
     part = args.batch_size // args.dp
-    if args.microbatches is None:  # the smallest divisor of a replica's part from the least on
-        least = max(stages.microbatches, len(stages.stages) if args.schedule != "gpipe" else 1)
+    if (
+        args.microbatches is None
+    ):  # the smallest divisor of a replica's part from the least on
+        least = max(
+            stages.microbatches, len(stages.stages) if args.schedule != "gpipe" else 1
+        )
         sizes = range(min(least, part), part + 1)
         args.microbatches = next((m for m in sizes if part % m == 0), part)
     if args.microbatches < 1 or part % args.microbatches:
@@ -727,20 +817,50 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         )
     device = check_devices(stages)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    wait = timedelta(seconds=args.timeout)
+    dist.init_process_group(backend, timeout=wait, **attempt_store(wait))
     try:
         grid = mesh.make(stages, ranks, args.dp, device.type, args.timeout)
         if args.checkpoint:
             prepare(args.checkpoint)
         engine = Pipelined(stages, args, grid, device)
         try:
-            run(engine, args, engine.last, engine.per_epoch, engine.eval_data if engine.feeds else None,
-                evaluates=bool(args.eval_data or args.eval_split or args.eval_every))
+            run(
+                engine,
+                args,
+                engine.last,
+                engine.per_epoch,
+                engine.eval_data if engine.feeds else None,
+                evaluates=bool(args.eval_data or args.eval_split or args.eval_every),
+            )
         except (RuntimeError, dist.DistBackendError) as error:
             lost(grid, error)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def attempt_store(wait: timedelta) -> dict:
+    """The store of this attempt, where torchrun's agent shares its own with
+    the workers: keys under the restart count, so that workers restarted by
+    --max-restarts do not read the addresses the killed ones left there
+    (pytorch/pytorch#135712: init_process_group then connects to them and
+    fails). Elsewhere: none, init_process_group's own."""
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    shared = dist.TCPStore(
+        environ["MASTER_ADDR"],
+        int(environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=wait,
+    )
+    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"mpgen/attempt_{attempt}", shared)
+    return {
+        "store": store,
+        "rank": int(environ["RANK"]),
+        "world_size": int(environ["WORLD_SIZE"]),
+    }
 
 
 def prepare(folder: str) -> None:
@@ -758,12 +878,30 @@ def prepare(folder: str) -> None:
     dist.barrier()
 
 
-def lost(grid: mesh.Mesh, error: BaseException) -> None:
-    """A collective or a send that failed: another rank stopped or hangs."""
+def lost(grid: mesh.Mesh, error: BaseException, wait: float = 3.0) -> None:
+    """A collective or a send failed: another rank stopped, or hangs past
+    --timeout. Every rank that is still running says so in the job's store
+    (torchrun's, which outlives its workers) and names the ranks that did
+    not, in one line."""
     text = one_line(error)
-    if not any(word in text.lower() for word in ("connection", "timed out", "timeout", "closed", "peer", "gloo", "nccl")):
+    words = ("connection", "timed out", "timeout", "closed", "peer", "gloo", "nccl")
+    if not any(word in text.lower() for word in words):
         raise error
+    gone = ""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"mpgen/running/{grid.rank}", "1")
+        world = dist.get_world_size()
+        keys = [f"mpgen/running/{r}" for r in range(world)]
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not store.check(keys):
+            time.sleep(0.1)
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if missing:
+            gone = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} stopped or hung; "
+    except Exception:  # the store went with the job: name no rank
+        pass
     sys.exit(
-        f"{grid.where()}: lost contact with another rank ({text}); "
-        "the first rank that failed is torchrun's 'Root Cause'; relaunch with --resume"
+        f"{grid.where()}: {gone or 'another rank stopped or hung; '}lost contact ({text[:160]}); "
+        "relaunch with --resume to continue from the last complete checkpoint"
     )

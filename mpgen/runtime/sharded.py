@@ -76,7 +76,9 @@ def remove(path: pathlib.Path) -> None:
 def check_shared(root: str, group=None) -> bool:
     """Whether every rank sees the file rank 0 writes in ``root`` (a
     collective). Run before anything is saved or resumed."""
-    probe = pathlib.Path(root, f".shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}")
+    probe = pathlib.Path(
+        root, f".shared-{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}"
+    )
     if dist.get_rank() == 0:
         probe.parent.mkdir(parents=True, exist_ok=True)
         probe.write_text("written by rank 0\n")
@@ -135,7 +137,9 @@ def model_state(path: pathlib.Path) -> dict:
             found[key[len("model.") :]] = torch.empty(
                 tuple(meta.size), dtype=meta.properties.dtype
             )
-    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+    with (
+        warnings.catch_warnings()
+    ):  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": found}, checkpoint_id=path)
     return found

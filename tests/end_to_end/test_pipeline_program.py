@@ -14,8 +14,12 @@ weights must agree.
 from __future__ import annotations
 
 import csv
+import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -158,7 +162,7 @@ def test_resume_continues_as_one_run(pipe):
                     "--batch-size", "8", "--microbatches", "4", "--data", "data.pt",
                     "--checkpoint", "resumed", "--resume")
     assert rest.returncode == 0, rest.stderr[-3000:]
-    assert "resumed from resumed at step 2" in rest.stdout
+    assert "resumed from resumed/step_2 at step 2" in rest.stdout
     assert "step 3/3  loss" in rest.stdout and "step 1/3" not in rest.stdout
     expected = losses(pipe / "single" / "log.csv")
     assert losses(pipe / "resumed" / "log.csv") == pytest.approx(expected, rel=1e-5, abs=1e-7)
@@ -262,9 +266,9 @@ def test_interleaved_needs_a_repeating_layout(tmp_path):
      "pp_simple_model.py: error: --checkpoint afile: not a folder"),
     (["--steps", "1", "--lr", "inf"], 2,
      "pp_simple_model.py: error: --lr must be a finite number >= 0, got inf"),
-    # --merge runs without torchrun: a damaged stage, a folder to write
+    # --merge runs without torchrun: no complete checkpoint, a folder to write
     (["--merge", "junk", "out.pt"], 1,
-     "--merge: cannot read junk/stage_0.pt (error: unpack requires a buffer of 4 bytes)"),
+     "--merge: no complete checkpoint in junk (a step_N folder with its COMPLETE marker)"),
     (["--merge", "junk", "junk"], 1, "--merge: junk is a folder; give the file to write"),
 ], ids=["init", "steps", "checkpoint", "lr", "merge-junk", "merge-into-a-folder"])
 def test_a_bad_argument_is_one_message(tmp_path, args, status, message):
@@ -356,11 +360,13 @@ def test_a_tied_copy_takes_its_owners_weight_decay_group(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     assert losses(tmp_path / "pp" / "log.csv") == pytest.approx(
         losses(tmp_path / "single" / "log.csv"), rel=1e-5, abs=1e-7)
-    head = torch.load(tmp_path / "pp" / "stage_1.pt", weights_only=True)
-    emb = torch.load(tmp_path / "pp" / "stage_0.pt", weights_only=True)
-    assert torch.equal(head["model"]["head.weight"], emb["model"]["emb.weight"])
+    done = subprocess.run([sys.executable, "pp_tied_lm.py", "--merge", "pp", "merged.pt"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
+    assert torch.equal(merged["head.weight"], merged["emb.weight"])
     expected = torch.load(tmp_path / "single" / "last.pt", weights_only=True)["model"]["emb.weight"]
-    torch.testing.assert_close(emb["model"]["emb.weight"], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(merged["emb.weight"], expected, rtol=1e-5, atol=1e-6)
 
 
 def test_epochs_end_the_run_as_in_the_single_process_script(pipe):
@@ -379,3 +385,168 @@ def test_epochs_end_the_run_as_in_the_single_process_script(pipe):
         assert [row["epoch"] for row in csv.DictReader(f)] == ["0"] * 4 + ["1"] * 4
     assert losses(pipe / "epochs" / "log.csv") == pytest.approx(
         losses(pipe / "single_epochs" / "log.csv"), rel=1e-5, abs=1e-7)
+
+
+# -- pipeline x data parallel, checkpoints and failures ------------------------------
+
+PADDED_LM = """
+mpgen: 1
+name: PaddedLM
+
+inputs:
+  tokens: {shape: [batch, seq], dtype: int64}
+
+layers:
+  emb: {op: Embedding, args: [50, 16], in: tokens}
+  l1: {op: Linear, args: [16, 32]}
+  act: {op: GELU}
+  l2: {op: Linear, args: [32, 16]}
+  head: {op: Linear, args: [16, 50]}
+
+placement:
+  emb: cuda:0
+  l2: cuda:1
+
+train:
+  loss: CrossEntropyLoss
+  optimizer: {op: AdamW, lr: 0.01}
+  batch_size: 8
+  dims: {seq: 6}
+"""
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory) -> Path:
+    """PaddedLM built for the CPU: 64 sequences whose targets end in padding
+    (ignore_index) of different lengths, so a micro-batch's own mean would
+    weigh its tokens wrongly; the single-process script's 30 steps of 8."""
+    out = tmp_path_factory.mktemp("padded")
+    build_to(write_spec(out, PADDED_LM), out, CPU)
+    generator = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 50, (64, 6), generator=generator)
+    target = torch.randint(0, 50, (64, 6), generator=generator)
+    for i, n in enumerate(torch.randint(1, 7, (64,), generator=generator).tolist()):
+        target[i, n:] = -100
+    torch.save({"tokens": tokens, "target": target}, out / "data.pt")
+    torch.manual_seed(5)
+    torch.save(import_generated(out / "padded_lm.py").PaddedLM().state_dict(), out / "init.pt")
+    single = subprocess.run(
+        [sys.executable, "train_padded_lm.py", "--data", "data.pt", "--init", "init.pt",
+         "--steps", "30", "--batch-size", "8", "--log-dir", "single"],
+        cwd=out, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    return out
+
+
+PADDED = ("--batch-size", "8", "--data", "data.pt", "--init", "init.pt")
+
+
+@pytest.mark.parametrize("schedule, mode", [("1f1b", "fsdp"), ("gpipe", "ddp")])
+def test_two_replicas_of_two_stages_equal_the_single_process_script(padded, schedule, mode):
+    run = torchrun(4, padded / "pp_padded_lm.py", "--dp", "2", "--dp-mode", mode, "--steps", "3",
+                   "--schedule", schedule, *PADDED, "--log-dir", f"dp_{schedule}")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"2 stages on 2 ranks x 2 replicas ({mode})" in run.stdout
+    expected = losses(padded / "single" / "log.csv")[:3]
+    assert losses(padded / f"dp_{schedule}" / "log.csv") == pytest.approx(expected, rel=1e-5)
+    with (padded / f"dp_{schedule}" / "log.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert all(float(row["grad_norm"]) > 0 and float(row["tokens_per_second"]) > 0 for row in rows)
+
+
+def test_a_save_killed_half_way_is_removed_and_the_last_complete_one_resumes(padded):
+    first = torchrun(4, padded / "pp_padded_lm.py", "--dp", "2", "--steps", "3", *PADDED,
+                     "--checkpoint", "killed", "--save-every", "1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    folder = padded / "killed"
+    assert sorted(p.name for p in folder.iterdir() if p.name.startswith("step_")) == ["step_3"]
+    # What SIGKILL of a rank during the save of step 4 leaves: some shards, no marker.
+    partial = folder / ".step_4.partial"
+    partial.mkdir()
+    for shard in sorted((folder / "step_3").glob("__*.distcp"))[:2]:
+        partial.joinpath(shard.name).write_bytes(shard.read_bytes()[:100])
+    (folder / "step_4").mkdir()  # a step folder without its marker is never read either
+    rest = torchrun(2, padded / "pp_padded_lm.py", "--dp", "1", "--steps", "5", *PADDED,
+                    "--checkpoint", "killed", "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert "removed killed/.step_4.partial, left by a save that did not finish" in rest.stdout
+    assert "resumed from killed/step_3 at step 3 (resharded onto 2 x 1 ranks)" in rest.stdout
+    assert losses(folder / "log.csv") == pytest.approx(
+        losses(padded / "single" / "log.csv")[:5], rel=1e-5)
+
+
+def test_resume_without_a_checkpoint_starts_fresh(padded):
+    run = torchrun(2, padded / "pp_padded_lm.py", "--steps", "1", *PADDED,
+                   "--checkpoint", "fresh", "--resume")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "--resume: no complete checkpoint in fresh; starting at step 0" in run.stdout
+    assert (padded / "fresh" / "step_1" / "COMPLETE").is_file()
+
+
+def _workers(parent: int) -> list[int]:
+    """The pids of torchrun's worker processes (its children's)."""
+    found = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def _logged(log: Path) -> int:
+    try:
+        return len(losses(log))
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def _launch(padded: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", *args],
+        cwd=padded, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_steps(log: Path, steps: int, job: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while _logged(log) < steps:
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run logged too few steps in 120 s"
+        time.sleep(0.2)
+
+
+def test_a_killed_rank_ends_every_rank_naming_it(padded):
+    job = _launch(padded, "--nproc-per-node", "4", "pp_padded_lm.py", "--dp", "2",
+                  "--steps", "100000", *PADDED, "--log-dir", "dead")
+    _wait_for_steps(padded / "dead" / "log.csv", 2, job)
+    agent = job.pid  # python -m torch.distributed.run: the agent, the workers' parent
+    victim = _workers(agent)[-1]
+    os.kill(victim, signal.SIGKILL)
+    killed = time.monotonic()
+    _, err = job.communicate(timeout=120)
+    assert time.monotonic() - killed < 60
+    assert job.returncode != 0
+    assert not _workers(agent)
+    assert re.search(r"rank \d \(stage \d, replica \d\): rank 3 stopped or hung; lost contact", err), err[-3000:]
+
+
+def test_a_restart_by_torchrun_resumes_by_itself(padded):
+    # One command line for the first launch and for torchrun's restart after a
+    # rank dies: --resume finds the last complete checkpoint (or none).
+    job = _launch(padded, "--nproc-per-node", "2", "--max-restarts", "1", "pp_padded_lm.py",
+                  "--steps", "30", *PADDED, "--checkpoint", "restarted", "--save-every", "1",
+                  "--resume")
+    _wait_for_steps(padded / "restarted" / "log.csv", 3, job)
+    os.kill(_workers(job.pid)[0], signal.SIGKILL)
+    out, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+    assert "resumed from restarted/step_" in out
+    assert losses(padded / "restarted" / "log.csv") == pytest.approx(
+        losses(padded / "single" / "log.csv"), rel=1e-5)
+
+
+def test_sigterm_saves_after_the_step_on_every_rank(padded):
+    job = _launch(padded, "--nproc-per-node", "2", "pp_padded_lm.py", "--steps", "100000",
+                  *PADDED, "--checkpoint", "terminated")
+    _wait_for_steps(padded / "terminated" / "log.csv", 2, job)
+    os.kill(_workers(job.pid)[1], signal.SIGTERM)  # one rank: the others learn it at the step's end
+    out, err = job.communicate(timeout=120)
+    assert job.returncode != 0
+    done = re.search(r"interrupted after step (\d+); saved terminated/step_(\d+)", err)
+    assert done and done.group(1) == done.group(2), err[-3000:]
+    assert (padded / "terminated" / f"step_{done.group(1)}" / "COMPLETE").is_file()

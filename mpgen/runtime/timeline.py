@@ -1,0 +1,163 @@
+"""The pipeline's time: the bubble the cost model predicts for the schedule
+torch runs, and the busy time each rank measures.
+
+# NOTE: [Predicted bubble]
+# torch's schedules state their work as each rank's list of actions
+# (``pipeline_order``: forward F, full backward B, or the zero-bubble
+# schedules' input-gradient I and weight-gradient W of one stage and
+# micro-batch; None: idle). predict() replays those lists with the stage
+# times of the build's cost model (Stages.costs: each stage's forward and
+# backward seconds for one sample; I and W take half a backward each):
+# each action at the earliest time its rank is free and its inputs are
+# there (F after the previous stage's F of that micro-batch and the
+# transfer, B/I after its own F and the next stage's B/I and the transfer,
+# W after its I). Transfers delay only the receiver, as torch's
+# asynchronous sends do, and cost nothing between stages on one rank (a V's
+# turn). The bubble is the ranks' idle share of the step; measured(), the
+# same share of a real step, from the time each rank spends in its stages'
+# forward and backward (the schedule's calls, timed by time_stages).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import torch
+
+COMPUTE = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
+
+
+def actions(order: list) -> list[tuple[str, int, int]]:
+    """A rank's compute actions as (kind, stage, micro-batch), in order."""
+    found = []
+    for action in order:
+        if action is None:
+            continue
+        for one in getattr(action, "sub_actions", None) or (action,):
+            kind = one.computation_type.value
+            if kind in COMPUTE:
+                found.append((kind, one.stage_index, one.microbatch_index))
+    return found
+
+
+def predict(
+    order: dict, ranks: list[int], costs, transfers, samples: float
+) -> Optional[tuple[float, float]]:
+    """The step time and bubble of one batch, each micro-batch ``samples``
+    samples (NOTE [Predicted bubble]); None where it cannot be replayed."""
+    if not costs or len(costs) != len(ranks):
+        return None
+    last = len(ranks) - 1
+    moves = list(transfers) if len(transfers) == last else [0.0] * last
+    todo = {r: actions(order.get(r) or []) for r in sorted(set(ranks))}
+    end, free, busy = {}, dict.fromkeys(todo, 0.0), dict.fromkeys(todo, 0.0)
+
+    def arrival(stage: int, other: int, boundary: int) -> float:
+        return 0.0 if ranks[stage] == ranks[other] else moves[boundary] * samples
+
+    def ready(kind: str, k: int, i: int) -> Optional[float]:
+        needs = []
+        if kind == "F" and k > 0:
+            needs.append((("F", k - 1, i), arrival(k, k - 1, k - 1)))
+        if kind in "BI":
+            needs.append((("F", k, i), 0.0))
+            if k < last:
+                back = ("B", k + 1, i) if ("B", k + 1, i) in end else ("I", k + 1, i)
+                needs.append((back, arrival(k, k + 1, k)))
+        if kind == "W":
+            needs.append((("I", k, i), 0.0))
+        if any(key not in end for key, _ in needs):
+            return None
+        return max([0.0] + [end[key] + delay for key, delay in needs])
+
+    while any(todo.values()):
+        progressed = False
+        for rank, queue in todo.items():
+            while queue:
+                kind, k, i = queue[0]
+                at = ready(kind, k, i)
+                if at is None:
+                    break
+                forward, backward = costs[k]
+                took = {"F": forward, "B": backward}.get(kind, backward / 2) * samples
+                start = max(free[rank], at)
+                end[kind, k, i] = free[rank] = start + took
+                busy[rank] += took
+                queue.pop(0)
+                progressed = True
+        if not progressed:
+            return None
+    step = max(free.values())
+    if step <= 0:
+        return None
+    return step, 1 - sum(busy.values()) / (len(busy) * step)
+
+
+def time_stages(stages: list, busy: list, cuda: bool) -> None:
+    """Add the time each stage's forward and backward calls take to
+    ``busy[0]`` (on a GPU, as CUDA events that read()/measured() resolve)."""
+    names = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    for stage in stages:
+        for name in names:
+            method = getattr(stage, name, None)
+            if method is not None:
+                setattr(stage, name, timed(method, busy, cuda))
+
+
+def timed(method, busy: list, cuda: bool):
+    def call(*args, **kwargs):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                enable_timing=True
+            )
+            start.record()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                end.record()
+                busy.append((start, end))
+        began = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            busy[0] += time.perf_counter() - began
+
+    return call
+
+
+def read(busy: list) -> float:
+    """The seconds ``busy`` holds since the last read, and reset it."""
+    for _, end in busy[1:]:
+        end.synchronize()
+    seconds = busy[0] + sum(s.elapsed_time(e) / 1000 for s, e in busy[1:])
+    busy[:] = [0.0]
+    return seconds
+
+
+#: Dense bf16 tensor FLOP/s of one GPU, by a part of its name (torchtitan's MFU uses the same).
+PEAK_FLOPS = {
+    "H100": 989e12,
+    "H200": 989e12,
+    "H800": 989e12,
+    "H20": 148e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "MI300X": 1307e12,
+    "MI325X": 1307e12,
+}
+
+
+def peak_flops(device: torch.device) -> Optional[float]:
+    """One GPU's peak, where its name is known (None: unknown, or the CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for part, flops in sorted(PEAK_FLOPS.items(), key=lambda item: -len(item[0])):
+        if part in name:
+            return flops
+    return None

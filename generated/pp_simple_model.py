@@ -58,6 +58,9 @@ STAGES = mpgen_runtime.Stages(
     stages=(Stage0, Stage1),
     devices=("cuda:0", "cuda:1"),
     loss=stage_loss,
+    costs=((4e-12, 8e-12), (4e-12, 8e-12)),
+    transfers=(3.2e-09,),
+    flops=2400.0,
 )
 
 

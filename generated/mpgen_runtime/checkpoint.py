@@ -85,7 +85,7 @@ def initialise(modules: list, path: str, keys: list, training) -> None:
     save_pretrained leaves out lm_head.weight, tied to the embedding).
     Raises ValueError saying what is wrong, in one line."""
     try:
-        state = read_tensors(pathlib.Path(path))
+        state = read_tensors(pathlib.Path(path), lazy=True)
     except Exception as error:  # torch and safetensors each raise their own
         raise ValueError(f"cannot read it ({one_line(error)})") from None
     if isinstance(state.get("model"), dict) and "step" in state:  # DIR/last.pt

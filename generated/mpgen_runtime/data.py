@@ -70,8 +70,10 @@ class TensorData(Dataset):
         return tuple(t if d is None else t[i] for t, d in zip(self.tensors, self.dims))
 
 
-def read_tensors(path: pathlib.Path) -> dict:
-    """The tensors in a .pt/.pth (a dict of tensors), .npz or .safetensors file."""
+def read_tensors(path: pathlib.Path, lazy: bool = False) -> dict:
+    """The tensors in a .pt/.pth (a dict of tensors), .npz or .safetensors
+    file. ``lazy``: memory-mapped, so only the tensors used are read (a
+    pipeline rank takes its stages' keys of a whole model's file)."""
     if path.suffix == ".npz":
         import numpy
 
@@ -82,11 +84,40 @@ def read_tensors(path: pathlib.Path) -> dict:
             import safetensors.torch
         except ModuleNotFoundError:
             raise ValueError("it needs safetensors: pip install safetensors") from None
+        if lazy:
+            return Lazy(path)
         return safetensors.torch.load_file(path)
-    tensors = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        tensors = torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
+    except (
+        RuntimeError
+    ) as error:  # not a zip file (an old format, or damaged): read it whole
+        if not lazy or "mmap" not in str(error):
+            raise
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(tensors, dict):
         raise ValueError(f"expected a dict of tensors, got {type(tensors).__name__}")
     return tensors
+
+
+class Lazy(dict):
+    """A .safetensors file's keys, each tensor read when first asked for."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        from safetensors import safe_open
+
+        self.file = safe_open(str(path), "pt")
+        super().__init__(dict.fromkeys(self.file.keys()))
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        value = super().__getitem__(key)
+        if value is None:
+            value = self.file.get_tensor(key)
+            self[key] = value
+        return value
+
+    def get(self, key, default=None):
+        return self[key] if key in self else default
 
 
 def one_line(error: BaseException) -> str:
@@ -164,25 +195,35 @@ def epoch_batches(data: Dataset | DataLoader, batch_size: int) -> int:
     return len(data) // batch_size
 
 
-def batches(data: Dataset | DataLoader, training, args, first: int):
+def batches(data: Dataset | DataLoader, training, args, first: int, shard=(0, 1)):
     """Batches from number ``first`` on, epoch after epoch: a Dataset in a
     shuffled order that is a function of --seed and the epoch (so resuming
-    at any batch sees the same data), a DataLoader in its own order."""
+    at any batch sees the same data), a DataLoader in its own order.
+
+    ``shard`` ``(r, n)``: replica r of n data-parallel replicas takes the
+    r-th of n equal parts of every batch (its samples only are loaded), so
+    the n replicas together see each batch the single-process script sees."""
     keys, batch_size, seed = training.keys, args.batch_size, args.seed
+    replica, replicas = shard
     per_epoch = epoch_batches(data, batch_size)
     epoch, skip = divmod(first, per_epoch)
     while True:
         generator = torch.Generator().manual_seed((seed * 1_000_003 + epoch) % 2**64)
         if isinstance(data, DataLoader):
-            loader = itertools.islice(data, skip, None)
+            loader = (
+                share(as_batch(batch, keys), training, replica, replicas)
+                for batch in itertools.islice(data, skip, None)
+            )
         else:
             order = torch.randperm(len(data), generator=generator)[
-                skip * batch_size :
-            ].tolist()
+                skip * batch_size : per_epoch * batch_size
+            ]
+            part = batch_size // replicas
+            order = order.view(-1, batch_size)[:, replica * part : (replica + 1) * part]
             loader = DataLoader(
                 data,
-                batch_size,
-                sampler=order,
+                part,
+                sampler=order.flatten().tolist(),
                 collate_fn=functools.partial(collate, training=training),
                 drop_last=True,
                 num_workers=args.workers,
@@ -192,6 +233,25 @@ def batches(data: Dataset | DataLoader, training, args, first: int):
         for batch in loader:
             yield as_batch(batch, keys)
         epoch, skip = epoch + 1, 0
+
+
+def share(batch: tuple, training, replica: int, replicas: int) -> tuple:
+    """Replica ``replica``'s part of a batch: its slice of each key's batch dim."""
+    if replicas == 1:
+        return batch
+    parts = []
+    for x, d in zip(batch, training.batch_dims):
+        if x is None or d is None:
+            parts.append(x)
+            continue
+        size = x.shape[d]
+        if size % replicas:
+            sys.exit(
+                f"a batch of {size} samples does not split into {replicas} equal parts (--dp {replicas})"
+            )
+        part = size // replicas
+        parts.append(x.narrow(d, replica * part, part))
+    return tuple(parts)
 
 
 def load_flag(training, args, flag: str) -> Dataset | DataLoader:

@@ -16,6 +16,10 @@ SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 
 #: What --resume says of an --init it does not read.
@@ -26,7 +30,12 @@ HELP = {
     "steps": "optimizer steps",
     "epochs": "passes over the data (with --steps: whichever ends first)",
     "microbatches": "micro-batches per step, a divisor of --batch-size (default: the smallest from {} on)",
-    "schedule": "the pipeline schedule; interleaved where the layout repeats its devices",
+    "schedule": "the pipeline schedule; interleaved, looped-bfs and interleaved-zb where the layout repeats "
+    "its devices (a rank per device), zbv and dualpipev for an even number of stages (two per rank, in a V)",
+    "dp": "replicas of the pipeline (data parallel): torchrun starts ranks per replica x N processes",
+    "dp_mode": "how replicas synchronise gradients: FSDP2's fully_shard (parameters, gradients and "
+    "optimizer state sharded over the replicas) or DDP (replicated)",
+    "timeout": "seconds a collective or a send may wait for another rank before every rank stops",
     "decay_steps": "the schedule's length in steps, whatever --steps stops at (default: the spec's train.steps, else the run's steps)",
     "log_dir": "where log.csv goes (default: --checkpoint's DIR, else runs/{})",
     "save_every": "also save every K steps (0: only at the end)",
@@ -37,7 +46,9 @@ HELP = {
     "eval_split": "hold out this fraction of a Dataset for evaluation",
     "eval_every": "evaluate every K steps (0: at the end only, if there is evaluation data)",
     "samples": "size of the synthetic dataset (one epoch)",
-    "merge": "write one state dict of {} from DIR/stage_K.pt to OUT and exit (no torchrun)",
+    "merge": "write one state dict of {} from DIR's newest complete checkpoint to OUT and exit (no torchrun)",
+    "pp_resume": "continue from DIR's newest complete checkpoint, on any --dp or layout; none yet: start "
+    "at step 0 (one command line for the first launch and torchrun --max-restarts)",
 }
 
 
@@ -45,16 +56,16 @@ def parser(
     training: Training, pipeline: Stages | None = None
 ) -> argparse.ArgumentParser:
     """The flags of ``train_<name>.py`` or, with ``pipeline``, of ``pp_<name>.py``."""
-    d, name, single = training.default, training.name, pipeline is None
+    d, name = training.default, training.name
     run = f"pp_{training.run}" if pipeline else training.run
-    saved = "DIR/stage_K.pt per stage" if pipeline else "DIR/last.pt"
+    saved = "DIR/step_N (every rank's shards)" if pipeline else "DIR/last.pt"
     how = " as a pipeline of processes under torchrun" if pipeline else ""
     p = argparse.ArgumentParser(description=f"Train {name}{how}.")
     add = p.add_argument
     add("--steps", type=int, default=d("steps"), help=HELP["steps"])
     add("--epochs", type=int, default=d("epochs"), help=HELP["epochs"])
     split = (
-        ", split into --microbatches"
+        " (a batch with --accumulate), split over --dp replicas, then into --microbatches"
         if pipeline
         else " (each micro-batch with --accumulate)"
     )
@@ -74,6 +85,15 @@ def parser(
             default=pipeline.schedule,
             help=HELP["schedule"],
         )
+        add("--dp", type=int, default=pipeline.dp, metavar="N", help=HELP["dp"])
+        add("--dp-mode", choices=("fsdp", "ddp"), default="fsdp", help=HELP["dp_mode"])
+        add(
+            "--timeout",
+            type=float,
+            default=120.0,
+            metavar="SECONDS",
+            help=HELP["timeout"],
+        )
     add("--lr", type=float, default=d("lr"))
     if pipeline or "decay_steps" in training.defaults:  # a built-in schedule reads it
         steps, text = (
@@ -84,11 +104,13 @@ def parser(
     add("--seed", type=int, default=d("seed"))
     add("--log-every", type=int, default=d("log_every"), metavar="K")
     add("--log-dir", metavar="DIR", help=HELP["log_dir"].format(run))
-    when = "" if pipeline else " and on Ctrl-C"
-    text = f"write {saved} at the end, every --save-every steps{when}"
+    text = (
+        f"write {saved} at the end, every --save-every steps and on Ctrl-C or SIGTERM"
+    )
     add("--checkpoint", metavar="DIR", help=text)
     add("--save-every", type=int, default=0, metavar="K", help=HELP["save_every"])
-    add("--resume", action="store_true", help=f"continue from {saved}")
+    text = HELP["pp_resume"] if pipeline else f"continue from {saved}"
+    add("--resume", action="store_true", help=text)
     add("--init", metavar="FILE", help=HELP["init"].format(name))
     if pipeline:
         amp = d("amp") if d("amp") != "fp16" else "off"
@@ -100,18 +122,16 @@ def parser(
     whose = "all stages' " if pipeline else "the "
     text = f"clip the norm of {whose}gradients (0: no clipping)"
     add("--grad-clip", type=float, default=d("grad_clip"), metavar="NORM", help=text)
-    if single:
-        text = HELP["accumulate"]
-        add("--accumulate", type=int, default=d("accumulate"), metavar="K", help=text)
+    text = HELP["accumulate"]
+    add("--accumulate", type=int, default=d("accumulate"), metavar="K", help=text)
     text = f"{DATA_HELP} (default: {d('data') or 'synthetic data'})".replace("%", "%%")
     add("--data", default=d("data"), metavar="SPEC", help=text)
-    if single:
-        text = "as --data, for evaluation"
-        add("--eval-data", default=d("eval_data"), metavar="SPEC", help=text)
-        text = HELP["eval_split"]
-        add("--eval-split", type=float, default=d("eval_split"), metavar="F", help=text)
-        text = HELP["eval_every"]
-        add("--eval-every", type=int, default=d("eval_every"), metavar="K", help=text)
+    text = "as --data, for evaluation"
+    add("--eval-data", default=d("eval_data"), metavar="SPEC", help=text)
+    text = HELP["eval_split"]
+    add("--eval-split", type=float, default=d("eval_split"), metavar="F", help=text)
+    text = HELP["eval_every"]
+    add("--eval-every", type=int, default=d("eval_every"), metavar="K", help=text)
     add("--samples", type=int, default=d("samples"), help=HELP["samples"])
     add("--workers", type=int, default=d("workers"), help="DataLoader worker processes")
     if pipeline:
@@ -137,13 +157,19 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         refuse("give --steps or --epochs")
     if not 0 <= given.get("eval_split", 0) < 1:
         refuse("--eval-split takes a fraction in [0, 1)")
-    least = dict.fromkeys("steps epochs batch_size accumulate microbatches".split(), 1)
+    least = dict.fromkeys(
+        "steps epochs batch_size accumulate microbatches dp".split(), 1
+    )
     least |= dict.fromkeys(("decay_steps", "log_every", "samples"), 1)
     least |= dict.fromkeys(("workers", "save_every", "eval_every"), 0)
     for name, low in least.items():
         value = given.get(name)
         if value is not None and value < low:
             refuse(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+    if given.get("timeout") is not None and not 0 < given["timeout"] < math.inf:
+        refuse(
+            f"--timeout must be a positive number of seconds, got {given['timeout']}"
+        )
     for name in ("lr", "grad_clip"):
         if not 0 <= given[name] < math.inf:
             refuse(

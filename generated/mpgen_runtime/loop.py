@@ -36,6 +36,20 @@ def hits(output: torch.Tensor, target: torch.Tensor, class_dim: int) -> tuple:
     return (output.argmax(class_dim).eq(target) & counted).sum(), counted.sum()
 
 
+def tokens_per_sample(training: Training, batch: tuple) -> int | None:
+    """Tokens in one sample: the positions of the first integer input with
+    more than its batch dim (token ids [batch, seq]); None: no such input."""
+    for x, d in zip(batch[: len(training.inputs)], training.batch_dims):
+        if (
+            x is not None
+            and d is not None
+            and x.dim() > 1
+            and not x.is_floating_point()
+        ):
+            return x.numel() // x.shape[d]
+    return None
+
+
 def check_devices(training: Training) -> None:
     """Stop, naming it, when a device the model is placed on is missing here."""
     count = torch.cuda.device_count()
@@ -64,7 +78,7 @@ class Single:
     gradients clipped, then the optimizer's step; or, for an optimizer that
     recomputes the loss (LBFGS), its step with a closure."""
 
-    logs = interruptible = True
+    logs = True
     evaluates = False  # whether the run has evaluation data (run() says)
 
     def __init__(self, training: Training, args, data, last: int) -> None:
@@ -97,12 +111,22 @@ class Single:
         self.scaler = torch.amp.GradScaler(
             training.device_type, enabled=args.amp == "fp16"
         )
+        self.rates, self.norm = (
+            {},
+            None,
+        )  # the log's: tokens per sample, from the first batch
 
     def autocast(self) -> torch.autocast:
         return autocast(self.training.device_type, self.args.amp)
 
     def stop(self, message: str) -> None:
         sys.exit(message)
+
+    def interrupted(self, signals: list) -> bool:
+        return bool(signals)
+
+    def metrics(self) -> dict:
+        return {"grad_norm": None if self.norm is None else float(self.norm)}
 
     def resume(self) -> int:
         if not self.path.exists():
@@ -154,6 +178,8 @@ class Single:
         loss = 0.0
         for _ in range(args.accumulate):  # gradients add up over the micro-batches
             batch = next(stream)
+            if "tokens" not in self.rates:
+                self.rates["tokens"] = tokens_per_sample(self.training, batch)
             with self.autocast():
                 micro, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
             if optimizer is not None:
@@ -162,7 +188,7 @@ class Single:
         if optimizer is not None:
             if args.grad_clip:
                 self.scaler.unscale_(optimizer)  # clip the true gradients
-                nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+                self.norm = nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
             self.scaler.step(optimizer)  # skipped when fp16 gradients overflowed
             self.scaler.update()
         return loss
@@ -217,12 +243,21 @@ def last_step(args: argparse.Namespace, per_epoch: int) -> int:
     return min(args.steps or math.inf, (args.epochs or math.inf) * per_epoch)
 
 
-def run(engine, args: argparse.Namespace, last: int, per_epoch: int, eval_data=None):
+def run(
+    engine,
+    args: argparse.Namespace,
+    last: int,
+    per_epoch: int,
+    eval_data=None,
+    evaluates: bool | None = None,
+):
     """Train from the checkpoint (--resume) or the start to step ``last``:
-    log each step, evaluate every --eval-every steps and at the end, save
-    every --save-every steps, at the end and, where the engine is
-    interruptible, on Ctrl-C (after the step; a second one stops at once)."""
-    engine.evaluates = eval_data is not None
+    log each step, evaluate every --eval-every steps and at the end
+    (``evaluates``: whether there is evaluation data, where this rank holds
+    none of it), save every --save-every steps, at the end and on Ctrl-C or
+    SIGTERM (after the step, on every rank; a second one stops at once)."""
+    evaluates = eval_data is not None if evaluates is None else evaluates
+    engine.evaluates = evaluates
     done = engine.resume() if args.resume else 0
     started = done
     stream = engine.start(done)
@@ -231,18 +266,21 @@ def run(engine, args: argparse.Namespace, last: int, per_epoch: int, eval_data=N
         try:
             folder = pathlib.Path(args.log_dir or args.checkpoint or engine.folder)
             every, size = args.log_every, engine.samples_per_step
-            log = Log(folder, last, done, every, size, engine.devices)
+            log = Log(folder, last, done, every, size, engine.devices, engine.rates)
         except OSError as error:  # a folder that cannot be made or written
             engine.stop(f"cannot write the log ({error})")
-    interrupted = []
+    interrupted = engine.signals = []
+    handled = (signal.SIGINT, signal.SIGTERM)
+    defaults = {
+        signal.SIGINT: signal.default_int_handler,
+        signal.SIGTERM: signal.SIG_DFL,
+    }
 
-    def on_interrupt(signum, frame) -> None:
+    def on_signal(signum, frame) -> None:
         interrupted.append(signum)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signum, defaults[signum])  # a second one stops at once
 
-    if engine.interruptible:
-        previous = signal.signal(signal.SIGINT, on_interrupt)
-    saving = f"; saved {engine.where}" if args.checkpoint else ""
+    previous = {s: signal.signal(s, on_signal) for s in handled}
     try:
         for step in range(done + 1, last + 1):
             loss = engine.step(stream)
@@ -250,23 +288,27 @@ def run(engine, args: argparse.Namespace, last: int, per_epoch: int, eval_data=N
                 kept = f" ({engine.where} keeps step {done})" if args.checkpoint else ""
                 engine.stop(f"step {step}: the loss is {loss.item()}; stopping{kept}")
             done, epoch = step, (step - 1) // per_epoch
+            shown = step % args.log_every == 0 or step == last
+            extra = engine.metrics() if shown else None  # (every rank: a collective)
             if log is not None:
-                log.step(step, epoch, loss.item(), engine.lr())
+                log.step(step, epoch, loss.item(), engine.lr(), extra)
             eval_loss = None
-            if eval_data is not None and (
+            if evaluates and (
                 step == last or args.eval_every and step % args.eval_every == 0
             ):
                 eval_loss, accuracy = engine.evaluate(eval_data)
-                log.evaluation(step, epoch, eval_loss, accuracy)
+                if log is not None:
+                    log.evaluation(step, epoch, eval_loss, accuracy)
             engine.stepped(loss, eval_loss)
-            if interrupted:
+            if engine.interrupted(interrupted):
                 engine.save(done)
+                saving = f"; saved {engine.where}" if args.checkpoint else ""
                 engine.stop(f"interrupted after step {step}{saving}")
             if args.save_every and step % args.save_every == 0 and step < last:
                 engine.save(done)
     finally:
-        if engine.interruptible:
-            signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
         if log is not None:
             log.close(started)
     engine.save(done)

@@ -74,6 +74,16 @@ class Stages:
     ties: tuple[tuple[tuple[int, str], ...], ...] = ()
     schedule: str = "1f1b"  # --schedule's default
     microbatches: int = 2  # --microbatches' least (a divisor of the batch from it on)
+    dp: int = 1  # --dp's default: replicas of the pipeline (data parallel)
+    #: Each stage's forward and backward seconds for ONE sample, and each
+    #: boundary's transfer seconds for one sample, at the cost model's speeds
+    #: (compiler analysis.schedule.stage_times divided by the training batch):
+    #: the simulator's inputs for the predicted bubble (empty: not predicted).
+    costs: tuple[tuple[float, float], ...] = ()
+    transfers: tuple[float, ...] = ()
+    #: Training FLOPs of one sample (forward + backward, the cost model's
+    #: matmuls and convolutions), for MFU (0: unknown).
+    flops: float = 0.0
 
     @property
     def script(self) -> str:

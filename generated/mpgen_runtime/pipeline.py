@@ -28,6 +28,7 @@ script.
 from __future__ import annotations
 
 import copy
+import inspect
 import itertools
 import pathlib
 import signal
@@ -541,9 +542,13 @@ class Pipelined:
                 if args.schedule in mesh.LOOPED + mesh.V_SHAPED
                 else pipeline[0]
             )
-            self.schedule = schedule(
-                held, m, loss_fn=loss, args_chunk_spec=tuple(chunks), scale_grads=False
+            takes = inspect.signature(schedule).parameters
+            split = (
+                {"args_chunk_spec": tuple(chunks)} if "args_chunk_spec" in takes else {}
             )
+            self.schedule = schedule(held, m, loss_fn=loss, scale_grads=False, **split)
+            if not split:  # ScheduleLoopedBFS splits every input on dim 0 unless told
+                self.schedule._args_chunk_spec = tuple(chunks)
         except (
             ValueError,
             AssertionError,
@@ -794,12 +799,26 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
             f"--batch-size {args.batch_size} must split into --dp {args.dp} equal parts"
         )
     part = args.batch_size // args.dp
+    count = len(stages.stages)
+    given = argv if argv is not None else sys.argv[1:]
+    chosen = any(a == "--schedule" or a.startswith("--schedule=") for a in given)
     if (
-        args.microbatches is None
-    ):  # the smallest divisor of a replica's part from the least on
-        least = max(
-            stages.microbatches, len(stages.stages) if args.schedule != "gpipe" else 1
-        )
+        args.schedule == "1f1b"
+        and args.microbatches is None
+        and part < count
+        and not chosen
+    ):
+        # 1F1B needs a micro-batch per stage; the spec's default batch may be smaller.
+        if environ.get("RANK", "0") == "0":
+            print(
+                f"--schedule 1f1b needs at least {count} micro-batches, and a replica's part of "
+                f"--batch-size {args.batch_size} is {part} samples: running gpipe "
+                f"(--batch-size {count * args.dp} or more runs 1f1b)"
+            )
+        args.schedule = "gpipe"
+    if args.microbatches is None:
+        # the smallest divisor of a replica's part from the least on
+        least = max(stages.microbatches, count if args.schedule == "1f1b" else 1)
         sizes = range(min(least, part), part + 1)
         args.microbatches = next((m for m in sizes if part % m == 0), part)
     if args.microbatches < 1 or part % args.microbatches:

@@ -108,7 +108,9 @@ def test_stages_hold_only_their_layers_with_the_models_keys(pipe):
     assert pp.STAGES.ties == (((2, "l3.weight"), (3, "l4.weight")),)
 
 
-@pytest.mark.parametrize("schedule, ranks", [("gpipe", 4), ("1f1b", 4), ("interleaved", 2)])
+@pytest.mark.parametrize("schedule, ranks", [
+    ("gpipe", 4), ("1f1b", 4), ("interleaved", 2), ("looped-bfs", 2), ("interleaved-zb", 2),
+    ("zbv", 2), ("dualpipev", 2)])
 def test_losses_equal_the_single_process_script(pipe, schedule, ranks):
     run = torchrun(ranks, pipe / "pp_pipe_net.py", "--schedule", schedule, "--steps", "3",
                    "--batch-size", "8", "--microbatches", "4", "--data", "data.pt",

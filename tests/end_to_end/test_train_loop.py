@@ -815,7 +815,8 @@ def test_without_a_terminal_progress_is_plain_lines_the_log_a_csv_and_a_summary(
     assert lines[6].startswith("eval loss ") and "accuracy" in lines[6]
     assert lines[7:] == ["log: logs/log.csv"]
     assert list(rows[0]) == ["step", "epoch", "loss", "lr", "seconds_per_step",
-                             "samples_per_second", "eval_loss", "eval_accuracy"]
+                             "samples_per_second", "eval_loss", "eval_accuracy",
+                             "tokens_per_second", "grad_norm", "idle", "mfu"]
     assert [(r["step"], bool(r["loss"]), bool(r["eval_loss"])) for r in rows] == [
         ("2", True, False), ("2", False, True), ("4", True, False), ("4", False, True)]
     assert all(float(r["lr"]) == 0.5 for r in rows if r["lr"])

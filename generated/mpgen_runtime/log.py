@@ -37,10 +37,9 @@ class Log:
         ``peak`` FLOP/s, the ``predicted`` bubble and its ``schedule``."""
         self.steps, self.every, self.samples_per_step = steps, every, size
         self.rates = rates if rates is not None else {}
-        self.busy_total, self.timed = (
-            None,
-            0.0,
-        )  # ranks' busy seconds, over timed seconds
+        # the ranks' busy seconds over the seconds timed, and each pipeline rank's
+        self.busy_total, self.timed = None, 0.0
+        self.busy_ranks, self.busy_steps = None, 0
         self.cuda = [d for d in devices if d.startswith("cuda")]
         self.first, self.last_loss, self.last_eval = None, None, None
         self.start = self.tick = time.perf_counter()
@@ -103,6 +102,9 @@ class Log:
             idle = max(0.0, 1 - busy / (seconds * steps))
             self.busy_total = (self.busy_total or 0.0) + busy
             self.timed += seconds * steps
+            ranks = self.busy_ranks or [0.0] * len(extra["busy"])
+            self.busy_ranks = [a + b for a, b in zip(ranks, extra["busy"])]
+            self.busy_steps += steps
         norm = extra.get("grad_norm")
         memory = "".join(
             f"  {d} {torch.cuda.max_memory_allocated(d) / 2**30:.2f} GiB"
@@ -178,9 +180,11 @@ class Log:
                 if predicted is not None
                 else ""
             )
+            each = ", ".join(f"{b / self.busy_steps:.4f}" for b in self.busy_ranks)
             self.say(
                 f"idle: {idle:.0%} of a step outside the stages' forward and backward "
-                f"(the bubble, gradient synchronisation, optimizer, data){said}"
+                f"(the bubble, gradient synchronisation, optimizer, data){said}; "
+                f"busy s/step per pipeline rank: {each}"
             )
         if self.last_eval is not None:
             loss, accuracy = self.last_eval

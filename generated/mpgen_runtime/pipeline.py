@@ -826,6 +826,9 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
             f"--microbatches {args.microbatches} must divide a replica's {part} samples of --batch-size "
             f"{args.batch_size} (the stages exchange equal micro-batches)"
         )
+    device = check_devices(
+        stages
+    )  # before torchrun: no GPUs here is the first thing to fix
     launch = f"torchrun --nproc-per-node {world} {stages.script} ..."
     if "RANK" not in environ:
         stop(f"run it under torchrun: {launch}")
@@ -835,7 +838,6 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
             f"--schedule {args.schedule} runs {len(stages.stages)} stages on {pp} ranks{replicas} = {world}, "
             f"but torchrun started {environ['WORLD_SIZE']}: {launch}"
         )
-    device = check_devices(stages)
     backend = "nccl" if device.type == "cuda" else "gloo"
     wait = timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=wait, **attempt_store(wait))

@@ -1,5 +1,6 @@
-"""Checkpoints: one format for the single-process script's DIR/last.pt and
-each pipeline stage's DIR/stage_K.pt, written atomically."""
+"""Checkpoints of the single-process script (DIR/last.pt, written
+atomically), the pieces a pipeline checkpoint shares with them (the RNG
+states; sharded.py writes those), and --init's strict load."""
 
 from __future__ import annotations
 

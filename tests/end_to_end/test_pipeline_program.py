@@ -491,6 +491,12 @@ def _workers(parent: int) -> list[int]:
     return [int(pid) for pid in found.stdout.split()]
 
 
+def _rank_of(pid: int) -> int:
+    """A worker's global rank, from its environment."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+
+
 def _logged(log: Path) -> int:
     try:
         return len(losses(log))
@@ -518,13 +524,15 @@ def test_a_killed_rank_ends_every_rank_naming_it(padded):
     _wait_for_steps(padded / "dead" / "log.csv", 2, job)
     agent = job.pid  # python -m torch.distributed.run: the agent, the workers' parent
     victim = _workers(agent)[-1]
+    rank = _rank_of(victim)
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     _, err = job.communicate(timeout=120)
     assert time.monotonic() - killed < 60
     assert job.returncode != 0
     assert not _workers(agent)
-    assert re.search(r"rank \d \(stage \d, replica \d\): rank 3 stopped or hung; lost contact", err), err[-3000:]
+    assert re.search(rf"rank \d \(stage \d, replica \d\): rank {rank} stopped or hung; lost contact",
+                     err), err[-3000:]
 
 
 def test_a_restart_by_torchrun_resumes_by_itself(padded):
@@ -552,3 +560,31 @@ def test_sigterm_saves_after_the_step_on_every_rank(padded):
     done = re.search(r"interrupted after step (\d+); saved terminated/step_(\d+)", err)
     assert done and done.group(1) == done.group(2), err[-3000:]
     assert (padded / "terminated" / f"step_{done.group(1)}" / "COMPLETE").is_file()
+
+
+def test_a_hung_rank_stops_the_others_after_the_timeout(padded):
+    job = _launch(padded, "--nproc-per-node", "2", "pp_padded_lm.py", "--steps", "100000",
+                  *PADDED, "--log-dir", "hung", "--timeout", "5")
+    _wait_for_steps(padded / "hung" / "log.csv", 2, job)
+    hung = _workers(job.pid)[0]
+    rank = _rank_of(hung)
+    os.kill(hung, signal.SIGSTOP)  # alive, answering nothing
+    stopped = time.monotonic()
+    try:
+        _, err = job.communicate(timeout=120)
+    finally:
+        os.kill(hung, signal.SIGCONT) if _workers(job.pid) else None
+    assert job.returncode != 0
+    assert time.monotonic() - stopped < 60
+    assert f"rank {rank} stopped or hung; lost contact" in err, err[-3000:]
+
+
+def test_the_committed_cuda_build_on_a_cpu_machine_says_how_to_rebuild():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has GPUs: the CUDA build runs here")
+    run = subprocess.run([sys.executable, "pp_simple_model.py", "--steps", "1"],
+                         cwd=ROOT / "generated", capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    assert run.stderr == ("pp_simple_model.py was built for CUDA devices, and local rank 0 has "
+                          "none (this machine has 0). Rebuild it for this machine: mpgen build "
+                          "examples/seed.yaml --device-map cpu\n")

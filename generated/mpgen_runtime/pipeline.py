@@ -298,12 +298,26 @@ class Pipelined:
         # ReduceLROnPlateau would be stepped with a loss every rank would need.
         plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
         for k, module in modules.items():
+            if not trains(module):  # a stage of activations only: nothing to step
+                continue
             optimizer = training.optimizer(module, args)
             scheduler = None
             if training.scheduler is not None:
                 scheduler = training.scheduler(optimizer, args, self.last)
             self.optimizers[k] = optimizer
             self.schedulers[k] = None if isinstance(scheduler, plateau) else scheduler
+        # The lr the log shows, where this rank's stages have no parameters:
+        # the schedule's, on an optimizer of its own.
+        self.clock = None
+        if not self.optimizers:
+            dummy = [nn.Parameter(torch.zeros(()))]
+            clock = torch.optim.SGD(dummy, lr=args.lr)
+            made = (
+                training.scheduler(clock, args, self.last)
+                if training.scheduler
+                else None
+            )
+            self.clock = (clock, None if isinstance(made, plateau) else made)
         counts = {len(o.param_groups) for o in self.optimizers.values()}
         if stages.ties and counts == {2}:  # no_decay's (optim.param_groups)
             follow_owners(self.groups, modules, self.optimizers, device)
@@ -341,9 +355,10 @@ class Pipelined:
         return int(high.item())
 
     def replicate(self, module: nn.Module) -> nn.Module:
-        """A stage's module as the schedule runs it: itself with one replica;
-        else synchronising its gradients over its replicas (--dp-mode)."""
-        if self.args.dp == 1:
+        """A stage's module as the schedule runs it: itself with one replica
+        (or no parameters); else synchronising its gradients over its
+        replicas (--dp-mode)."""
+        if self.args.dp == 1 or not trains(module):
             return module
         if self.args.dp_mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -388,7 +403,11 @@ class Pipelined:
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         model, optim, owned = {}, {}, {}
         for k in self.mine:
+            if not self.modules[k].state_dict():  # activations only: nothing to save
+                continue
             model.update(get_model_state_dict(self.wrapped[k]))
+            if k not in self.optimizers:
+                continue
             found = get_optimizer_state_dict(
                 self.wrapped[k], self.optimizers[k], options=options
             )
@@ -448,10 +467,15 @@ class Pipelined:
 
         for k in self.mine:
             module = self.wrapped[k]
+            if not self.modules[k].state_dict():
+                continue
             keys = get_keys(module)
             set_model_state_dict(module, {key: state["model"][key] for key in keys})
-            mine = {key: state["optim"][key] for key in owned[k]}
-            set_optimizer_state_dict(module, self.optimizers[k], mine, options=options)
+            if k in self.optimizers:
+                mine = {key: state["optim"][key] for key in owned[k]}
+                set_optimizer_state_dict(
+                    module, self.optimizers[k], mine, options=options
+                )
         if same:
             checkpoint.set_rng_states(state["rng"][f"rank_{self.grid.rank}"])
         if self.logs:
@@ -477,8 +501,8 @@ class Pipelined:
             warnings.simplefilter(
                 "ignore"
             )  # "lr_scheduler.step() before optimizer.step()"
-            for scheduler in self.schedulers.values():
-                for _ in range(done if scheduler is not None else 0):
+            for scheduler in self.all_schedulers():
+                for _ in range(done):
                     scheduler.step()
 
     def save(self, done: int) -> None:
@@ -722,15 +746,25 @@ class Pipelined:
         }
 
     def lr(self) -> float:
-        return next(iter(self.optimizers.values())).param_groups[0]["lr"]
+        optimizer = next(iter(self.optimizers.values()), None) or self.clock[0]
+        return optimizer.param_groups[0]["lr"]
 
     def stepped(self, loss: torch.Tensor, eval_loss: float | None) -> None:
-        for scheduler in self.schedulers.values():
-            if scheduler is not None:
-                scheduler.step()
+        for scheduler in self.all_schedulers():
+            scheduler.step()
+
+    def all_schedulers(self) -> list:
+        """The stages' learning-rate schedules, and the log's where it has one."""
+        found = [s for s in self.schedulers.values() if s is not None]
+        return found + ([self.clock[1]] if self.clock and self.clock[1] else [])
 
     def stop(self, message: str) -> None:
         stop(message)
+
+
+def trains(module: nn.Module) -> bool:
+    """Whether a stage has parameters to train."""
+    return any(p.requires_grad for p in module.parameters())
 
 
 def get_keys(module: nn.Module) -> list[str]:

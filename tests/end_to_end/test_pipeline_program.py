@@ -588,3 +588,47 @@ def test_the_committed_cuda_build_on_a_cpu_machine_says_how_to_rebuild():
     assert run.stderr == ("pp_simple_model.py was built for CUDA devices, and local rank 0 has "
                           "none (this machine has 0). Rebuild it for this machine: mpgen build "
                           "examples/seed.yaml --device-map cpu\n")
+
+
+ACTIVATION_STAGE = """
+mpgen: 1
+name: ActivationStage
+
+inputs:
+  x: [batch, 8]
+
+layers:
+  l1: {op: Linear, args: [8, 16]}
+  act: {op: Tanh}
+  l2: {op: Linear, args: [16, 4]}
+
+placement:
+  l1: cuda:0
+  act: cuda:1
+  l2: cuda:2
+
+train:
+  loss: MSELoss
+  optimizer: {op: Adam, lr: 0.01}
+  batch_size: 8
+"""
+
+
+def test_a_stage_without_parameters_trains_saves_and_resumes_under_the_mesh(tmp_path):
+    # The middle stage has nothing to replicate, optimize or save.
+    build_to(write_spec(tmp_path, ACTIVATION_STAGE), tmp_path, CPU)
+    torch.manual_seed(0)
+    model = import_generated(tmp_path / "activation_stage.py").ActivationStage()
+    torch.save(model.state_dict(), tmp_path / "init.pt")
+    single = subprocess.run(
+        [sys.executable, "train_activation_stage.py", "--steps", "5", "--init", "init.pt",
+         "--log-dir", "single"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    first = torchrun(6, tmp_path / "pp_activation_stage.py", "--dp", "2", "--steps", "3",
+                     "--init", "init.pt", "--checkpoint", "ck")
+    assert first.returncode == 0, first.stderr[-3000:]
+    rest = torchrun(3, tmp_path / "pp_activation_stage.py", "--steps", "5", "--checkpoint", "ck",
+                    "--resume")
+    assert rest.returncode == 0, rest.stderr[-3000:]
+    assert losses(tmp_path / "ck" / "log.csv") == pytest.approx(
+        losses(tmp_path / "single" / "log.csv"), rel=1e-5)

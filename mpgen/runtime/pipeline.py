@@ -346,6 +346,12 @@ class Pipelined:
                 f"{int(low.item())} and {int(high.item())}; -1: none): --checkpoint needs a folder every node shares"
             )
         if high.item() < 0:
+            if any(pathlib.Path(args.checkpoint).glob("stage_*.pt")):
+                stop(
+                    f"--resume: {args.checkpoint} holds stage_K.pt files of an older pp_<name>.py, "
+                    "which this one does not read: write one state dict with that program's --merge, "
+                    "then start from it with --init"
+                )
             if dist.get_rank() == 0:
                 print(
                     f"--resume: no complete checkpoint in {args.checkpoint}; starting at step 0"

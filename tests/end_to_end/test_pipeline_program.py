@@ -135,6 +135,32 @@ def test_losses_equal_the_single_process_script(pipe, schedule, ranks):
     assert not torch.equal(state["l3.weight"], torch.load(pipe / "init.pt")["l3.weight"])
 
 
+def test_tied_copies_stay_tied_over_replicas(pipe):
+    # 4 stages interleaved on 2 ranks, x 2 replicas (FSDP shards the copies alike).
+    run = torchrun(4, pipe / "pp_pipe_net.py", "--schedule", "interleaved", "--dp", "2",
+                   "--steps", "3", "--batch-size", "8", "--microbatches", "2", "--data", "data.pt",
+                   "--init", "init.pt", "--checkpoint", "tied_dp")
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected = losses(pipe / "single" / "log.csv")
+    assert losses(pipe / "tied_dp" / "log.csv") == pytest.approx(expected, rel=1e-5, abs=1e-7)
+    done = subprocess.run([sys.executable, "pp_pipe_net.py", "--merge", "tied_dp", "tied_dp.pt"],
+                          cwd=pipe, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    state = torch.load(pipe / "tied_dp.pt", weights_only=True)
+    assert torch.equal(state["l3.weight"], state["l4.weight"])
+    single = torch.load(pipe / "single" / "last.pt", weights_only=True)["model"]
+    torch.testing.assert_close(state["l3.weight"], single["l3.weight"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_checkpoint_of_another_model_is_one_line(pipe, padded):
+    run = torchrun(2, padded / "pp_padded_lm.py", "--steps", "1", *PADDED, "--checkpoint",
+                   str(pipe / "tied_dp"), "--resume")
+    assert run.returncode != 0
+    assert re.search(r"--resume: \S+step_3 is not a checkpoint of this model and optimizer: "
+                     r"\d+ missing \(\S+", run.stderr), run.stderr[-3000:]
+    assert "[rank0]: Traceback" not in run.stderr  # a worker's (torchrun's own follows)
+
+
 def test_bf16_autocast_crosses_stages_in_the_models_dtype(pipe):
     # Under autocast the stages compute in bfloat16 and send what the next stage
     # expects (float32, the model's dtype): losses as the single-process script's

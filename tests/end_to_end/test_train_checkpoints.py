@@ -162,11 +162,11 @@ def test_ctrl_c_finishes_the_step_saves_and_exits(simple, tmp_path):
     finally:
         process.kill()
     assert process.returncode == 1
-    # The last step line, read here or by communicate() (interrupted after step 1: the first).
-    steps = [l for l in [first, *out.splitlines()] if l.startswith("step ")]
-    step = int(steps[-1].split()[1].split("/")[0])
+    # The summary still comes, with the steps done (step lines after the first
+    # may sit in readline()'s buffer, which communicate() does not read).
+    step = int(re.search(r"^trained (\d+) steps in ", out, re.MULTILINE).group(1))
+    assert step >= 1
     assert err == f"interrupted after step {step}; saved {folder}/last.pt\n"
-    assert f"trained {step} steps in " in out  # the summary still comes
     assert load(folder / "last.pt")["step"] == step
 
 

@@ -27,13 +27,10 @@ script.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import itertools
 import pathlib
-import signal
 import sys
-import time
 import warnings
 from datetime import timedelta
 from os import environ
@@ -45,7 +42,7 @@ from torch.distributed import pipelining
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from . import checkpoint, flags, mesh, sharded, timeline
+from . import checkpoint, flags, launch, mesh, normalise, sharded, timeline
 from .data import batches, epoch_batches, one_line, share, split_data, training_data
 from .loop import autocast, last_step, run, tokens_per_sample
 from .mesh import stop
@@ -195,50 +192,6 @@ def grad_norm(stages: Stages, modules: dict, group, device) -> torch.Tensor:
     return squares.sqrt()
 
 
-class TokenMean(nn.Module):
-    """A loss that is a mean over the targets it counts (CrossEntropyLoss,
-    NLLLoss: those not ``ignore_index``, by class weight), as its sum over a
-    micro-batch divided by ``share``: the whole batch's count over the
-    micro-batches of every replica (NOTE [Micro-batch losses])."""
-
-    def __init__(self, fn: nn.Module) -> None:
-        super().__init__()
-        self.mean, self.sum = fn, copy.copy(fn)
-        self.sum.reduction = "sum"
-        self.share = torch.ones(())
-
-    @staticmethod
-    def applies(fn) -> bool:
-        return getattr(fn, "reduction", None) == "mean" and hasattr(fn, "ignore_index")
-
-    def count(self, target: torch.Tensor) -> torch.Tensor:
-        if target.is_floating_point():  # class probabilities: a plain mean
-            return torch.zeros((), dtype=torch.float64)
-        counted = target != self.mean.ignore_index
-        weight = getattr(self.mean, "weight", None)
-        if weight is not None:
-            return weight.to(target.device)[target[counted]].double().sum()
-        return counted.sum().double()
-
-    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if target.is_floating_point():
-            return self.mean(input, target)
-        return self.sum(input, target) / self.share.to(input.device)
-
-
-class Counting:
-    """Stands in for a stage's loss function to count its targets: the stage
-    loss run on the meta device's outputs with a micro-batch's real targets."""
-
-    def __init__(self, fn, totals: list, k: int) -> None:
-        self.fn, self.totals, self.k = fn, totals, k
-
-    def __call__(self, input, target, *rest, **kwargs) -> torch.Tensor:
-        if isinstance(self.fn, TokenMean):
-            self.totals[self.k] += self.fn.count(target).cpu()
-        return torch.zeros(())
-
-
 class Pipelined:
     """This rank's stages of the model: a step is --accumulate runs of the
     schedule (forward and backward of every micro-batch of this replica's
@@ -322,9 +275,12 @@ class Pipelined:
         if stages.ties and counts == {2}:  # no_decay's (optim.param_groups)
             follow_owners(self.groups, modules, self.optimizers, device)
         self.loss_fns = tuple(
-            TokenMean(fn) if TokenMean.applies(fn) else fn for fn in training.losses()
+            normalise.TokenMean(fn) if normalise.TokenMean.applies(fn) else fn
+            for fn in training.losses()
         )
-        self.normalises = any(isinstance(fn, TokenMean) for fn in self.loss_fns)
+        self.normalises = any(
+            isinstance(fn, normalise.TokenMean) for fn in self.loss_fns
+        )
         # The batch's targets, on this device: the stage loss picks each micro-batch's.
         self.current = [()]
         # The ranks whose gradients make up one replica's: its pipeline; FSDP shards them.
@@ -620,21 +576,19 @@ class Pipelined:
         return stream
 
     def normalise(self, targets: tuple) -> None:
-        """Before a batch: each TokenMean's share of the whole batch's count
-        of targets (the last stages count theirs, then sum over the replicas)."""
-        totals = [torch.zeros((), dtype=torch.float64) for _ in self.loss_fns]
-        counting = tuple(Counting(fn, totals, k) for k, fn in enumerate(self.loss_fns))
-        chunk = self.part // self.args.microbatches
-        for j in range(self.args.microbatches):
-            index = torch.arange(j * chunk, (j + 1) * chunk)
-            self.stages.loss(self.outputs, index, targets, counting, 1)
-        total = torch.stack(totals).to(self.device)
-        if self.args.dp > 1:
-            dist.all_reduce(total, group=self.grid.dp_group)
-        micro = self.args.microbatches * self.args.dp
-        for fn, count in zip(self.loss_fns, total):
-            if isinstance(fn, TokenMean):
-                fn.share = (count / micro).float()
+        """Before a batch: each TokenMean's share of the whole batch's count."""
+        group = self.grid.dp_group if self.args.dp > 1 else None
+        normalise.shares(
+            self.stages.loss,
+            self.outputs,
+            targets,
+            self.loss_fns,
+            self.part,
+            self.args.microbatches,
+            self.args.dp,
+            group,
+            self.device,
+        )
 
     def run_batch(self, stream, losses: list, backward: bool = True) -> None:
         """One batch through the schedule (forward only: evaluation)."""
@@ -779,56 +733,12 @@ def get_keys(module: nn.Module) -> list[str]:
     return list(get_model_state_dict(module))
 
 
-def merge(stages: Stages, folder: str, out: str) -> None:
-    """Write one state dict of the model from the newest complete checkpoint
-    in FOLDER (it loads with strict=True)."""
-    if pathlib.Path(out).is_dir():
-        sys.exit(f"--merge: {out} is a folder; give the file to write")
-    found = sharded.complete(folder)
-    if not found:
-        sys.exit(
-            f"--merge: no complete checkpoint in {folder} (a step_N folder with its {sharded.MARKER} marker)"
-        )
-    path = sharded.folder(folder, found[-1])
-    try:
-        state = sharded.model_state(path)
-    except Exception as error:  # not a checkpoint of this program
-        sys.exit(f"--merge: cannot read {path} ({one_line(error)})")
-    with torch.device("meta"):
-        keys = {key for stage in stages.stages for key in stage().state_dict()}
-    if set(state) != keys:
-        sys.exit(f"--merge: {path} is not a checkpoint of {stages.training.name}")
-    try:
-        checkpoint.save(state, pathlib.Path(out))
-    except OSError as error:
-        sys.exit(f"--merge: cannot write {out} ({error})")
-    print(f"merged {path} (step {found[-1]}) into {out} ({len(state)} tensors)")
-
-
-def check_devices(stages: Stages) -> torch.device:
-    """This rank's device: cuda:LOCAL_RANK for a CUDA build (stopping with
-    the rebuild hint where this machine has too few), else the CPU."""
-    if stages.training.device_type != "cuda":
-        return torch.device("cpu")
-    local, count = int(environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
-    if local >= count:
-        training = stages.training
-        stop(
-            f"{stages.script} was built for CUDA devices, and local rank {local} has none "
-            f"(this machine has {count}). Rebuild it for this machine: mpgen build {training.spec} "
-            f"--device-map {'cpu' if not count else ','.join(f'{d}=cuda:{k % count}' for k, d in enumerate(training.devices))}"
-        )
-    device = torch.device("cuda", local)
-    torch.cuda.set_device(device)
-    return device
-
-
 def train(stages: Stages, argv: list[str] | None = None) -> None:
     """``pp_<name>.py``: parse the flags, start the process groups, train."""
     parser = flags.parser(stages.training, stages)
     args = parser.parse_args(argv)
     if args.merge:
-        merge(stages, *args.merge)
+        sharded.merge(stages, *args.merge)
         return
     flags.check(parser, args)
     ranks = mesh.stage_ranks(stages, args.schedule)
@@ -866,25 +776,24 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
             f"--microbatches {args.microbatches} must divide a replica's {part} samples of --batch-size "
             f"{args.batch_size} (the stages exchange equal micro-batches)"
         )
-    device = check_devices(
-        stages
-    )  # before torchrun: no GPUs here is the first thing to fix
-    launch = f"torchrun --nproc-per-node {world} {stages.script} ..."
+    # Before torchrun: no GPUs here is the first thing to fix.
+    device = launch.check_devices(stages)
+    command = f"torchrun --nproc-per-node {world} {stages.script} ..."
     if "RANK" not in environ:
-        stop(f"run it under torchrun: {launch}")
+        stop(f"run it under torchrun: {command}")
     if int(environ["WORLD_SIZE"]) != world:
         replicas = f" x --dp {args.dp} replicas" if args.dp > 1 else ""
         stop(
             f"--schedule {args.schedule} runs {len(stages.stages)} stages on {pp} ranks{replicas} = {world}, "
-            f"but torchrun started {environ['WORLD_SIZE']}: {launch}"
+            f"but torchrun started {environ['WORLD_SIZE']}: {command}"
         )
     backend = "nccl" if device.type == "cuda" else "gloo"
     wait = timedelta(seconds=args.timeout)
-    dist.init_process_group(backend, timeout=wait, **attempt_store(wait))
+    dist.init_process_group(backend, timeout=wait, **launch.attempt_store(wait))
     try:
         grid = mesh.make(stages, ranks, args.dp, device.type, args.timeout)
         if args.checkpoint:
-            prepare(args.checkpoint)
+            launch.prepare(args.checkpoint)
         engine = Pipelined(stages, args, grid, device)
         try:
             run(
@@ -896,74 +805,7 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
                 evaluates=bool(args.eval_data or args.eval_split or args.eval_every),
             )
         except (RuntimeError, dist.DistBackendError) as error:
-            lost(grid, error)
+            launch.lost(grid, error)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def attempt_store(wait: timedelta) -> dict:
-    """The store of this attempt, where torchrun's agent shares its own with
-    the workers: keys under the restart count, so that workers restarted by
-    --max-restarts do not read the addresses the killed ones left there
-    (pytorch/pytorch#135712: init_process_group then connects to them and
-    fails). Elsewhere: none, init_process_group's own."""
-    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return {}
-    shared = dist.TCPStore(
-        environ["MASTER_ADDR"],
-        int(environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=wait,
-    )
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"mpgen/attempt_{attempt}", shared)
-    return {
-        "store": store,
-        "rank": int(environ["RANK"]),
-        "world_size": int(environ["WORLD_SIZE"]),
-    }
-
-
-def prepare(folder: str) -> None:
-    """Before anything is saved: check every rank sees --checkpoint's folder,
-    and remove what killed saves left there (NOTE [Coordinated checkpoints])."""
-    if not sharded.check_shared(folder):
-        stop(
-            f"--checkpoint {folder}: some ranks do not see rank 0's files there; a pipeline's "
-            "checkpoints need a folder every node shares"
-        )
-    if dist.get_rank() == 0:
-        for path in sharded.leftovers(folder):
-            sharded.remove(path)
-            print(f"removed {path}, left by a save that did not finish")
-    dist.barrier()
-
-
-def lost(grid: mesh.Mesh, error: BaseException, wait: float = 3.0) -> None:
-    """A collective or a send failed: another rank stopped, or hangs past
-    --timeout. Every rank that is still running says so in the job's store
-    (torchrun's, which outlives its workers) and names the ranks that did
-    not, in one line."""
-    text = one_line(error)
-    words = ("connection", "timed out", "timeout", "closed", "peer", "gloo", "nccl")
-    if not any(word in text.lower() for word in words):
-        raise error
-    gone = ""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"mpgen/running/{grid.rank}", "1")
-        world = dist.get_world_size()
-        keys = [f"mpgen/running/{r}" for r in range(world)]
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not store.check(keys):
-            time.sleep(0.1)
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        if missing:
-            gone = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} stopped or hung; "
-    except Exception:  # the store went with the job: name no rank
-        pass
-    sys.exit(
-        f"{grid.where()}: {gone or 'another rank stopped or hung; '}lost contact ({text[:160]}); "
-        "relaunch with --resume to continue from the last complete checkpoint"
-    )

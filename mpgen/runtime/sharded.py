@@ -24,11 +24,15 @@ import os
 import pathlib
 import re
 import shutil
+import sys
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+
+from .checkpoint import save as save_file
+from .data import one_line
 
 MARKER = "COMPLETE"
 STEP = re.compile(r"step_(\d+)")
@@ -143,3 +147,29 @@ def model_state(path: pathlib.Path) -> dict:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load({"model": found}, checkpoint_id=path)
     return found
+
+
+def merge(stages, where: str, out: str) -> None:
+    """Write one state dict of the model from the newest complete checkpoint
+    in ``where`` (it loads with strict=True)."""
+    if pathlib.Path(out).is_dir():
+        sys.exit(f"--merge: {out} is a folder; give the file to write")
+    found = complete(where)
+    if not found:
+        sys.exit(
+            f"--merge: no complete checkpoint in {where} (a step_N folder with its {MARKER} marker)"
+        )
+    path = folder(where, found[-1])
+    try:
+        state = model_state(path)
+    except Exception as error:  # not a checkpoint of this program
+        sys.exit(f"--merge: cannot read {path} ({one_line(error)})")
+    with torch.device("meta"):
+        keys = {key for stage in stages.stages for key in stage().state_dict()}
+    if set(state) != keys:
+        sys.exit(f"--merge: {path} is not a checkpoint of {stages.training.name}")
+    try:
+        save_file(state, pathlib.Path(out))
+    except OSError as error:
+        sys.exit(f"--merge: cannot write {out} ({error})")
+    print(f"merged {path} (step {found[-1]}) into {out} ({len(state)} tensors)")

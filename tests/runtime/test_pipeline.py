@@ -52,9 +52,9 @@ def test_merge_writes_one_state_dict_the_model_loads_strictly(tmp_path, capsys):
     model = {**STAGES.stages[0]().state_dict(), **STAGES.stages[1]().state_dict()}
     dcp.save({"model": model}, checkpoint_id=tmp_path / "step_3")
     with pytest.raises(SystemExit, match="no complete checkpoint"):  # no marker: incomplete
-        pipeline.merge(STAGES, str(tmp_path), str(tmp_path / "model.pt"))
+        sharded.merge(STAGES, str(tmp_path), str(tmp_path / "model.pt"))
     (tmp_path / "step_3" / sharded.MARKER).write_text("step 3\n")
-    pipeline.merge(STAGES, str(tmp_path), str(tmp_path / "model.pt"))
+    sharded.merge(STAGES, str(tmp_path), str(tmp_path / "model.pt"))
     assert "(step 3) into" in capsys.readouterr().out
     Tiny().load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))  # strict
 
@@ -116,7 +116,7 @@ def test_two_ranks_train_as_the_single_process_loop_does(single, tmp_path):
             "--init", str(single / "init.safetensors"), "--checkpoint", str(tmp_path / "stages")]
     _spawn(2, argv)
     assert _losses(tmp_path / "pp") == pytest.approx(_losses(single), rel=1e-5)
-    pipeline.merge(STAGES, str(tmp_path / "stages"), str(tmp_path / "merged.pt"))
+    sharded.merge(STAGES, str(tmp_path / "stages"), str(tmp_path / "merged.pt"))
     merged = torch.load(tmp_path / "merged.pt", weights_only=True)
     trained = torch.load(single / "last.pt", weights_only=True)["model"]
     for key, value in trained.items():

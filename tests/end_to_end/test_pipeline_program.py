@@ -512,9 +512,16 @@ def test_resume_without_a_checkpoint_starts_fresh(padded):
 
 
 def _workers(parent: int) -> list[int]:
-    """The pids of torchrun's worker processes (its children's)."""
-    found = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True)
-    return [int(pid) for pid in found.stdout.split()]
+    """The pids of torchrun's worker processes (its children), from /proc."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended
+            continue
+        if int(fields[1]) == parent and fields[0] != "Z":  # ppid; not a zombie
+            found.append(int(stat.parent.name))
+    return sorted(found)
 
 
 def _rank_of(pid: int) -> int:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from . import mesh, sharded
 from .data import one_line
+from .loop import device_map
 from .mesh import stop
 from .spec import Stages
 
@@ -30,7 +31,7 @@ def check_devices(stages: Stages) -> torch.device:
         stop(
             f"{stages.script} was built for CUDA devices, and local rank {local} has none "
             f"(this machine has {count}). Rebuild it for this machine: mpgen build {training.spec} "
-            f"--device-map {'cpu' if not count else ','.join(f'{d}=cuda:{k % count}' for k, d in enumerate(training.devices))}"
+            f"--device-map {device_map(training.devices, count)}"
         )
     device = torch.device("cuda", local)
     torch.cuda.set_device(device)

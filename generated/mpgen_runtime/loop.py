@@ -50,6 +50,14 @@ def tokens_per_sample(training: Training, batch: tuple) -> int | None:
     return None
 
 
+def device_map(devices: list, count: int) -> str:
+    """The --device-map of the rebuild hint: ``devices`` onto this machine's
+    ``count`` GPUs in turn, or all onto the CPU where it has none."""
+    if not count:
+        return "cpu"
+    return ",".join(f"{d}=cuda:{k % count}" for k, d in enumerate(devices))
+
+
 def check_devices(training: Training) -> None:
     """Stop, naming it, when a device the model is placed on is missing here."""
     count = torch.cuda.device_count()
@@ -59,12 +67,7 @@ def check_devices(training: Training) -> None:
         if d.startswith("cuda") and torch.device(d).index >= count
     ]
     if missing:
-        have = [f"cuda:{k}" for k in range(count)] or ["cpu"]
-        mapping = (
-            ",".join(f"{d}={have[k % len(have)]}" for k, d in enumerate(missing))
-            if count
-            else "cpu"
-        )
+        mapping = device_map(missing, count)
         sys.exit(
             f"{training.name} is placed on {', '.join(missing)}, but this machine has "
             f"{count} CUDA device(s). Rebuild it for this machine: mpgen build {training.spec} "

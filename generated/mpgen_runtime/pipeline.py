@@ -39,6 +39,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
@@ -47,6 +54,10 @@ from .data import batches, epoch_batches, one_line, share, split_data, training_
 from .loop import autocast, last_step, run, tokens_per_sample
 from .mesh import stop
 from .spec import Stages
+
+#: A checkpoint's optimizer state: flat, keyed by the parameters' state-dict
+#: keys, so the stages' parts merge into one dict (NOTE [Coordinated checkpoints]).
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class Elsewhere(nn.Module):
@@ -355,26 +366,21 @@ class Pipelined:
 
     def state(self) -> tuple[dict, dict]:
         """What a checkpoint holds, keyed by the model's state-dict keys, and
-        each stage's keys of the optimizer's flattened state."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_model_state_dict,
-            get_optimizer_state_dict,
-        )
-
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        each stage's keys in it: of the model, of the optimizer's flattened state."""
         model, optim, owned = {}, {}, {}
         for k in self.mine:
             if not self.modules[k].state_dict():  # activations only: nothing to save
                 continue
-            model.update(get_model_state_dict(self.wrapped[k]))
+            found = get_model_state_dict(self.wrapped[k])
+            model.update(found)
+            owned[k] = (list(found), [])
             if k not in self.optimizers:
                 continue
             found = get_optimizer_state_dict(
-                self.wrapped[k], self.optimizers[k], options=options
+                self.wrapped[k], self.optimizers[k], options=FLAT
             )
             optim.update(found)
-            owned[k] = list(found)
+            owned[k][1].extend(found)
         grid = self.grid
         layout = f"{len(self.stages.stages)} stages on pipeline ranks {grid.ranks} x {grid.dp} replicas"
         state = {"model": model, "optim": optim, "layout": layout}
@@ -385,11 +391,6 @@ class Pipelined:
     def resume(self) -> int:
         if self.resumed is None:
             return 0
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
-
         done, path = self.resumed, sharded.folder(self.args.checkpoint, self.resumed)
         # The schedule's lr at step done, before the optimizer's state (it keeps that lr).
         self.fast_forward(done)
@@ -424,20 +425,14 @@ class Pipelined:
             stop(
                 f"--resume: {path} holds stages at different steps ({steps}); it is not whole"
             )
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        for k in self.mine:
+        for k, (model_keys, optim_keys) in owned.items():
             module = self.wrapped[k]
-            if not self.modules[k].state_dict():
-                continue
-            keys = get_keys(module)
-            set_model_state_dict(module, {key: state["model"][key] for key in keys})
+            set_model_state_dict(
+                module, {key: state["model"][key] for key in model_keys}
+            )
             if k in self.optimizers:
-                mine = {key: state["optim"][key] for key in owned[k]}
-                set_optimizer_state_dict(
-                    module, self.optimizers[k], mine, options=options
-                )
+                mine = {key: state["optim"][key] for key in optim_keys}
+                set_optimizer_state_dict(module, self.optimizers[k], mine, options=FLAT)
         if same:
             checkpoint.set_rng_states(state["rng"][f"rank_{self.grid.rank}"])
         if self.logs:
@@ -725,12 +720,6 @@ class Pipelined:
 def trains(module: nn.Module) -> bool:
     """Whether a stage has parameters to train."""
     return any(p.requires_grad for p in module.parameters())
-
-
-def get_keys(module: nn.Module) -> list[str]:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    return list(get_model_state_dict(module))
 
 
 def train(stages: Stages, argv: list[str] | None = None) -> None:

@@ -225,12 +225,17 @@ def _import_command(sub) -> None:
     cmd.set_defaults(device_map=None, root=None)
 
 
+#: The most GPUs ``mpgen import --devices`` spreads layers over (each a line of the spec).
+MAX_IMPORT_DEVICES = 4096
+
+
 def _import(args: argparse.Namespace) -> int:
     from mpgen.commands import importer
 
     inputs = [importer.parse_input(text) for text in args.input]
-    if args.devices is not None and args.devices < 1:
-        raise MpgenError(None, f"--devices {args.devices}: expected a number of GPUs >= 1")
+    if args.devices is not None and not 1 <= args.devices <= MAX_IMPORT_DEVICES:
+        raise MpgenError(None, f"--devices {args.devices}: expected a number of GPUs from 1 "
+                               f"to {MAX_IMPORT_DEVICES}")
     root = importer.load_module(args.target, args.args, args.config)
     tracer = args.trace or importer.default_tracer(args.target)
     command = ["mpgen", "import", args.target]

@@ -21,6 +21,15 @@ SCHEDULES = {
     "dualpipev": "ScheduleDualPipeV",
 }
 
+#: The flags that become a tensor's size or a number of processes, and the
+#: most each may be (a dim's most, as a spec's); the other counts (steps,
+#: epochs, intervals) are int64 in a checkpoint. Past them: one usage line,
+#: never an overflow inside torch.
+SIZES = ("batch_size", "microbatches", "accumulate", "samples", "dp", "workers")
+MOST_SIZE, MOST_COUNT = 2**31 - 1, 2**63 - 1
+#: The longest --timeout, in seconds (a year; longer overflows a timedelta).
+MOST_TIMEOUT = 365 * 24 * 3600.0
+
 #: What --resume says of an --init it does not read.
 NOT_INIT = " (its weights, not --init's)"
 
@@ -165,9 +174,13 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         value = given.get(name)
         if value is not None and value < low:
             refuse(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    if given.get("timeout") is not None and not 0 < given["timeout"] < math.inf:
+        most = MOST_SIZE if name in SIZES else MOST_COUNT
+        if value is not None and value > most:
+            refuse(f"--{name.replace('_', '-')} must be at most {most:,}, got {value:,}")
+    if given.get("timeout") is not None and not 0 < given["timeout"] <= MOST_TIMEOUT:
         refuse(
-            f"--timeout must be a positive number of seconds, got {given['timeout']}"
+            f"--timeout must be a positive number of seconds, at most {MOST_TIMEOUT:.0f}, "
+            f"got {given['timeout']}"
         )
     for name in ("lr", "grad_clip"):
         if not 0 <= given[name] < math.inf:

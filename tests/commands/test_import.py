@@ -19,6 +19,8 @@ import torch
 
 from bench.common import let_torchvision_import
 from helpers import build_to, import_generated, mpgen
+from mpgen.commands.importer.trace import parse_input
+from mpgen.errors import MpgenError
 
 CPU = {"*": "cpu"}
 
@@ -390,3 +392,39 @@ def test_bad_command_lines(project, args, message):
     assert ran.returncode == 2
     assert message in ran.stderr, ran.stderr
     assert "Traceback" not in ran.stderr
+
+
+@pytest.mark.parametrize("text, message", [
+    ("x=" + ",".join(["2"] * 100), "--input 'x=2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,2,"
+     "2,2,2,2,...': 100 dims; an input has at most 16"),
+    ("x=batch,2147483648", "--input 'x=batch,2147483648': the size '2147483648' is larger than "
+     "2,147,483,647, the most a dim may be"),
+    ("x=" + "9" * 5000, "the size '99999999999999999999...' is larger than 2,147,483,647"),
+    ("x=batch,65536,65536", "--input 'x=batch,65536,65536': the sample input holds 8,589,934,592 "
+     "elements (symbolic dims at 2 for batch, 16 for others); the trace allows at most "
+     "268,435,456; give smaller sizes or fewer dims"),
+    ("x=batch," + ",".join(["seq"] * 16), "an input has at most 16"),
+    ("x=batch," + ",".join(["seq"] * 14), "the sample input holds 144,115,188,075,855,872"),
+    ("x=batch,²", "'²' is not a size"),
+])
+def test_every_input_size_is_bounded_before_a_tensor_is_made(text, message):
+    # A size from the command line is a tensor's size: past the limits it is
+    # one line, never an overflow in torch (Storage size calculation overflowed).
+    with pytest.raises(MpgenError) as refused:
+        parse_input(text)
+    assert message in refused.value.message
+
+
+def test_an_input_of_a_hundred_dims_is_one_line(project):
+    ran = mpgen("import", "importmodels:MLP", "--input", "x=" + ",".join(["2"] * 100),
+                cwd=project)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr
+    assert ran.stderr.count("\n") == 1 and "100 dims; an input has at most 16" in ran.stderr
+
+
+def test_devices_is_bounded_in_one_line(project):
+    ran = mpgen("import", "importmodels:MLP", "--input", "x=batch,8", "--devices", "10" * 9,
+                cwd=project)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr
+    assert ran.stderr == ("--devices 101010101010101010: expected a number of GPUs "
+                          "from 1 to 4096\n")

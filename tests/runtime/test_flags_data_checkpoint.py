@@ -51,6 +51,26 @@ def test_arguments_the_run_cannot_use_stop_in_one_usage_line(argv, message, caps
     assert capsys.readouterr().err == f"{parser.prog}: error: {message}\n"
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", str(2**31)], "--batch-size must be at most 2,147,483,647, got 2,147,483,648"),
+    (["--samples", "9" * 30], "--samples must be at most 2,147,483,647, got 999,999"),
+    (["--microbatches", str(2**40)], "--microbatches must be at most 2,147,483,647"),
+    (["--dp", str(2**31)], "--dp must be at most 2,147,483,647"),
+    (["--accumulate", str(2**31)], "--accumulate must be at most 2,147,483,647"),
+    (["--steps", str(2**63)], "--steps must be at most 9,223,372,036,854,775,807"),
+    (["--timeout", "1e300"], "--timeout must be a positive number of seconds, at most 31536000"),
+])
+def test_every_size_from_the_command_line_is_bounded_in_one_line(argv, message, capsys):
+    # A size becomes a tensor's (a batch, the synthetic dataset): past a dim's
+    # most it is a usage line, never an overflow inside torch.
+    parser = flags.parser(TRAINING, STAGES)
+    with pytest.raises(SystemExit) as stop:
+        flags.check(parser, parser.parse_args(argv))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{parser.prog}: error: {message}") and err.count("\n") == 1, err
+
+
 def test_a_synthetic_sample_is_a_function_of_the_seed_and_its_index():
     one, other = data.SyntheticData(TRAINING, 8, seed=3), data.SyntheticData(TRAINING, 8, seed=3)
     assert all(torch.equal(a, b) for a, b in zip(one[5], other[5]))

@@ -9,6 +9,7 @@ import importlib
 import inspect
 import json
 import linecache
+import math
 import re
 import sys
 import traceback
@@ -20,11 +21,17 @@ import torch
 import torch.fx as fx
 from torch import nn
 
+from mpgen.compiler.frontend.limits import MAX_RANK
 from mpgen.errors import MpgenError, Position, did_you_mean
-from mpgen.spec_schema.models import DTYPES  # the input dtypes of the spec language
+from mpgen.spec_schema.models import DTYPES, MAX_DIM  # the input dtypes of the spec language
 
 #: Sizes of symbolic dims in the sample run that tells tensors from sizes.
 SAMPLE_BATCH, SAMPLE_DIM = 2, 16
+#: Elements of one sample input (symbolic dims at their sample sizes): the
+#: trace runs the model on real tensors of these sizes, so this is memory
+#: allocated now (1 GiB of float32), well below what the spec's limits allow
+#: at the training sizes (``limits.MAX_ELEMENTS``).
+MAX_SAMPLE_ELEMENTS = 1 << 28
 
 
 # -- the command line's values -------------------------------------------------
@@ -37,9 +44,13 @@ class InputSpec:
     dims: tuple[Union[int, str], ...]
     dtype: str = "float32"
 
+    def sample_sizes(self) -> list[int]:
+        """The sizes of the sample run: symbolic dims at their sample sizes."""
+        return [d if isinstance(d, int) else SAMPLE_BATCH if d == "batch" else SAMPLE_DIM
+                for d in self.dims]
+
     def sample(self) -> torch.Tensor:
-        sizes = [d if isinstance(d, int) else SAMPLE_BATCH if d == "batch" else SAMPLE_DIM
-                 for d in self.dims]
+        sizes = self.sample_sizes()
         dtype = getattr(torch, self.dtype)
         if dtype.is_floating_point:
             return torch.randn(sizes, generator=torch.Generator().manual_seed(0)).to(dtype)
@@ -54,9 +65,17 @@ def parse_input(text: str) -> InputSpec:
     if not eq or not name.isidentifier() or not shape:
         raise MpgenError(None, usage)
     dims: list[Union[int, str]] = []
-    for part in shape.split(","):
+    parts = shape.split(",")
+    if len(parts) > MAX_RANK:  # every CLI size is bounded before a tensor is made
+        raise MpgenError(None, f"--input {_short(text)}: {len(parts)} dims; an input has at "
+                               f"most {MAX_RANK}")
+    for part in parts:
         part = part.strip()
-        if part.isdigit() and int(part) >= 1:
+        number = part.isascii() and part.isdigit()  # not "²", which int() refuses
+        if number and (len(part) > 12 or int(part) > MAX_DIM):
+            raise MpgenError(None, f"--input {_short(text)}: the size {_short(part, 20)} is "
+                                   f"larger than {MAX_DIM:,}, the most a dim may be")
+        if number and int(part) >= 1:
             dims.append(int(part))
         elif part.isidentifier():
             dims.append(part)
@@ -66,7 +85,19 @@ def parse_input(text: str) -> InputSpec:
     if colon and dtype not in DTYPES:
         raise MpgenError(None, f"--input {text!r}: unknown dtype {dtype!r}"
                                f"{did_you_mean(dtype, DTYPES)}; one of {', '.join(DTYPES)}")
-    return InputSpec(name, tuple(dims), dtype if colon else "float32")
+    found = InputSpec(name, tuple(dims), dtype if colon else "float32")
+    elements = math.prod(found.sample_sizes())
+    if elements > MAX_SAMPLE_ELEMENTS:
+        raise MpgenError(None, f"--input {_short(text)}: the sample input holds {elements:,} "
+                               f"elements (symbolic dims at {SAMPLE_BATCH} for batch, "
+                               f"{SAMPLE_DIM} for others); the trace allows at most "
+                               f"{MAX_SAMPLE_ELEMENTS:,}; give smaller sizes or fewer dims")
+    return found
+
+
+def _short(text: str, most: int = 80) -> str:
+    """``text`` as a message quotes it, cut to about ``most`` characters."""
+    return repr(text if len(text) <= most else text[:most] + "...")
 
 
 def load_module(target: str, args_json: Optional[str] = None,

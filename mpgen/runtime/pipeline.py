@@ -365,7 +365,9 @@ class Pipelined:
 
     def state(self) -> tuple[dict, dict]:
         """What a checkpoint holds, keyed by the model's state-dict keys, and
-        each stage's keys in it: of the model, of the optimizer's flattened state."""
+        each stage's keys in it: of the model, of the optimizer's flattened
+        state. One step counter for the whole checkpoint (written by every
+        rank alike; DCP keeps one copy), whatever the stages."""
         model, optim, owned = {}, {}, {}
         for k in self.mine:
             if not self.modules[k].state_dict():  # activations only: nothing to save
@@ -382,48 +384,44 @@ class Pipelined:
             owned[k][1].extend(found)
         grid = self.grid
         layout = f"{len(self.stages.stages)} stages on pipeline ranks {grid.ranks} x {grid.dp} replicas"
-        state = {"model": model, "optim": optim, "layout": layout}
-        state["step"] = {f"stage_{k}": 0 for k in self.mine}
+        state = {"model": model, "optim": optim, "layout": layout, "step": 0}
         state["rng"] = {f"rank_{grid.rank}": checkpoint.rng_states()}
         return state, owned
 
     def resume(self) -> int:
+        """Load the checkpoint agree_on_checkpoint found into this layout,
+        whatever layout wrote it (NOTE [Coordinated checkpoints]): every rank
+        reads the same metadata, checks it against its own keys, and enters
+        the same collectives (one to agree on what differs, DCP's load)."""
         if self.resumed is None:
             return 0
         done, path = self.resumed, sharded.folder(self.args.checkpoint, self.resumed)
         # The schedule's lr at step done, before the optimizer's state (it keeps that lr).
         self.fast_forward(done)
         state, owned = self.state()
-        saved = sharded.keys(path)
-        missing = [
-            f"{part}.{key}"
-            for part in ("model", "optim")
-            for key in state[part]
-            if f"{part}.{key}" not in saved
-        ]
-        missing += [
-            f"step.stage_{k}" for k in self.mine if f"step.stage_{k}" not in saved
-        ]
-        if missing:
-            stop(
-                f"--resume: {path} is not a checkpoint of this model and optimizer: {len(missing)} "
-                f"missing ({', '.join(missing[:4])}{', ...' * (len(missing) > 4)})"
-            )
-        same = (
-            f"rng.rank_{self.grid.rank}.torch" in saved
-            and self.layout_of(path) == state["layout"]
-        )
+        try:  # the same file on every rank: every rank stops here, or none
+            saved = sharded.keys(path)
+            layout = self.layout_of(path) if "layout" in saved else ""
+        except Exception as error:  # a refused or damaged file
+            stop(f"--resume: cannot read {path} ({one_line(error)})")
+        wrong = self.differences(saved, state)
+        if wrong:
+            stop(f"--resume: {path} does not match this model and optimizer: {wrong}")
+        # The RNG states go back only onto the layout that wrote them.
+        same = layout == state["layout"] and f"rng.rank_{self.grid.rank}.torch" in saved
         if not same:
             del state["rng"]
+        del state["layout"]
+        if "step" not in saved:  # an older checkpoint: a step per stage, all alike
+            state["step"] = {min(sharded.stage_steps(saved))[len("step.") :]: 0}
         try:
             sharded.load(path, state)
-        except Exception as error:  # shapes that do not match
+        except Exception as error:
             stop(f"--resume: cannot load {path} ({one_line(error)})")
-        steps = {k: state["step"][f"stage_{k}"] for k in self.mine}
-        if any(step != done for step in steps.values()):
-            stop(
-                f"--resume: {path} holds stages at different steps ({steps}); it is not whole"
-            )
+        step = state["step"]
+        step = step if isinstance(step, int) else next(iter(step.values()))
+        if step != done:
+            stop(f"--resume: {path} holds step {step}, not {done}; it is not whole")
         for k, (model_keys, optim_keys) in owned.items():
             module = self.wrapped[k]
             set_model_state_dict(
@@ -444,10 +442,58 @@ class Pipelined:
             print(f"resumed from {path} at step {done}{how}{ignored}")
         return done
 
+    def differences(self, saved: dict, state: dict) -> str:
+        """What keeps a checkpoint (``saved``: its keys' metadata) from
+        loading into this layout, in one line ("" when nothing): keys it
+        lacks, keys it holds that the model and optimizer do not, tensors of
+        another shape, no step. A collective: every rank's keys and findings
+        go to every rank, so all of them stop, or none."""
+        missing, shapes = [], []
+        for part in ("model", "optim"):
+            for key, value in state[part].items():
+                meta = saved.get(f"{part}.{key}")
+                if meta is None:
+                    missing.append(f"{part}.{key}")
+                elif isinstance(value, torch.Tensor) and hasattr(meta, "size"):
+                    if tuple(meta.size) != tuple(value.shape):
+                        shapes.append(
+                            f"{part}.{key} {list(meta.size)} there, {list(value.shape)} here"
+                        )
+        if "step" not in saved and not sharded.stage_steps(saved):
+            missing.append("step")
+        mine = (missing, shapes, [f"optim.{key}" for key in state["optim"]])
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        missing = sorted({key for m, _, _ in found for key in m})
+        shapes = sorted({s for _, s, _ in found for s in s})
+        with torch.device("meta"):
+            known = {
+                f"model.{key}"
+                for stage in self.stages.stages
+                for key in stage().state_dict()
+            }
+        known.update(key for _, _, o in found for key in o)
+        unexpected = sorted(
+            key
+            for key in saved
+            if key.startswith(("model.", "optim.")) and key not in known
+        )
+        wrong = [
+            f"{len(keys)} {what} ({', '.join(keys[:4])}{', ...' * (len(keys) > 4)})"
+            for what, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("of another shape", shapes),
+            )
+            if keys
+        ]
+        return "; ".join(wrong)
+
     def layout_of(self, path: pathlib.Path) -> str:
-        """The layout that wrote a checkpoint (a collective)."""
+        """The layout that wrote a checkpoint (read by this rank alone: no
+        collective, so a rank may call it whatever the others do)."""
         found = {"layout": ""}
-        sharded.load(path, found)
+        sharded.load(path, found, no_dist=True)
         return found["layout"]
 
     def fast_forward(self, done: int) -> None:
@@ -465,7 +511,7 @@ class Pipelined:
         if not self.args.checkpoint:
             return
         state, _ = self.state()
-        state["step"] = {key: done for key in state["step"]}
+        state["step"] = done
         try:
             sharded.save(self.args.checkpoint, done, state)
         except OSError as error:

@@ -136,3 +136,23 @@ def test_two_replicas_of_two_stages_train_as_one_process(single, tmp_path, mode)
     expected = _losses(single)
     assert _losses(tmp_path / "a") == pytest.approx(expected[:2], rel=1e-5)
     assert _losses(tmp_path / "b") == pytest.approx(expected[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_a_checkpoint_of_one_replica_resumes_onto_two(single, tmp_path, mode):
+    # The new replica's ranks find no RNG state of theirs in the checkpoint;
+    # every rank still enters the same collectives (it hung until --timeout).
+    argv = ["--batch-size", "8", "--init", str(single / "init.pt"), "--dp-mode", mode,
+            "--checkpoint", str(tmp_path / "ck"), "--timeout", "60"]
+    _spawn(2, ["--steps", "2", "--dp", "1", "--log-dir", str(tmp_path / "a"), *argv])
+    _spawn(4, ["--steps", "4", "--dp", "2", "--resume", "--log-dir", str(tmp_path / "b"),
+               *argv], seconds=120)
+    expected = _losses(single)
+    assert _losses(tmp_path / "a") == pytest.approx(expected[:2], rel=1e-5)
+    assert _losses(tmp_path / "b") == pytest.approx(expected[2:], rel=1e-5)
+    sharded.merge(STAGES, str(tmp_path / "ck"), str(tmp_path / "merged.pt"))
+    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
+    trained = torch.load(single / "last.pt", weights_only=True)["model"]
+    for key, value in trained.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)

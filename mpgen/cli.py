@@ -85,9 +85,11 @@ def _project_commands(sub) -> None:
         "ci-summary", help="the layout changes of a pull request, in Markdown",
         description="Print, as Markdown, the layout changes of the specs that differ between "
                     "the merge base of REV and HEAD and the working tree: mpgen diff "
-                    "BASE:path path for each (docs/ci.md). Without SPECs: the changed "
-                    "*.yaml/*.yml files with a top-level 'mpgen:' key. Exit 2 when a spec "
-                    "does not compile (it is shown with its errors).")
+                    "BASE:path path for each (docs/ci.md). Without SPECs: the files of "
+                    "[tool.mpgen] specs and the *.yaml/*.yml files with a top-level mpgen "
+                    "key, on either side; a change of [tool.mpgen] (device-map) shows the "
+                    "layers it moves. Exit 2 when a spec does not compile (it is shown with "
+                    "its errors).")
     summary.add_argument("--base", required=True, metavar="REV",
                          help="what the pull request merges into, e.g. origin/main")
     summary.add_argument("-o", "--output", metavar="FILE",

@@ -37,6 +37,21 @@ from mpgen.printed import escaped
 from mpgen.spec_schema.load import MAX_BYTES
 
 
+#: git with what a repository's config or tree could change switched off.
+GIT = ("git", "-c", "core.fsmonitor=false", "-c", "core.untrackedCache=false",
+       "-c", "core.attributesFile=/dev/null", "-c", "core.quotePath=false",
+       "-c", "core.hooksPath=/dev/null")
+
+
+def git_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The environment of mpgen's git calls (``ci-summary``'s, ``diff``'s): no system attributes, no
+    external diff, no optional locks (nothing written to the index)."""
+    env = {k: v for k, v in environ.items()
+           if k not in ("GIT_EXTERNAL_DIFF", "GIT_DIFF_OPTS", "GIT_ATTR_SOURCE")}
+    env.update(GIT_ATTR_NOSYSTEM="1", GIT_OPTIONAL_LOCKS="0", GIT_TERMINAL_PROMPT="0")
+    return env
+
+
 @dataclass(frozen=True)
 class Side:
     """One compiled side of a diff."""
@@ -170,6 +185,14 @@ def _commit(rev: str) -> Optional[str]:
     return found.strip() if found else None
 
 
+def load_text(text: str, path: str, label: str,
+              device_map: Optional[Mapping[str, str]] = None, root: str | Path | None = None,
+              time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Side:
+    """Compile a spec's ``text`` (read from git by the caller) as the file
+    ``path``; errors name ``label``. ``root``: as for :func:`load_side`."""
+    return _compile_text(text, path, label, device_map, root, time_limit)
+
+
 def _compile_text(text: str, path: str, label: str, device_map: Optional[Mapping[str, str]],
                   root: str | Path | None, time_limit: Optional[float]) -> Side:
     """Compile a spec's ``text`` (from git) from a temporary copy named as
@@ -214,9 +237,9 @@ def _read_blob(name: str, pos: Position, repository: str | Path | None = None) -
     """The blob git names ``name`` (``COMMIT:path``): at most MAX_BYTES of UTF-8."""
     try:
         with tempfile.TemporaryFile() as errors:
-            done = subprocess.Popen(["git", "cat-file", "blob", name], cwd=repository,
+            done = subprocess.Popen([*GIT, "cat-file", "blob", name], cwd=repository,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=errors)
+                                    stderr=errors, env=git_env())
             timer = threading.Timer(60, done.kill)
             timer.start()
             try:
@@ -259,8 +282,8 @@ def _cwd_hint(rev: str, path: str) -> str:
 def _git_quiet(*args: str) -> Optional[str]:
     """Stdout of a short git command, or None when it fails."""
     try:
-        done = subprocess.run(["git", *args], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=60)
+        done = subprocess.run([*GIT, *args], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=60, env=git_env())
     except (OSError, subprocess.TimeoutExpired):
         return None
     return done.stdout.decode("utf-8", "replace") if done.returncode == 0 else None

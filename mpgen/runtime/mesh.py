@@ -31,6 +31,9 @@ from .spec import Stages
 #: rank k % R) or in a V (stages r and 2R - 1 - r on rank r).
 LOOPED = ("interleaved", "looped-bfs", "interleaved-zb")
 V_SHAPED = ("zbv", "dualpipev")
+#: Schedules that split a stage's backward into its input's and its weights'
+#: gradients (torch.autograd.grad; NOTE [DDP and a split backward]).
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 
 
 def stop(message: str) -> None:

@@ -22,6 +22,20 @@ script.
 # The log's loss is the sum of those values over the replicas, over dp:
 # the mean of the K batches' losses, as the single-process script logs.
 # A batch-coupled layer (BatchNorm) still sees micro-batches, and differs.
+
+# NOTE: [DDP and a split backward]
+# The zero-bubble schedules (interleaved-zb, zbv, dualpipev) split a
+# stage's backward into the input's gradient and the weights', computed by
+# torch.autograd.grad and written into .grad by the stage, so DDP's
+# reducer, which waits for autograd's AccumulateGrad hooks, never sees most
+# of them (torch 2.13's stage still arms it for some full backwards: a
+# reduction of part of the gradients). Under those schedules --dp-mode ddp
+# leaves the stage modules unwrapped, and step() does DDP's reduction by
+# hand after the last micro-batch: every gradient's mean over the dp group,
+# once (average_gradients). The replicas start equal as under DDP (one
+# seed, --init or the checkpoint, identical on every replica); buffers are
+# not broadcast (a BatchNorm's running stats: NOTE [BatchNorm under data
+# parallelism]).
 """
 
 from __future__ import annotations
@@ -188,6 +202,23 @@ def sync_ties(groups: list[tuple], modules: dict, gradients: bool) -> None:
                     p.copy_(value)
 
 
+def average_gradients(modules, group, dp: int) -> None:
+    """DDP's reduction done by hand, for the schedules that split the backward
+    (NOTE [DDP and a split backward]): each gradient becomes its mean over
+    the ``dp`` replicas, in one all_reduce of them all flattened."""
+    kinds = {}  # one flat tensor per dtype
+    for module in modules:
+        for p in module.parameters():
+            if p.grad is not None:
+                kinds.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in kinds.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dp
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
 def grad_norm(stages: Stages, modules: dict, group, device) -> torch.Tensor:
     """The norm of one replica's gradients (each tied parameter counted once),
     as clip_grad_norm_ computes it on one model; ``group``: the ranks whose
@@ -332,6 +363,8 @@ class Pipelined:
         replicas (--dp-mode)."""
         if self.args.dp == 1 or not trains(module):
             return module
+        if self.args.dp_mode == "ddp" and self.args.schedule in mesh.SPLIT_BACKWARD:
+            return module  # its gradients are averaged by step() (NOTE [DDP and a split backward])
         if self.args.dp_mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
@@ -657,6 +690,8 @@ class Pipelined:
             self.run_batch(stream, losses)
             if losses:
                 total += torch.stack([x.detach().float() for x in losses]).sum()
+        if args.dp > 1 and args.dp_mode == "ddp" and args.schedule in mesh.SPLIT_BACKWARD:
+            average_gradients(self.modules.values(), self.grid.dp_group, args.dp)
         sync_ties(self.groups, self.modules, gradients=True)
         self.norm = grad_norm(self.stages, self.modules, self.norm_group, device)
         if args.grad_clip:

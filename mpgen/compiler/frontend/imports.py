@@ -16,7 +16,10 @@ all of it before anything is imported:
   ``__init__.py``; a folder without one is a namespace package), a regular
   file that lies, links followed, inside the project (or the listed
   package), with no compiled module of the same name beside it that Python
-  could load instead;
+  could load instead, nor (for a module of the project) a bytecode cache in
+  ``__pycache__`` that Python did not write itself (committed, or
+  hash-based), nor a module of the same name in another of the project's
+  folders searched (NOTE [Bytecode a pull request commits]);
 - ``C`` is defined in the module's source by a top-level ``class C`` (also
   under a top-level ``if`` or ``try``), or imported there with
   ``from .x import C`` from a module of the same package that defines it;
@@ -44,6 +47,7 @@ import inspect
 import os
 import signal
 import stat
+import subprocess
 import sys
 import threading
 import warnings
@@ -52,6 +56,8 @@ from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 from torch import nn
+
+from mpgen.files import read_head, work_tree
 
 #: Top-level packages a dotted op never names, beside the standard library.
 FORBIDDEN = frozenset({"torch", "mpgen"})
@@ -198,6 +204,7 @@ def _top(project: Project, name: str, op: str,
     for folder in project.search:
         found = _find(folder, name, None, op)
         if found is not None:
+            _unshadowed(project, found, op)
             return found, project.root, root
     if name in project.imports:
         installed = _first(_python_path(), name, op)
@@ -218,6 +225,26 @@ def _top(project: Project, name: str, op: str,
     raise Refused(f"unknown {noun} {op!r}: no module {name!r} in {root}; {HOW}")
 
 
+def _unshadowed(project: Project, found: _Module, op: str) -> None:
+    """Refuse a top-level module of the project that has a namesake in
+    another of its folders (the spec's folder, the working directory, the
+    root): the generated code finds its modules through its path (the
+    working directory under ``python -m``, ``PYTHONPATH``), where the other
+    may come first and run instead of the file vetted here."""
+    for folder in project.search:
+        if folder == found.folder:
+            continue
+        try:
+            other = _find(folder, found.name, None, op)
+        except Refused:  # a compiled module without its source: a namesake too
+            other = _Module(found.name, folder, None, False, found.name)
+        if other is not None:
+            raise Refused(f"{op!r}: there are two modules named {found.name!r} in the project, "
+                          f"in {_text(found.folder)} and in {_text(folder)}; the generated code "
+                          "imports whichever comes first on its path, not necessarily the one "
+                          "mpgen checked: rename or remove one")
+
+
 def _first(folders: Iterable[Path], name: str, op: str) -> Optional[_Module]:
     for folder in folders:
         found = _find(folder, name, None, op)
@@ -226,9 +253,11 @@ def _first(folders: Iterable[Path], name: str, op: str) -> Optional[_Module]:
     return None
 
 
-def _vet(module: _Module, allowed: Path, where: str, op: str) -> None:
+def _vet(module: _Module, allowed: Path, where: str, op: str, own: bool = False) -> None:
     """Refuse a module whose file lies outside ``allowed`` (links followed),
-    is not a regular file, or has a compiled module beside it."""
+    is not a regular file, or has a compiled module beside it; a module of
+    the project itself (``own``), also one with a bytecode cache that is not
+    Python's own (:func:`_foreign_cache`)."""
     compiled = _compiled(module.folder, module.stem)
     if compiled is not None:
         raise Refused(f"{op!r}: {_text(compiled.name)} beside {module.shown} is a compiled "
@@ -242,6 +271,86 @@ def _vet(module: _Module, allowed: Path, where: str, op: str) -> None:
                           f"{HOW}")
     if module.file is not None and not stat.S_ISREG(os.stat(module.file).st_mode):
         raise Refused(f"{op!r}: {module.shown} is not a regular file")
+    foreign = _foreign_cache(module) if own else None
+    if foreign is not None:
+        cache, why = foreign
+        shown = f"{module.shown.rpartition('/')[0]}/__pycache__/{cache.name}".lstrip("/")
+        raise Refused(f"{op!r}: {_text(shown)} is {why}, which Python would run instead of "
+                      f"{module.shown}, the source mpgen checked; remove it (git rm --cached), "
+                      "and keep __pycache__/ out of the repository (.gitignore)")
+
+
+# NOTE: [Bytecode a pull request commits]
+# The generated code imports a user module the ordinary way, and Python runs
+# ``__pycache__/<module>.cpython-311.pyc`` instead of the source when the
+# cache's header matches: the source's modification time and size (both of
+# which a checkout can be made to match), or a hash of the source, which a
+# forger simply copies (a checked hash-based cache is loaded when the hash
+# matches, whatever code follows it; an unchecked one always). The vetted
+# source would then not be what runs. Python writes its own caches with a
+# time stamp, never a hash, and no checkout holds them unless they are
+# committed; so a module of the project is refused when its cache is
+# committed (tracked by git: in CI, the only way one is there) or
+# hash-based. A cache outside git that Python could have written itself is
+# left alone (every run of the generated code writes one); `mpgen test`
+# imports the vetted modules from their sources and never reads a cache.
+
+#: The header of a bytecode cache: magic, flags, then the stamp.
+_PYC_HEADER = 16
+
+
+def _caches(module: _Module) -> list[Path]:
+    """The bytecode caches Python may load for ``module`` instead of its
+    source: ``__pycache__/<stem>.*.pyc`` beside it (for a package, its
+    ``__init__``'s in the package folder)."""
+    if module.file is None:
+        return []
+    cache = module.file.parent / "__pycache__"
+    prefix = f"{module.file.stem}."
+    try:
+        names = sorted(os.listdir(cache))
+    except OSError:  # none, or not a folder
+        return []
+    return [cache / name for name in names if name.startswith(prefix) and name.endswith(".pyc")]
+
+
+def _foreign_cache(module: _Module) -> Optional[tuple[Path, str]]:
+    """A bytecode cache of ``module`` that Python did not write for this
+    checkout, and why (NOTE [Bytecode a pull request commits])."""
+    caches = _caches(module)
+    if not caches:
+        return None
+    for cache in caches:
+        try:
+            head = read_head(cache, _PYC_HEADER)
+        except OSError:  # a link, a folder, a pipe: not Python's own either
+            return cache, "not a regular file"
+        if len(head) < _PYC_HEADER or int.from_bytes(head[4:8], "little") != 0:
+            return cache, "a hash-based bytecode cache (Python writes none of its own)"
+    return _tracked(caches)
+
+
+def _tracked(paths: list[Path]) -> Optional[tuple[Path, str]]:
+    """The first of ``paths`` (files of one folder) that git tracks, and
+    why; where git cannot tell (no git, a repository it refuses), the first
+    of them."""
+    folder = paths[0].parent
+    if work_tree(folder) is None:
+        return None
+    unknown = paths[0], "a bytecode cache that git cannot tell is not committed"
+    try:
+        ran = subprocess.run(
+            ["git", "-c", "core.fsmonitor=false", "ls-files", "-z", "--cached", "--",
+             *(path.name for path in paths)],
+            cwd=folder, capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return unknown
+    if ran.returncode != 0:
+        return unknown
+    tracked = {Path(name.decode("utf-8", "surrogateescape")).name
+               for name in ran.stdout.split(b"\0") if name}
+    committed = next((path for path in paths if path.name in tracked), None)
+    return (committed, "committed to the repository") if committed is not None else None
 
 
 # -- reading the source --------------------------------------------------------
@@ -546,7 +655,7 @@ def _located(op: str, parts: list[str], project: Project,
         chain.append(child)
     sources = []
     for module in chain:
-        _vet(module, allowed, where, op)
+        _vet(module, allowed, where, op, own=allowed == project.root)
         sources.append(_source(module, op) if module.file is not None else None)
     return chain, sources
 
@@ -583,3 +692,22 @@ def check_factory(text: str, project: Project) -> None:
         raise Refused(f"{text!r}: {target.shown} does not define {function!r}: a data factory "
                       f"is a function its module defines with 'def {function}' (or a class) "
                       f"or imports with 'from .module import {function}'")
+
+
+def project_folder_of(name: str, project: Project) -> Optional[Path]:
+    """The folder of the project that the generated code's ``import name``
+    (dotted) must be served from, ``mpgen test``'s path entry for its
+    top-level module: where this policy finds it, every module of the path
+    vetted as an op's are (:class:`Refused` otherwise); None when no folder
+    of the project holds its top-level module (the standard library, an
+    installed package), which the interpreter's own path then finds."""
+    parts = name.split(".")
+    if parts[0] in FORBIDDEN or parts[0] in sys.stdlib_module_names:
+        return None
+    if all(_find(folder, parts[0], None, name) is None for folder in project.search):
+        return None
+    try:
+        chain, _ = _located(name, parts, project, "module")
+    except (OSError, RuntimeError) as exc:  # unreadable, a loop of links
+        raise Refused(f"{name!r}: cannot read its module: {_describe(exc)}") from None
+    return chain[0].folder

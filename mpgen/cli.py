@@ -192,7 +192,45 @@ def _parser() -> argparse.ArgumentParser:
                         help="the reference of every key (docs/spec-reference.md) instead")
     _project_commands(sub)
     _import_command(sub)
+    _test_command(sub)
     return parser
+
+
+def _test_command(sub) -> None:
+    """``mpgen test``: the generated tests, run as the project cannot change
+    (docs/ci.md, "The generated tests")."""
+    test = sub.add_parser(
+        "test", help="run the generated tests, in a way the project cannot change",
+        usage="mpgen test [OUT ...] [--root DIR] [-- PYTEST ARGS...]",
+        description="Run the generated tests of each OUT (default: out of [tool.mpgen], else "
+                    "generated) with pytest in a child interpreter: the project off the "
+                    "path but for the modules its specs name (vetted as at build time, "
+                    "imported from their sources), no configuration, conftest.py or plugin "
+                    "of the project's, pytest and torch from this interpreter's packages. "
+                    "Exit 0 only when every generated test ran and passed; 1 when one "
+                    "failed or did not run (no tests, deselected, skipped); 2 when the "
+                    "folder holds Python mpgen did not generate, or a module is refused. "
+                    "Arguments after '--' go to pytest (docs/ci.md).")
+    test.add_argument("outs", nargs="*", metavar="OUT",
+                      help="output folders (default: out of [tool.mpgen], else generated)")
+    test.add_argument("--root", metavar="DIR",
+                      help="the project the specs' modules come from (default: root of "
+                           "[tool.mpgen], else each spec's repository)")
+    test.set_defaults(device_map=None, time_limit=None)
+
+
+def _test(args: argparse.Namespace) -> int:
+    """``mpgen test``: the output folders and root from the command line,
+    else from ``[tool.mpgen]``; pytest's exit, as :func:`mpgen.commands.test.run`."""
+    from mpgen import config
+    from mpgen.commands import test
+
+    project = config.load()
+    outs = args.outs or [(project and project.folder_path("out")) or "generated"]
+    for out in outs:
+        _check_out(out, project)
+    root = args.root or (project and project.folder_path("root"))
+    return test.run(outs, root, args.script_args)
 
 
 def _import_command(sub) -> None:
@@ -268,7 +306,7 @@ def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
     (passed to the training script unchanged, ``--`` included after the
     first). Only ``train`` has them; argparse alone mishandles ``--``."""
     command = next((a for a in argv if not a.startswith("-")), None)
-    if command != "train" or "--" not in argv:
+    if command not in ("train", "test") or "--" not in argv:
         return argv, []
     cut = argv.index("--")
     return argv[:cut], argv[cut + 1:]
@@ -527,6 +565,8 @@ def _default_time_limit() -> float:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "completion":  # no spec, no torch
         return _completion(args)
+    if args.command == "test":
+        return _test(args)
     where = _project_options(args) if args.command in ("build", "check") else None
     device_map = _device_map(args.device_map, where)
     # Unset: the default budget (0 is refused: _seconds). build and check take ``...`` for

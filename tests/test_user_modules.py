@@ -11,8 +11,10 @@ free of any folder (the same bytes wherever they are built), so
 from __future__ import annotations
 
 import os
+import py_compile
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -104,3 +106,106 @@ def test_no_note_where_the_generated_code_finds_the_module(tmp_path, monkeypatch
     built = mpgen("build", "specs/gated.yaml", "-o", "out", cwd=tmp_path)
     assert built.returncode == 0, built.stderr
     assert built.stderr == ""
+
+
+# -- issue 29: the vetted module is the one that runs ----------------------------------
+
+
+def mpgen_test(root, *args):
+    """``mpgen test`` as CI runs it: the console script, in a fresh process."""
+    command = [str(Path(sys.executable).with_name("mpgen")), "test", *args]
+    return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def forge_cache(module, **options):
+    """A bytecode cache of ``module`` where Python looks for one, compiled
+    from other code (printing FORGED) and stamped with ``module``'s own
+    modification time and size, so that Python would load it."""
+    decoy = module.parent / "decoy_source.py"
+    decoy.write_text("print('FORGED')\n" + "#" * (len(module.read_bytes()) - 17) + "\n")
+    assert decoy.stat().st_size == module.stat().st_size
+    stamp = module.stat().st_mtime_ns
+    os.utime(decoy, ns=(stamp, stamp))
+    cache = module.parent / "__pycache__" / f"{module.stem}.{sys.implementation.cache_tag}.pyc"
+    py_compile.compile(str(decoy), cfile=str(cache), **options)
+    decoy.unlink()
+    return cache
+
+
+def git(root, *args):
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+def test_mpgen_test_imports_the_vetted_module_from_its_source(tmp_path):
+    git(tmp_path, "init", "-q")
+    make_project(tmp_path)
+    built = mpgen("build", "specs/gated.yaml", "-o", "out", "--device-map", "cpu", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    # Found without PYTHONPATH (mpgen test serves the module the spec names) ...
+    ran = mpgen_test(tmp_path, "out", "--", "-q")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "9 passed, 1 skipped" in ran.stdout
+    # ... from the source, never a cache, even one Python's own import would load.
+    gates = tmp_path / "specs" / "mylayers" / "gates.py"
+    forge_cache(gates)
+    ran = mpgen_test(tmp_path, "out", "--", "-q")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "FORGED" not in ran.stdout
+    # No other module of the project is importable, and code that ends the
+    # interpreter before pytest reports does not pass the step.
+    (gates.parent / "__pycache__").rename(tmp_path / "caches")
+    gates.write_text("import os\nos._exit(0)\n" + GATE)
+    ran = mpgen_test(tmp_path, "out", "--", "-q")
+    assert ran.returncode == 1
+    assert ran.stderr.splitlines()[-1] == (
+        "mpgen test: out: the test run ended without its verdict (code it ran ended the "
+        "interpreter); failing")
+
+
+def test_a_committed_cache_of_a_user_module_is_refused(tmp_path):
+    git(tmp_path, "init", "-q")
+    spec = make_project(tmp_path)
+    gates = tmp_path / "specs" / "mylayers" / "gates.py"
+    cache = forge_cache(gates)
+    # Python's own cache, outside the repository: every run of the generated code writes one.
+    built = mpgen("build", "specs/gated.yaml", "-o", "out", "--device-map", "cpu", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr
+    git(tmp_path, "add", "-f", str(cache))
+    shown = f"mylayers/__pycache__/{cache.name}"
+    for ran in (mpgen("check", "specs/gated.yaml", "-o", "out", "--device-map", "cpu",
+                      cwd=tmp_path),
+                mpgen_test(tmp_path, "out")):
+        assert ran.returncode == 2, ran.stderr
+        assert ran.stdout == ""
+        assert len(ran.stderr.splitlines()) == 1
+        assert (f"{shown} is committed to the repository, which Python "
+                "would run instead of mylayers/gates.py, the source mpgen checked; remove it "
+                "(git rm --cached), and keep __pycache__/ out of the repository (.gitignore)"
+                ) in ran.stderr
+    assert mpgen("check", "specs/gated.yaml", "-o", "out", "--device-map", "cpu",
+                 cwd=tmp_path).stderr.startswith(f"{spec.relative_to(tmp_path)}:6:14: ")
+
+
+def test_a_hash_based_cache_of_a_user_module_is_refused_outside_git(tmp_path):
+    make_project(tmp_path)
+    gates = tmp_path / "specs" / "mylayers" / "gates.py"
+    forge_cache(gates, invalidation_mode=py_compile.PycInvalidationMode.UNCHECKED_HASH)
+    built = mpgen("build", "specs/gated.yaml", "-o", "out", cwd=tmp_path)
+    assert built.returncode == 2
+    assert "is a hash-based bytecode cache (Python writes none of its own)" in built.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_namesake_of_a_user_module_elsewhere_in_the_project_is_refused(tmp_path):
+    git(tmp_path, "init", "-q")
+    make_project(tmp_path)
+    # At the root, first on the path of `python -m pytest` run there.
+    (tmp_path / "mylayers").mkdir()
+    (tmp_path / "mylayers" / "__init__.py").write_text("import os\nos._exit(0)\n")
+    built = mpgen("build", "specs/gated.yaml", "-o", "out", "--device-map", "cpu", cwd=tmp_path)
+    assert built.returncode == 2
+    assert built.stderr == (
+        f"specs/gated.yaml:6:14: layer 'gate': 'mylayers.gates.Gate': there are two modules "
+        f"named 'mylayers' in the project, in {tmp_path.resolve() / 'specs'} and in "
+        f"{tmp_path.resolve()}; the generated code imports whichever comes first on its path, "
+        "not necessarily the one mpgen checked: rename or remove one\n")

@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 .venv/bin/mpgen check  # the specs and folder of [tool.mpgen] in pyproject.toml
 .venv/bin/python -m pytest -q tests "$@"
-.venv/bin/python -m pytest -q -p no:cacheprovider generated
+.venv/bin/mpgen test -- -q  # the generated tests of [tool.mpgen]'s out (docs/ci.md)

@@ -651,8 +651,19 @@ class Loss:
     #: where; None: the default rule (``analysis.targets``).
     class_dim_given: Optional[int] = None
     class_dim_pos: Optional[Position] = None
+    #: A target whose batch dim sits inside a product (``[seq*batch]``, an
+    #: output flattened from ``[seq, batch, ...]``): ``(dim, place)``, place 0
+    #: when the batch is the product's outer factor (index ``b*R + r``), 1 when
+    #: its inner one (``r*B + b``, sequence-first); None: the target's own
+    #: batch dim, or none (``analysis.targets``).
+    flat_batch: Optional[tuple[int, int]] = None
 
     module: Optional[str] = None  # a user's loss class: its module, which the script imports
+
+    @property
+    def batch_layout(self) -> "Optional[int] | tuple[int, int]":
+        """How the target's samples stack: its batch dim, ``flat_batch``, or None."""
+        return self.flat_batch if self.flat_batch is not None else self.target_type.batch_dim
 
     @property
     def callee(self) -> str:

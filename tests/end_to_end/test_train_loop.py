@@ -896,3 +896,238 @@ def test_the_specs_train_keys_are_the_scripts_defaults(tmp_path_factory, here, c
              "1", "--eval-split", "0", "--eval-every", "0")
     assert run.lines("LoopKeys: ") == ["LoopKeys: 5 parameters; 2 steps of 3 samples"]
     assert not run.lines("eval at")
+
+
+# Data checked against the spec -----------------------------------------------
+#
+# Every batch (a file's tensors once, as it is read) is compared with the
+# spec's shapes and dtypes before the model runs (NOTE [Batches checked
+# against the spec] in mpgen/runtime/data.py): one line, exit 1.
+
+#: An image classifier: x [batch, 1, 8, 8], three classes; across two devices
+#: for the pipeline script.
+IMG = spec("LoopImg", ["conv: {op: Conv2d, args: [1, 2, 3]}",
+                       "flat: {op: torch.flatten, start_dim: 1}",
+                       "fc: {op: Linear, args: [72, 3]}"],
+           inputs="x: [batch, 1, 8, 8]", loss="CrossEntropyLoss",
+           top=("placement:", "  conv: cuda:0", "  fc: cuda:1"))
+#: Token ids [batch, seq] and a class per token: seq binds across the keys.
+TOKENS = spec("LoopTokens", ["emb: {op: Embedding, args: [10, 8]}",
+                             "head: {op: Linear, args: [8, 10]}"],
+              inputs="tokens: {shape: [batch, seq], dtype: int64}",
+              loss="{op: CrossEntropyLoss, class_dim: -1}", train=("batch_size: 4", "steps: 2",
+                                                                  "dims: {seq: 6}"))
+
+SHAPED = """
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+
+    def loader():
+        x = torch.randn(8, 8, 8)  # no channel dim
+        return DataLoader(TensorDataset(x, torch.zeros(8, dtype=torch.int64)), batch_size=4)
+
+
+    def dicts():
+        return DataLoader([{"x": torch.zeros(1, 8, 8)}] * 8, batch_size=4)  # no target
+"""
+
+
+@pytest.fixture(scope="module")
+def img(tmp_path_factory) -> Built:
+    return build(tmp_path_factory, IMG)
+
+
+@pytest.fixture(scope="module")
+def tokens(tmp_path_factory) -> Built:
+    return build(tmp_path_factory, TOKENS)
+
+
+def images(n: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    return {"x": torch.randn(n, 1, 8, 8, generator=g),
+            "target": torch.randint(0, 3, (n,), generator=g)}
+
+
+@pytest.mark.parametrize("files, argv, message", [
+    ({"flat.pt": {"x": torch.zeros(16, 8, 8), "target": torch.zeros(16, dtype=torch.int64)}},
+     ["--data", "flat.pt"],
+     "flat.pt: x is [16, 8, 8], 16 samples of [8, 8]; the spec's input x is [batch, 1, 8, 8], "
+     "a sample [1, 8, 8]"),
+    ({"floats.npz": {"x": torch.zeros(16, 1, 8, 8), "target": torch.zeros(16)}},
+     ["--data", "floats.npz"],
+     "floats.npz: target is float32; the spec's target is int64 (integer values)"),
+    ({"classes.pt": {"x": torch.zeros(16, 1, 8, 8), "target": torch.full((16,), 3)}},
+     ["--data", "classes.pt"],
+     "classes.pt: target holds class 3; the spec's target takes classes 0 to 2 or the "
+     "ignore_index -100"),
+    ({}, ["--data", "loop_shaped:loader"],
+     "--data loop_shaped:loader: x is [4, 8, 8]; the spec's input x is [batch, 1, 8, 8]"),
+    ({}, ["--data", "loop_shaped:dicts"],
+     "--data loop_shaped:dicts: no target (the spec's target [batch])"),
+    ({"data.pt": images(16), "eval.pt": {"x": torch.zeros(4, 1, 8, 4),
+                                         "target": torch.zeros(4, dtype=torch.int64)}},
+     ["--data", "data.pt", "--eval-data", "eval.pt"],
+     "eval.pt: x is [4, 1, 8, 4], 4 samples of [1, 8, 4]; the spec's input x is "
+     "[batch, 1, 8, 8], a sample [1, 8, 8]"),
+])
+def test_data_not_shaped_as_the_spec_says_is_one_line(img, here, capsys, files, argv, message):
+    write_module(here, "loop_shaped", SHAPED)
+    for name, tensors in files.items():
+        save(here / name, tensors)
+    run = main(img, capsys, *argv, "--steps", "2")
+    assert run.code == message
+    assert "Traceback" not in run.out + run.err
+
+
+def test_named_dims_bind_across_the_keys_of_a_batch(tokens, here, capsys):
+    save(here / "short.pt", {"tokens": torch.zeros(8, 6, dtype=torch.int64),
+                             "target": torch.zeros(8, 5, dtype=torch.int64)})
+    run = main(tokens, capsys, "--data", "short.pt", "--steps", "1")
+    assert run.code == ("short.pt: target is [8, 5], 8 samples of [5]; the spec's target is "
+                        "[batch, seq], a sample [seq] (with seq = 6 from the other keys)")
+    # Any seq the keys agree on trains (the spec's 6 is the synthetic data's).
+    save(here / "long.pt", {"tokens": torch.zeros(8, 9, dtype=torch.int64),
+                            "target": torch.zeros(8, 9, dtype=torch.int64)})
+    assert "step 1/1" in ok(tokens, capsys, "--data", "long.pt", "--steps", "1").out
+
+
+def test_a_dtype_of_the_same_kind_is_converted(img, here, capsys):
+    data = images(16)
+    save(here / "wide.npz", {"x": data["x"].double(), "target": data["target"].int()})
+    save(here / "spec.pt", data)
+    ok(img, capsys, "--data", "wide.npz", "--steps", "2", "--log-dir", "wide")
+    ok(img, capsys, "--data", "spec.pt", "--steps", "2", "--log-dir", "spec")
+    assert losses(here / "wide") == losses(here / "spec")
+
+
+def test_a_wrong_data_file_in_a_real_run_exits_1_with_the_line_alone(img, tmp_path):
+    save(tmp_path / "flat.pt", {"x": torch.zeros(16, 8, 8),
+                                "target": torch.zeros(16, dtype=torch.int64)})
+    done = subprocess_run(img, tmp_path, "--data", "flat.pt")
+    assert (done.returncode, done.stdout) == (1, "")
+    assert done.stderr == ("flat.pt: x is [16, 8, 8], 16 samples of [8, 8]; the spec's input x "
+                           "is [batch, 1, 8, 8], a sample [1, 8, 8]\n")
+
+
+def test_the_pipeline_script_checks_its_batches_too(img, tmp_path):
+    save(tmp_path / "flat.pt", {"x": torch.zeros(16, 8, 8),
+                                "target": torch.zeros(16, dtype=torch.int64)})
+    script = img.folder / "pp_loop_img.py"
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(script), "--data", str(tmp_path / "flat.pt"), "--steps", "1"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=150)
+    assert run.returncode != 0
+    assert ("flat.pt: x is [16, 8, 8], 16 samples of [8, 8]; the spec's input x is "
+            "[batch, 1, 8, 8], a sample [1, 8, 8]") in run.stderr
+    assert "[rank0]: Traceback" not in run.stderr and "[rank1]: Traceback" not in run.stderr
+
+
+# A target flattened with its samples ([seq*batch]) ----------------------------
+
+#: pytorch/examples' word_language_model (RNNModel, LSTM): sequence-first,
+#: its log-probs reshaped to [seq*batch, vocab] for NLLLoss; no dropout, so
+#: that a hand-written reference follows it exactly.
+WORD_LM = """
+mpgen: 1
+name: LoopWordLM
+inputs:
+  tokens: {shape: [seq, batch], dtype: int64}
+  h0: [2, batch, 32]
+  c0: [2, batch, 32]
+layers:
+  encoder: {op: Embedding, args: [50, 16], in: tokens}
+  rnn: {op: LSTM, args: [16, 32, 2], in: [encoder, [h0, c0]], outputs: [seq_out, [hn, cn]]}
+  decoder: {op: Linear, args: [32, 50], in: seq_out}
+  flat: {op: torch.reshape, shape: [-1, 50]}
+  logp: {op: torch.log_softmax, dim: 1}
+outputs: [logp, hn, cn]
+train:
+  loss: {logp: NLLLoss}
+  optimizer: {op: SGD, lr: 1.0}
+  batch_size: 4
+  dims: {seq: 6}
+"""
+
+
+class RNNModel(nn.Module):
+    """pytorch/examples' word_language_model.RNNModel (LSTM, no dropout), as written there."""
+
+    def __init__(self, ntoken: int = 50, ninp: int = 16, nhid: int = 32, nlayers: int = 2):
+        super().__init__()
+        self.ntoken = ntoken
+        self.encoder = nn.Embedding(ntoken, ninp)
+        self.rnn = nn.LSTM(ninp, nhid, nlayers)
+        self.decoder = nn.Linear(nhid, ntoken)
+
+    def forward(self, input, hidden):
+        emb = self.encoder(input)
+        output, hidden = self.rnn(emb, hidden)
+        decoded = self.decoder(output)
+        decoded = decoded.view(-1, self.ntoken)
+        return torch.nn.functional.log_softmax(decoded, dim=1), hidden
+
+
+def test_a_sequence_first_lm_trains_like_pytorch_examples(tmp_path_factory, here, capsys):
+    built = build(tmp_path_factory, WORD_LM)
+    training = built.train.TRAINING
+    assert training.batch_dims == (1, 1, 1, (0, 1))  # the target: [seq, batch], flattened
+    # 16 samples of 6 tokens from one stream, each target the next 6 tokens.
+    g = torch.Generator().manual_seed(3)
+    stream = torch.randint(0, 50, (16, 7), generator=g)
+    data = {"tokens": stream[:, :-1], "target": stream[:, 1:],
+            "h0": torch.zeros(16, 2, 32), "c0": torch.zeros(16, 2, 32)}
+    save(here / "lm.pt", data)
+    ok(built, capsys, "--data", "lm.pt", "--steps", "3", "--log-dir", "lm")
+    got = losses(here / "lm")
+
+    reference = RNNModel()
+    reference.load_state_dict(built.fresh(0).state_dict())
+    optimizer = torch.optim.SGD(reference.parameters(), lr=1.0)
+    # The runtime's order of samples (data.batches): a permutation seeded by --seed and the epoch.
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).view(-1, 4)
+    expected, batch_major = [], []
+    for step in range(3):
+        idx = order[step]
+        # pytorch/examples' batchify/get_batch: a column per sequence, targets .view(-1).
+        source, target = data["tokens"][idx].t(), data["target"][idx].t().reshape(-1)
+        hidden = (data["h0"][idx].transpose(0, 1), data["c0"][idx].transpose(0, 1))
+        output, _ = reference(source, hidden)
+        loss = nn.functional.nll_loss(output, target)
+        batch_major.append(nn.functional.nll_loss(output, data["target"][idx].reshape(-1)).item())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    assert got == pytest.approx(expected, rel=1e-5)
+    # The layout matters: targets stacked batch-first would give other losses.
+    assert got[0] != pytest.approx(batch_major[0], rel=1e-3)
+
+
+def test_a_batch_first_flattened_target_stacks_batch_first(tmp_path_factory):
+    built = build(tmp_path_factory, spec(
+        "LoopFlatFirst", ["emb: {op: Embedding, args: [10, 8]}",
+                          "head: {op: Linear, args: [8, 10]}",
+                          "flat: {op: torch.flatten, start_dim: 0, end_dim: 1}"],
+        inputs="tokens: {shape: [batch, seq], dtype: int64}", loss="CrossEntropyLoss",
+        train=("batch_size: 4", "steps: 1", "dims: {seq: 3}")))
+    training = built.train.TRAINING
+    assert training.batch_dims == (0, (0, 0))
+    import mpgen_runtime
+
+    samples = [(torch.arange(3) + 10 * b, torch.arange(3) + 10 * b) for b in range(4)]
+    tokens, target = mpgen_runtime.data.collate(samples, training)
+    assert target.tolist() == tokens.flatten().tolist()  # as flatten(0, 1) orders the output
+    half = mpgen_runtime.data.share((tokens, target), training, 1, 2)
+    assert half[1].tolist() == tokens[2:].flatten().tolist()
+
+
+def test_the_pipeline_script_of_a_flattened_target_says_why_it_cannot_run(tmp_path_factory):
+    built = build(tmp_path_factory, WORD_LM.replace("LoopWordLM", "LoopWordPipe"))
+    run = subprocess.run([sys.executable, "pp_loop_word_pipe.py", "--steps", "1"],
+                         cwd=built.folder, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1
+    assert ("the target of logp [seq*batch] holds its samples inside seq*batch, which the "
+            "schedule cannot split into micro-batches") in run.stderr
+    assert "Traceback" not in run.stderr

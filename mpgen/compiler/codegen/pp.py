@@ -92,6 +92,11 @@ def pipeline_problem(graph: Graph, all_stages: tuple[Stage, ...]) -> Optional[st
     if train.closure:
         return (f"{train.optimizer} evaluates the loss several times per step (a closure); "
                 "a pipeline schedule runs each micro-batch's forward and backward once")
+    for loss in train.losses:
+        if loss.flat_batch is not None:
+            return (f"the target of {loss.output} {loss.target_type} holds its samples inside "
+                    f"{loss.target_type.shape[loss.flat_batch[0]]}, which the schedule cannot "
+                    "split into micro-batches; return an output with a batch dim of its own")
     for stage in all_stages[1:]:
         if not stage.takes:
             return (f"stage {stage.index} ({stage.device}) reads nothing the stage before it "

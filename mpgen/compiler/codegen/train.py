@@ -231,6 +231,34 @@ def losses_text(graph: Graph) -> str:
     return " + ".join(f"{loss.op} of {loss.output}" for loss in graph.train.losses)
 
 
+def layouts_literal(values: list) -> str:
+    """A tuple of ints, None and pairs (``batch_dims``, ``classes``)."""
+    return "(" + _tuple([tuple_literal(v) if isinstance(v, tuple) else literal(v)
+                         for v in values]) + ")"
+
+
+def shapes_literal(types: list) -> str:
+    """Each key's shape as the spec states it, a dim a number or its name
+    (``("seq", "batch")``, ``"seq*batch"``, ``"?"``): what the runtime checks
+    every batch against (mpgen_runtime.data.check_batch)."""
+    return "(" + _tuple([tuple_literal([d if isinstance(d, int) else str(d) for d in t.shape])
+                         for t in types]) + ")"
+
+
+#: The target class indices a torch loss ignores where it takes ``ignore_index``.
+_IGNORED = {"CrossEntropyLoss": -100, "NLLLoss": -100}
+
+
+def class_range(loss: Loss) -> Optional[tuple[int, Optional[int]]]:
+    """``(classes, ignore_index)`` of a torch class-index loss's targets
+    (ignore_index None: none), what every batch's targets are checked
+    against; None for other losses (a user's loss decides its own)."""
+    if loss.target != "classes" or loss.module or not isinstance(loss.classes, int):
+        return None
+    ignored = dict(loss.kwargs).get("ignore_index", _IGNORED.get(loss.op))
+    return loss.classes, ignored if isinstance(ignored, int) else None
+
+
 def _dict_literal(values: dict) -> str:
     return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in values.items()) + "}"
 
@@ -288,12 +316,19 @@ def render_train(graph: Graph) -> str:
               ("devices", tuple_literal(graph.devices)),
               ("inputs", tuple_literal(t.var for t in graph.inputs)),
               ("targets", tuple_literal(target_key(graph, loss) for loss in train.losses)),
-              ("batch_dims", tuple_literal([t.type.batch_dim for t in graph.inputs]
-                                           + [loss.target_type.batch_dim for loss in train.losses])),
+              ("batch_dims", layouts_literal([t.type.batch_dim for t in graph.inputs]
+                                             + [loss.batch_layout for loss in train.losses])),
+              ("shapes", shapes_literal([t.type for t in graph.inputs]
+                                        + [loss.target_type for loss in train.losses])),
+              ("dtypes", tuple_literal([t.type.dtype for t in graph.inputs]
+                                       + [loss.target_type.dtype for loss in train.losses])),
               ("make_batch", n["make_batch"]),
               ("losses", "lambda: (" + _tuple([call(loss.callee, [], loss.kwargs)
                                                for loss in train.losses]) + ")"),
               ("forward_loss", n["forward_loss"])]
+    if any(class_range(loss) for loss in train.losses):
+        fields.append(("classes", layouts_literal([None] * len(graph.inputs)
+                                                  + [class_range(loss) for loss in train.losses])))
     if trainable:
         w.line()
         w.line()

@@ -623,18 +623,20 @@ class Pipelined:
         ]
         tokens = tokens_per_sample(training, example)
         self.rates["tokens"] = tokens
-        predicted = timeline.predict(
-            getattr(self.schedule, "pipeline_order", None) or {},
+        predicted, why = timeline.prediction(
+            args.schedule,
+            getattr(self.schedule, "pipeline_order", None),
             grid.ranks,
             stages.costs,
             stages.transfers,
             self.part / m,
+            m,
         )
+        self.rates["schedule"] = f"--schedule {args.schedule} with {m} micro-batches"
         if predicted is not None:
             self.rates["predicted"] = predicted[1]
-            self.rates["schedule"] = (
-                f"--schedule {args.schedule} with {m} micro-batches"
-            )
+        else:
+            self.rates["unpredicted"] = why
         if self.logs:
             replicas = f" x {args.dp} replicas ({args.dp_mode})" if args.dp > 1 else ""
             micro = f"{args.accumulate} batches of " if args.accumulate > 1 else ""

@@ -118,6 +118,8 @@ def test_losses_equal_the_single_process_script(pipe, schedule, ranks):
                    "--init", "init.pt", "--log-dir", schedule, "--checkpoint", schedule)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "step 3/3  loss" in run.stdout
+    # Every schedule's bubble is predicted (1f1b's was dropped: torch's order of it is shifted).
+    assert "predicts a bubble of " in run.stdout + run.stderr, run.stdout
     expected = losses(pipe / "single" / "log.csv")
     assert losses(pipe / schedule / "log.csv") == pytest.approx(expected, rel=1e-5, abs=1e-7)
     # The merged stages load into the single-process model and equal its weights.
@@ -634,7 +636,7 @@ def test_two_nodes_restart_together_when_one_nodes_worker_dies(padded):
         for node in nodes:
             node.kill() if node.poll() is None else None
     for node, (out, err) in zip(nodes, done):
-        assert node.returncode == 0, err[-3000:]
+        assert node.returncode == 0, "\n\n".join(o + e for o, e in done)[-12000:]
     assert "resumed from two_nodes/step_" in done[0][0] + done[1][0]
     assert losses(padded / "two_nodes" / "log.csv") == pytest.approx(
         losses(padded / "single" / "log.csv"), rel=1e-5)

@@ -57,3 +57,39 @@ def test_busy_time_adds_up_around_a_stages_calls():
     assert stage.forward_one_chunk(1) == 2
     assert busy[0] > 0
     assert timeline.read(busy) > 0 and busy == [0.0]
+
+
+def test_one_f_one_b_is_replayed_from_its_own_order_with_the_textbook_bubble():
+    # K = 4 uniform stages, M = 6: the bubble of 1F1B is GPipe's, (K - 1) / (M + K - 1).
+    ranks, costs = [0, 1, 2, 3], ((1.0, 2.0),) * 4
+    order = timeline.one_f_one_b(ranks, 6)
+    assert [a[0] for a in order[3]] == ["F", "B"] * 6  # the last rank alternates from the start
+    assert order[0][:4] == [("F", 0, 0), ("F", 0, 1), ("F", 0, 2), ("F", 0, 3)]
+    found, why = timeline.prediction("1f1b", None, ranks, costs, (), 1.0, 6)
+    assert why == ""
+    assert found == (pytest.approx(27.0), pytest.approx(3 / 9))  # (M + K - 1)(f + b)
+
+
+def test_torchs_own_1f1b_order_is_not_replayable_so_it_is_not_used():
+    # torch 2.13's Schedule1F1B.pipeline_order lists the last rank's micro-batches from 1.
+    from torch.distributed.pipelining.schedules import Schedule1F1B
+
+    schedule = object.__new__(Schedule1F1B)
+    schedule._num_stages, schedule._n_microbatches = 3, 4
+    torchs = schedule._get_pipeline_order()
+    costs = ((1.0, 2.0),) * 3
+    assert timeline.predict(torchs, [0, 1, 2], costs, (), 1.0) is None
+    found, _ = timeline.prediction("1f1b", torchs, [0, 1, 2], costs, (), 1.0, 4)
+    assert found[1] == pytest.approx(2 / 6)
+
+
+def test_a_missing_prediction_says_why():
+    stuck = order("0B0 0F0", "1F0 1B0")
+    costs = ((1.0, 2.0), (1.0, 2.0))
+    assert timeline.prediction("gpipe", stuck, [0, 1], costs, (), 1.0, 1) == (
+        None, "torch's order of --schedule gpipe cannot be replayed "
+        "(an action waits for one the order never runs)")
+    assert timeline.prediction("gpipe", None, [0, 1], costs, (), 1.0, 1) == (
+        None, "torch gives no order of --schedule gpipe to replay")
+    assert timeline.prediction("1f1b", None, [0, 1], (), (), 1.0, 2) == (
+        None, "the build's cost model gave no time for these stages")

@@ -543,6 +543,7 @@ class Pipelined:
     def save(self, done: int) -> None:
         if not self.args.checkpoint:
             return
+        self.check_ties(done)
         state, _ = self.state()
         state["step"] = done
         try:
@@ -550,6 +551,33 @@ class Pipelined:
         except OSError as error:
             stop(f"step {done}: cannot write {self.args.checkpoint} ({error})")
         self.where = str(sharded.folder(self.args.checkpoint, done))
+
+    def check_ties(self, done: int) -> None:
+        """Before a save: every tied copy equals its owner's, on every rank
+        (else one line, and nothing saved; mesh.tied_apart at --merge)."""
+        ties = self.stages.ties
+        if not ties:
+            return
+        apart = torch.zeros(len(ties), dtype=torch.float64, device=self.device)
+        for t, (group, owner, copies) in enumerate(self.groups):
+            if not copies:
+                continue
+            values = [local(self.modules[k].get_parameter(key)).detach() for k, key in copies]
+            first = values[0].clone()  # the owner's, where this rank holds it
+            if group is not None:
+                dist.broadcast(first, src=owner, group=group)
+            for value in values:
+                if value.numel():
+                    gap = (value.double() - first.double()).abs().nan_to_num(0.0).max()
+                    apart[t] = torch.maximum(apart[t], gap)
+        dist.all_reduce(apart, op=dist.ReduceOp.MAX)
+        for t, gap in enumerate(apart.tolist()):
+            if gap > 0:
+                keys = " and ".join(key for _, key in ties[t])
+                stop(
+                    f"step {done}: the tied copies {keys} differ (by up to {gap:.3g}); they are "
+                    f"one parameter of {self.stages.training.name}, so nothing was saved"
+                )
 
     # -- the schedule -------------------------------------------------------------
 

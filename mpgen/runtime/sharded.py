@@ -50,6 +50,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .checkpoint import save as save_file
 from .data import one_line
+from .mesh import tied_apart
 
 MARKER = "COMPLETE"
 STEP = re.compile(r"step_(\d+)")
@@ -270,6 +271,9 @@ def merge(stages, where: str, out: str) -> None:
         keys = {key for stage in stages.stages for key in stage().state_dict()}
     if set(state) != keys:
         sys.exit(f"--merge: {path} is not a checkpoint of {stages.training.name}")
+    apart = tied_apart(state, stages.ties)
+    if apart:
+        sys.exit(f"--merge: {path}: {apart}; they are one parameter of the model, so nothing was written")
     try:
         save_file(state, pathlib.Path(out))
     except OSError as error:

@@ -156,3 +156,66 @@ def test_a_checkpoint_of_one_replica_resumes_onto_two(single, tmp_path, mode):
     trained = torch.load(single / "last.pt", weights_only=True)["model"]
     for key, value in trained.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
+
+
+class _Half(torch.nn.Module):
+    """A stage of a model whose a.weight and b.weight are one tied parameter."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.add_module(name, torch.nn.Linear(4, 4, bias=False))
+
+
+def _tied_stages():
+    class A(_Half):
+        def __init__(self) -> None:
+            super().__init__("a")
+
+    class B(_Half):
+        def __init__(self) -> None:
+            super().__init__("b")
+
+    return dataclasses.replace(STAGES, stages=(A, B), ties=(((0, "a.weight"), (1, "b.weight")),))
+
+
+def test_merge_refuses_tied_copies_that_differ(tmp_path):
+    stages = _tied_stages()
+    weight = torch.randn(4, 4)
+    model = {"a.weight": weight, "b.weight": weight + 0.25}
+    dcp.save({"model": model}, checkpoint_id=tmp_path / "step_3")
+    (tmp_path / "step_3" / sharded.MARKER).write_text("step 3\n")
+    with pytest.raises(SystemExit) as stopped:
+        sharded.merge(stages, str(tmp_path), str(tmp_path / "model.pt"))
+    assert str(stopped.value) == (
+        f"--merge: {tmp_path / 'step_3'}: the tied copies a.weight and b.weight differ (by up to "
+        "0.25); they are one parameter of the model, so nothing was written")
+    assert not (tmp_path / "model.pt").exists()
+    model["b.weight"] = weight.clone()  # equal: merged
+    dcp.save({"model": model}, checkpoint_id=tmp_path / "step_4")
+    (tmp_path / "step_4" / sharded.MARKER).write_text("step 4\n")
+    sharded.merge(stages, str(tmp_path), str(tmp_path / "model.pt"))
+    assert torch.equal(torch.load(tmp_path / "model.pt", weights_only=True)["b.weight"], weight)
+
+
+def test_a_save_refuses_tied_copies_on_one_rank_that_differ(tmp_path):
+    # zbv's V puts both copies on one rank; they drifted apart under DDP and were saved.
+    stages = _tied_stages()
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        modules = {0: stages.stages[0](), 1: stages.stages[1]()}
+        copies = [(0, "a.weight"), (1, "b.weight")]
+        engine = type("Engine", (), {})()  # the parts of a Pipelined that check_ties reads
+        engine.stages, engine.modules, engine.device = stages, modules, torch.device("cpu")
+        engine.groups = [(None, 0, copies)]
+        pipeline.sync_ties(engine.groups, modules, gradients=False)
+        pipeline.Pipelined.check_ties(engine, 5)  # equal: nothing to say
+        with torch.no_grad():
+            modules[1].b.weight[0, 0] += 0.5
+        with pytest.raises(SystemExit) as stopped:
+            pipeline.Pipelined.check_ties(engine, 5)
+        assert str(stopped.value) == (
+            "step 5: the tied copies a.weight and b.weight differ (by up to 0.5); they are one "
+            "parameter of Tiny, so nothing was saved")
+    finally:
+        torch.distributed.destroy_process_group()

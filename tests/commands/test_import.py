@@ -11,6 +11,7 @@ parameters by position (``zip(original.parameters(), generated.parameters())``).
 from __future__ import annotations
 
 import importlib
+import sys
 import textwrap
 from pathlib import Path
 
@@ -428,3 +429,49 @@ def test_devices_is_bounded_in_one_line(project):
     assert ran.returncode == 2 and "Traceback" not in ran.stderr
     assert ran.stderr == ("--devices 101010101010101010: expected a number of GPUs "
                           "from 1 to 4096\n")
+
+
+LANGUAGE_MODELS = '''
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+
+    def __init__(self, vocab=40, dim=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx):
+        return self.head(self.wte(idx))
+'''
+
+
+@pytest.mark.parametrize("seq", ["seq", "12"])
+def test_a_language_model_gets_cross_entropy_over_its_last_dim(tmp_path, seq):
+    (tmp_path / "lms.py").write_text(LANGUAGE_MODELS, encoding="utf-8")
+    ran = mpgen("import", "lms:TinyLM", "--input", f"idx=batch,{seq}:int64", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.endswith(
+        f"\ntrain:\n  loss: {{op: CrossEntropyLoss, class_dim: -1}}  # logits [batch, {seq}, 40], "
+        "a class per token id\n")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(ran.stdout, encoding="utf-8")
+    build_to(spec, tmp_path / "out", CPU)
+    for name in [m for m in sys.modules if m == "tiny_lm" or m.startswith("mpgen_runtime")]:
+        del sys.modules[name]  # the other case's model and runtime
+    training = import_generated(tmp_path / "out" / "train_tiny_lm.py").TRAINING
+    assert training.shapes == (("batch", seq if seq == "seq" else 12),) * 2
+    assert training.dtypes == ("int64", "int64")  # targets shaped like the token ids
+    import mpgen_runtime
+
+    ids = torch.randint(0, 40, (8, 12))
+    torch.save({"idx": ids, "target": ids.roll(-1, 1)}, tmp_path / "tokens.pt")
+    mpgen_runtime.train(training, ["--data", str(tmp_path / "tokens.pt"), "--steps", "2",
+                                   "--batch-size", "4", "--log-dir", str(tmp_path / "runs")])
+
+
+def test_a_model_of_no_known_kind_gets_no_train_section(project):
+    text = imported(project, "ResidualCNN", "x=batch,3,32,32")
+    assert "\ntrain:" not in text  # the defaults, MSELoss against targets shaped like the output

@@ -1131,3 +1131,18 @@ def test_the_pipeline_script_of_a_flattened_target_says_why_it_cannot_run(tmp_pa
     assert ("the target of logp [seq*batch] holds its samples inside seq*batch, which the "
             "schedule cannot split into micro-batches") in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_a_spec_without_train_refuses_token_id_targets_in_one_line(tmp_path_factory, here,
+                                                                   capsys):
+    # No train: the default MSELoss, whose targets are shaped like the logits.
+    built = build(tmp_path_factory, "\n".join([
+        "mpgen: 1", "name: LoopNoTrain", "inputs:",
+        "  idx: {shape: [batch, seq], dtype: int64}", "layers:",
+        "  wte: {op: Embedding, args: [10, 8]}", "  head: {op: Linear, args: [8, 10]}", ""]))
+    ids = torch.randint(0, 10, (8, 5))
+    save(here / "tokens.pt", {"idx": ids, "target": ids})
+    run = main(built, capsys, "--data", "tokens.pt", "--steps", "1")
+    assert run.code == ("tokens.pt: target is [8, 5], 8 samples of [5]; the spec's target is "
+                        "[batch, seq, 10], a sample [seq, 10] (with seq = 5 from the other keys)")
+    assert "step 1/1" in ok(built, capsys, "--steps", "1").out  # its synthetic targets fit

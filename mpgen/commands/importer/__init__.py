@@ -93,7 +93,7 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
         total = sum(p.numel() for p in root.parameters())
         text = spec_text(root, "TorchDynamo", captured.inputs, blocks.imports, blocks.lines,
                          top.layers, top.outputs, command, devices, blocks.split(total))
-        check_builds(text, time_limit, captured.inputs)
+        text = check_builds(text, time_limit, captured.inputs)
         return Imported(text, name, len(top.layers), tuple(blocks.notes), blocks.renamed)
     importer = Importer(root, inputs)
     importer.run()
@@ -116,5 +116,5 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
     layers, blocks = fold_blocks(layers, importer, model_name(type(root)))
     layers = fold_repeats(layers, importer)
     text = render(root, importer, layers, blocks, command, devices)
-    check_builds(text, time_limit)
+    text = check_builds(text, time_limit)
     return Imported(text, model_name(type(root)), len(layers), tuple(notes))

@@ -64,15 +64,46 @@ def spec_text(root: nn.Module, tracer: str, inputs: list, imports: Iterable[str]
     return "\n".join(lines) + "\n"
 
 
-def check_builds(text: str, time_limit: Optional[float], inputs: Sequence = ()) -> None:
+def train_lines(graph) -> list[str]:
+    """A ``train:`` that fits the imported model, or none (the defaults:
+    MSELoss against targets shaped like the output): a language model's
+    logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]`` train with
+    cross-entropy over the last dim, their targets shaped like the ids."""
+    tokens = [t for t in graph.inputs if not t.type.dtype.startswith(("float", "bfloat"))]
+    for name in graph.outputs:
+        out = graph.type_of(name)
+        if out is None or not out.dtype.startswith(("float", "bfloat")):
+            continue
+        if (len(out.shape) >= 2 and isinstance(out.shape[-1], int)
+                and any(t.type.shape == out.shape[:-1] for t in tokens)):
+            loss = "{op: CrossEntropyLoss, class_dim: -1}"
+            if len(graph.outputs) > 1:
+                loss = f"{{{name}: {loss}}}"
+            return ["", "train:", f"  loss: {loss}  # logits {out}, a class per token id"]
+    return []
+
+
+def check_builds(text: str, time_limit: Optional[float], inputs: Sequence = ()) -> str:
     """Compile the spec; a failure is mpgen import's, reported as such (with
     a hint where a symbolic dim of ``inputs`` other than ``batch`` may be
-    the cause)."""
+    the cause). The text returned has a ``train:`` where one fits the model
+    (:func:`train_lines`; compiled again with it)."""
+    graph = _compiled(text, time_limit, inputs)
+    extra = train_lines(graph)
+    if not extra:
+        return text
+    text += "\n".join(extra) + "\n"
+    _compiled(text, time_limit, inputs)
+    return text
+
+
+def _compiled(text: str, time_limit: Optional[float], inputs: Sequence):
+    """The spec's graph, compiled for the CPU; raises MpgenError (check_builds)."""
     with tempfile.TemporaryDirectory(prefix="mpgen-import-") as folder:
         path = Path(folder) / "imported.yaml"
         path.write_text(text, encoding="utf-8")
         try:
-            driver.compile_spec(path, {"*": "cpu"}, root=folder, time_limit=time_limit)
+            return driver.compile_spec(path, {"*": "cpu"}, root=folder, time_limit=time_limit)
         except MpgenError as exc:
             shown = str(exc).replace(str(path), "<imported spec>")
             lines = text.splitlines()

@@ -29,6 +29,7 @@ from helpers import ROOT, mpgen, mpgen_process
 from test_user_modules import GATE  # a small nn.Module class
 from mpgen.compiler import driver
 from mpgen.compiler.frontend import imports, ops
+from mpgen.errors import MpgenError
 
 #: Slow: most builds here run a user module, in a child interpreter of its own.
 pytestmark = pytest.mark.slow
@@ -265,13 +266,16 @@ def test_a_module_in_a_working_directory_outside_the_project_is_refused(project,
                     f"spec's project ({project.root}); {HOW}", spec=str(spec))
 
 
-def test_the_spec_folder_comes_before_the_project_root(project):
+def test_a_module_in_the_spec_folder_and_at_the_project_root_is_refused(project):
+    # The generated code would import whichever comes first on its path (the
+    # root under `python -m pytest` run there), not necessarily the one vetted.
     project.module("probe.py", GATE + "\nWHERE = 'specs'\n", marked=False)
     (project.root / "probe.py").write_text(GATE + "\nWHERE = 'root'\n")
-    graph = driver.compile_spec(project.spec("probe.Gate"))
-    assert graph.nodes[0].op.target.__module__ == "probe"
-    assert sys.modules["probe"].WHERE == "specs"
-    del sys.modules["probe"]
+    with pytest.raises(MpgenError, match="there are two modules named 'probe' in the project, "
+                                         "in .*specs and in .*; the generated code imports "
+                                         "whichever comes first on its path"):
+        driver.compile_spec(project.spec("probe.Gate"))
+    assert "probe" not in sys.modules
     (project.specs / "probe.py").unlink()
     driver.compile_spec(project.spec("probe.Gate"))
     assert sys.modules["probe"].WHERE == "root"
@@ -345,9 +349,10 @@ def test_a_compiled_module_beside_the_source_is_refused(project, compiled, modul
                     "imports only Python source)")
 
 
-def test_a_bytecode_cache_is_never_read(project, tmp_path):
-    """An unchecked-hash .pyc in __pycache__ is what a plain import runs,
-    whatever the source says; mpgen runs the source it checked."""
+def test_a_forged_bytecode_cache_is_refused_and_never_read(project, tmp_path):
+    """An unchecked-hash .pyc in __pycache__ is what a plain import (the
+    generated code's) runs, whatever the source says: refused, and never
+    read by mpgen, which runs the source it checked."""
     project.module("evil.py", GATE, marked=False)
     forged = tmp_path / "forged" / "evil.py"
     forged.parent.mkdir()
@@ -360,7 +365,12 @@ def test_a_bytecode_cache_is_never_read(project, tmp_path):
     assert project.marker.exists(), "the forged cache is not what a plain import runs"
     project.marker.unlink()
     ran = project.build("evil.Gate")
-    assert ran.returncode == 0, ran.stderr
+    assert (ran.returncode, ran.stdout) == (2, "")
+    assert ran.stderr == (
+        f"specs/s.yaml:6:11: layer 'a': 'evil.Gate': __pycache__/{Path(cache).name} is a "
+        "hash-based bytecode cache (Python writes none of its own), which Python would run "
+        "instead of evil.py, the source mpgen checked; remove it (git rm --cached), and keep "
+        "__pycache__/ out of the repository (.gitignore)\n")
     assert not project.marker.exists()
 
 

@@ -657,6 +657,9 @@ class Loss:
     #: its inner one (``r*B + b``, sequence-first); None: the target's own
     #: batch dim, or none (``analysis.targets``).
     flat_batch: Optional[tuple[int, int]] = None
+    #: False: the default loss of a spec that writes no ``train.loss``
+    #: (MSELoss on every output), which leaves out an output without gradients.
+    written: bool = True
 
     module: Optional[str] = None  # a user's loss class: its module, which the script imports
 

@@ -41,6 +41,15 @@ def infer_targets(graph: Graph) -> Graph:
     for loss in graph.train.losses:
         out = graph.type_of(loss.output)
         shape = out.shape if out else ()
+        if out is not None and loss.module is None and not _floating(out.dtype):
+            if not loss.written and any(_floating(graph.type_of(other.output).dtype)
+                                        for other in graph.train.losses):
+                continue  # the default loss trains the outputs that carry gradients
+            errors.add(loss.pos, f"train.loss: {loss.op} needs a floating-point output to train through, but "
+                       f"{loss.output!r} {out} is {out.dtype}: no gradient flows back through "
+                       "it; give the loss the floating-point output before the argmax, "
+                       "comparison or cast, or leave this output out of train.loss")
+            continue
         if loss.target != "classes":
             target = dataclasses.replace(loss, target_type=TensorType(tuple(shape)))
         else:
@@ -116,12 +125,16 @@ def _scores_per_position(graph: Graph, out: TensorType) -> Optional[tuple[str, T
         return None
     for t in graph.inputs:
         given = t.type.shape
-        floating = t.type.dtype.startswith(("float", "bfloat"))
+        floating = _floating(t.type.dtype)
         if (not floating and given == shape[:-1]) or (
                 floating and len(given) == len(shape) and given[:-1] == shape[:-1]
                 and given[-1] != shape[-1]):
             return t.name, t.type
     return None
+
+
+def _floating(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
 
 
 def _is_batch(dim) -> bool:

@@ -142,7 +142,7 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
         call, path = per_output[out]
         loss = _loss(graph, out, call, path, source, errors, project)
         if loss is not None:
-            losses.append(loss)
+            losses.append(dataclasses.replace(loss, written="loss" in spec.model_fields_set))
     before = len(errors.errors)
     optimizer, optimizer_module = _optimizer_class(spec.optimizer.op, source, errors, project)
     lr, opt_kwargs = _optimizer(spec.optimizer, optimizer, source, errors)
@@ -182,6 +182,7 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
         eval_every=spec.eval_every, eval_split=float(spec.eval_split), samples=spec.samples,
         workers=spec.workers, optimizer_module=optimizer_module,
         weight_decay=_weight_decay(optimizer, spec.optimizer.kwargs),
+        dims_given=tuple(name for name in dims if name in spec.dims or name == "batch"),
     )
     return dataclasses.replace(graph, train=train, dims=train.dims)
 

@@ -352,8 +352,10 @@ def class_loss(tmp_path, inputs: str, layer: str, loss: str = "CrossEntropyLoss"
     # [batch, seq, vocab]: dim 1 is symbolic, the last a number: language models
     ("[batch, seq, 8]", "{op: Linear, args: [8, 65]}", "CrossEntropyLoss", 2, 65, True),
     ("[batch, seq, 8]", "{op: Linear, args: [8, 65]}", "MultiMarginLoss", 2, 65, True),
-    # a fixed sequence length: dim 1 by default, the last when the spec says so
-    ("[batch, 64, 8]", "{op: Linear, args: [8, 65]}", "CrossEntropyLoss", 1, 64, False),
+    # dim 1 of a fixed size by default ([batch, C, L]: classes per position); an output
+    # of scores per position of its input ([batch, 64, 65] of [batch, 64, 8]) must say
+    # which (tests/errors/train_class_dim_per_token.yaml), the last when the spec says so
+    ("[batch, 4, 64]", "{op: Conv1d, args: [4, 65, 1]}", "CrossEntropyLoss", 1, 65, False),
     ("[batch, 64, 8]", "{op: Linear, args: [8, 65]}", "{op: CrossEntropyLoss, class_dim: -1}",
      2, 65, True),
     ("[batch, 64, 8]", "{op: Linear, args: [8, 65]}", "{op: CrossEntropyLoss, class_dim: 2}",

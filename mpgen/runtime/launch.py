@@ -1,10 +1,22 @@
 """Starting and ending a pipeline run's processes: this rank's device, the
 rendezvous store of a torchrun attempt, the checkpoint folder before a run,
-and the one line a rank that lost the others ends with."""
+and the one line a rank that lost the others ends with.
+
+# NOTE: [A lost rank]
+# When a collective or a send fails, every rank still running writes
+# mpgen/running/RANK in the attempt's store (torchrun's, which outlives its
+# workers) and waits a few seconds for the others' word. A rank that has
+# not said so may only be slower to notice (a loaded machine, a longer
+# collective): it is named gone only if its heartbeat (mpgen/beat/RANK, one
+# more every BEAT seconds from a thread of its own) did not move during
+# that wait and a confirmation round as long. A killed rank, or one stopped
+# (SIGSTOP), beats no more; a live one keeps beating while it waits.
+"""
 
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from datetime import timedelta
 from os import environ
@@ -37,12 +49,22 @@ def check_devices(stages: Stages) -> torch.device:
     return device
 
 
+#: The store of this attempt, where each rank's heartbeat is counted (None:
+#: not under torchrun's agent; lost() then waits for the ranks' word alone).
+ATTEMPT: list = [None]
+
+#: Seconds between two of a rank's heartbeats.
+BEAT = 0.5
+
+
 def attempt_store(wait: timedelta) -> dict:
     """The store of this attempt, where torchrun's agent shares its own with
-    the workers: keys under the restart count, so that workers restarted by
-    --max-restarts do not read the addresses the killed ones left there
-    (pytorch/pytorch#135712: init_process_group then connects to them and
-    fails). Elsewhere: none, init_process_group's own."""
+    the workers: keys under the attempt every node agrees on (attempt()),
+    so that workers restarted by --max-restarts do not read the addresses
+    the killed ones left there (pytorch/pytorch#135712: init_process_group
+    then connects to them and fails). A thread counts this rank's
+    heartbeats there (NOTE [A lost rank]). Elsewhere: none,
+    init_process_group's own."""
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {}
     shared = dist.TCPStore(
@@ -51,13 +73,36 @@ def attempt_store(wait: timedelta) -> dict:
         is_master=False,
         timeout=wait,
     )
-    attempt = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"mpgen/attempt_{attempt}", shared)
-    return {
-        "store": store,
-        "rank": int(environ["RANK"]),
-        "world_size": int(environ["WORLD_SIZE"]),
-    }
+    rank = int(environ["RANK"])
+    store = dist.PrefixStore(f"mpgen/{attempt(shared, rank)}", shared)
+    ATTEMPT[0] = store
+    threading.Thread(target=beat, args=(store, rank), daemon=True).start()
+    return {"store": store, "rank": rank, "world_size": int(environ["WORLD_SIZE"])}
+
+
+def attempt(store, rank: int) -> str:
+    """This attempt's name, the same on every node: how many times this rank
+    has started in the job (a counter in the store, which outlives the
+    workers). TORCHELASTIC_RESTART_COUNT is not the same on every node: a
+    node whose worker failed restarts with count 1, the others (restarted
+    because a node rejoined) with 0. Every rendezvous round starts every
+    rank once, so the counters agree, provided every rank of each earlier
+    round got this far (a worker killed before it leaves its rank one
+    behind: the ranks then wait --timeout and stop, as before)."""
+    return f"attempt_{store.add(f'mpgen/starts/{rank}', 1)}"
+
+
+def beat(store, rank: int) -> None:
+    """This rank's heartbeat: one more every BEAT seconds while the process
+    runs (a daemon thread; collectives release the GIL while they wait),
+    until the store is gone."""
+    key = f"mpgen/beat/{rank}"
+    while True:
+        try:
+            store.add(key, 1)
+        except Exception:  # the job's store went, or the process ends
+            return
+        time.sleep(BEAT)
 
 
 def prepare(folder: str) -> None:
@@ -78,22 +123,14 @@ def prepare(folder: str) -> None:
 def lost(grid: mesh.Mesh, error: BaseException, wait: float = 3.0) -> None:
     """A collective or a send failed: another rank stopped, or hangs past
     --timeout. Every rank that is still running says so in the job's store
-    (torchrun's, which outlives its workers) and names the ranks that did
-    not, in one line."""
+    and names the ranks that are really gone, in one line (NOTE [A lost rank])."""
     text = one_line(error)
     words = ("connection", "timed out", "timeout", "closed", "peer", "gloo", "nccl")
     if not any(word in text.lower() for word in words):
         raise error
     gone = ""
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"mpgen/running/{grid.rank}", "1")
-        world = dist.get_world_size()
-        keys = [f"mpgen/running/{r}" for r in range(world)]
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and not store.check(keys):
-            time.sleep(0.1)
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        missing = silent(grid.rank, dist.get_world_size(), wait)
         if missing:
             gone = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} stopped or hung; "
     except Exception:  # the store went with the job: name no rank
@@ -102,3 +139,29 @@ def lost(grid: mesh.Mesh, error: BaseException, wait: float = 3.0) -> None:
         f"{grid.where()}: {gone or 'another rank stopped or hung; '}lost contact ({text[:160]}); "
         "relaunch with --resume to continue from the last complete checkpoint"
     )
+
+
+def silent(rank: int, world: int, wait: float) -> list[int]:
+    """The ranks that are gone: neither said they are running within
+    ``wait`` seconds nor beat while this rank waited for them and then for
+    a confirmation round of as long again (NOTE [A lost rank])."""
+    store = ATTEMPT[0] or dist.distributed_c10d._get_default_store()
+    store.set(f"mpgen/running/{rank}", "1")
+    running = [f"mpgen/running/{r}" for r in range(world)]
+    beats = [f"mpgen/beat/{r}" for r in range(world)]
+    counts = [store.add(key, 0) for key in beats]  # where each rank's beat is now
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline and not store.check(running):
+        time.sleep(0.1)
+    missing = [r for r in range(world) if not store.check([running[r]])]
+    if not missing or ATTEMPT[0] is None:  # no heartbeats to ask
+        return missing
+    deadline = time.monotonic() + max(wait, 4 * BEAT)  # the confirmation round
+    while missing and time.monotonic() < deadline:
+        missing = [
+            r
+            for r in missing
+            if not store.check([running[r]]) and store.add(beats[r], 0) == counts[r]
+        ]
+        time.sleep(0.1)
+    return missing

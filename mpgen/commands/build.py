@@ -7,6 +7,7 @@ module imports the compiler (torch, jinja2, black) only when a spec needs it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import shlex
 import sys
@@ -105,8 +106,41 @@ def check_specs(paths: Iterable[str | Path], out_dir: str | Path,
                 time_limit: TimeLimit = ...) -> tuple[list[Built], Differences]:
     """:func:`check`, and each spec as it was checked (``ran_user_code``:
     its check ran the project's own code, in a child process)."""
+    before = _state(Path(out_dir))
     built = _gather(list(paths), Path(out_dir), device_map, root, time_limit)
-    return built, diff_files(Path(out_dir), _files(built), _specs(built))
+    differences = diff_files(Path(out_dir), _files(built), _specs(built))
+    if any(b.ran_user_code for b in built) and _state(Path(out_dir)) != before:
+        raise MpgenError(None, f"{escaped(str(out_dir))}: its files changed while check ran the "
+                         "project's own code (a spec's module wrote there); check judges the "
+                         "tree as it was before, so run it again on an unchanged tree")
+    return built, differences
+
+
+def _state(out_dir: Path) -> Optional[list[tuple]]:
+    """Every entry under ``out_dir`` as ``lstat`` sees it (kind, inode,
+    size, times of change): what check compares, taken before any child
+    runs the project's code and again after, so that a child that writes
+    there cannot change what check judges (NOTE [A contained child] in
+    ``commands/isolate.py``: where the child cannot be given a read-only
+    tree). A change of content changes ``st_ctime_ns``, which no call can
+    set back. None where ``out_dir`` is not there."""
+    import os
+
+    found = []
+
+    def add(path: str) -> None:
+        with contextlib.suppress(OSError):
+            st = os.lstat(path)
+            found.append((path, st.st_mode, st.st_ino, st.st_size, st.st_mtime_ns,
+                          st.st_ctime_ns))
+
+    if not out_dir.is_dir():
+        return None
+    for folder, dirs, names in os.walk(out_dir):
+        dirs.sort()
+        for name in sorted(dirs + names):
+            add(os.path.join(folder, name))
+    return found
 
 
 def _write(out_dir: Path, built: list[Built], device_map: Optional[Mapping[str, str]],
@@ -256,8 +290,10 @@ def _compile(paths: list[str | Path], device_map: Optional[Mapping[str, str]],
 
     errors = Collector()
     built: list[Built] = []
-    for path in paths:
-        text = spec_text(path)
+    # Every spec read before any of them runs code: one spec's module
+    # cannot change what another's check reads (NOTE [User code in a child]).
+    texts = [spec_text(path) for path in paths]
+    for path, text in zip(paths, texts):
         facts = None if out_dir is None else child_facts(path, text)
         try:
             if facts is None:

@@ -13,8 +13,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import shutil
+import signal
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -113,14 +117,14 @@ def test_a_module_that_ignores_the_cpu_signal_is_killed(tmp_path):
 
 
 def test_the_module_sees_no_secret_of_the_environment(tmp_path, monkeypatch):
-    root = project(tmp_path, "import os, json; json.dump(sorted(os.environ), "
-                             "open('seen.json', 'w'))")
+    kept = isolate.KEPT_ENVIRONMENT
+    root = project(tmp_path, "import os; seen = sorted(n for n in os.environ if n not in "
+                             f"{kept!r} and not n.startswith('LC_'))\n"
+                             "        assert not seen, f'saw {seen}'")
     for name in ("GH_TOKEN", "GITHUB_TOKEN", "ACTIONS_RUNTIME_TOKEN", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.setenv(name, "secret")
     result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
-    assert result.returncode == 0, result.stderr
-    seen = set((root / "seen.json").read_text().strip("[]").replace('"', "").split(", "))
-    assert seen <= set(isolate.KEPT_ENVIRONMENT)
+    assert result.returncode == 0, result.stderr  # the module's assert held
     assert result.stderr == ("spec.yaml: note: checking it ran the project's own code (the "
                              "modules its spec names), in a child process without this "
                              "environment's variables; review changes to that code as code\n")
@@ -147,6 +151,165 @@ def test_a_spec_without_code_of_its_own_is_built_in_process(tmp_path, monkeypatc
     write_spec(tmp_path, SPEC.replace("gates.Gate, args: [8]", "Linear, args: [8, 8]"))
     monkeypatch.setattr(isolate, "generate", None)  # would fail if called
     assert mpgen("build", "spec.yaml", "-o", "out", cwd=tmp_path).returncode == 0
+
+
+# -- a contained child (NOTE [A contained child]) ------------------------------------
+
+#: A module's code that starts a grandchild in a session of its own, which
+#: would live 120 s, its command line marked with ``{marker}``.
+GRANDCHILD = ("import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+              "'import time; time.sleep(120)', '{marker}'], start_new_session=True, "
+              "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
+#: A module's code that sleeps and computes by turns, for ever: neither the
+#: CPU limits nor the idle watchdog stop it.
+SLEEP_AND_BURN = ("import time\n"
+                  "        while True:\n"
+                  "            time.sleep(3); end = time.process_time() + 0.05\n"
+                  "            while time.process_time() < end: pass")
+
+
+def marked(marker: str) -> list[int]:
+    """The live processes whose command line holds ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{name}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        found.append(int(name))
+    return found
+
+
+def alive(pids) -> list[int]:
+    """Those of ``pids`` still running (a zombie is not)."""
+    table = isolate._processes()
+    return [p for p in pids if p in table and table[p][1] != b"Z"]
+
+
+def wait_until(condition, seconds: float = 120):
+    """Poll ``condition`` until it holds (its value) or ``seconds`` pass (a failure)."""
+    deadline = time.monotonic() + seconds
+    while not (value := condition()):
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.05)
+    return value
+
+
+def check_process(root, *args, env=None) -> subprocess.Popen:
+    """``mpgen check`` of the project in a process of its own."""
+    return subprocess.Popen([sys.executable, "-m", "mpgen", "check", "spec.yaml", "-o", "out",
+                             *args], cwd=root, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_grandchild_in_a_session_of_its_own_does_not_outlive_check(tmp_path):
+    marker = f"mpgen-grandchild-{uuid.uuid4().hex}"
+    root = project(tmp_path, GRANDCHILD.format(marker=marker))
+    check = check_process(root)
+    started = wait_until(lambda: marked(marker))  # the grandchild runs
+    out, err = check.communicate(timeout=300)
+    assert check.returncode == 0, err  # the module otherwise behaves
+    assert alive(started) == [] and marked(marker) == []  # gone before check returned
+
+
+def test_a_module_that_sleeps_and_computes_by_turns_is_stopped_by_the_wall_clock_cap(tmp_path):
+    root = project(tmp_path, SLEEP_AND_BURN)
+    result = mpgen("check", "spec.yaml", "-o", "out", "--time-limit", "1", cwd=root)
+    cap = isolate.STARTUP_CPU_SECONDS + 1 + 2 * isolate.GRACE_CPU_SECONDS + isolate.WALL_SECONDS
+    assert result.returncode == 2
+    assert result.stderr == (
+        f"spec.yaml:6:3: building this spec runs code of the project's own, in a child "
+        f"process, which was stopped after {cap:g} s of wall-clock time before it reported a "
+        "result\n")
+
+
+def test_killing_check_takes_the_child_and_its_descendants_with_it(tmp_path):
+    marker = f"mpgen-grandchild-{uuid.uuid4().hex}"
+    root = project(tmp_path, GRANDCHILD.format(marker=marker) + "\n        " + SLEEP_AND_BURN)
+    check = check_process(root)
+    wait_until(lambda: marked(marker))
+    table = isolate._processes()
+    tree = isolate._descendants([check.pid], table) - {check.pid}
+    assert set(marked(marker)) <= tree  # the grandchild is under check, as is the build
+    check.kill()
+    check.communicate()
+    wait_until(lambda: not alive(tree), seconds=60)
+
+
+def test_a_module_that_copies_the_right_file_over_a_committed_payload_cannot_pass(
+        tmp_path, monkeypatch):
+    """The child sees the tree read-only; where it cannot be given one, check
+    compares the output folder with what it held before the child ran."""
+    root = project(tmp_path, "import shutil\n"
+                             "        try: shutil.copy('good.py', 'out/gated.py')\n"
+                             "        except OSError: pass")
+    shutil.copy(root / "out" / "gated.py", root / "good.py")
+    stale(root)
+    payload = (root / "out" / "gated.py").read_text()
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 1  # the payload is reported
+    assert "-os.system('touch pwned')" in result.stdout
+    assert (root / "out" / "gated.py").read_text() == payload
+    monkeypatch.setattr(isolate, "USE_NAMESPACES", False)  # a system without namespaces
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 2
+    assert result.stderr.startswith(
+        "out: its files changed while check ran the project's own code (a spec's module wrote "
+        "there); check judges the tree as it was before, so run it again on an unchanged tree\n")
+
+
+def test_a_module_cannot_stop_check(tmp_path):
+    """SIGSTOP to its parent, and to every process it can see."""
+    root = project(tmp_path, "import os, signal\n"
+                             "        for pid in {os.getppid(), *map(int, filter(str.isdigit, "
+                             "os.listdir('/proc')))} - {os.getpid()}:\n"
+                             "            try: os.kill(pid, signal.SIGSTOP)\n"
+                             "            except OSError: pass")
+    check = check_process(root)
+    try:
+        out, err = check.communicate(timeout=300)
+    finally:
+        check.kill()
+    assert check.returncode == 0, err
+
+
+def test_what_the_child_prints_is_kept_bounded(tmp_path, monkeypatch):
+    root = project(tmp_path, "import sys\n"
+                             "        for _ in range(400): sys.stderr.write('x' * (1 << 20))")
+    captures = []
+
+    class Recorded(isolate._Capture):
+        def __init__(self):
+            super().__init__()
+            captures.append(self)
+
+    monkeypatch.setattr(isolate, "_Capture", Recorded)
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr
+    [captured] = captures
+    assert captured.total >= 400 << 20
+    assert captured.kept == 2 * isolate.KEPT_STDERR
+
+
+def test_the_module_cannot_read_its_parents_environment(tmp_path):
+    secret = f"hunter2-{uuid.uuid4().hex}"
+    root = project(tmp_path, "import glob\n"
+                             "        for name in glob.glob('/proc/*/environ'):\n"
+                             "            try: data = open(name, 'rb').read()\n"
+                             "            except OSError: continue\n"
+                             f"            assert b'{secret}' not in data, name")
+    check = check_process(root, env={**os.environ, "MPGEN_TEST_SECRET": secret})
+    environ = Path(f"/proc/{check.pid}/environ")
+    assert secret.encode() in wait_until(environ.read_bytes)  # check's own holds it
+    out, err = check.communicate(timeout=300)
+    assert check.returncode == 0, out + err  # the module's assert held
 
 
 # -- what the parent takes from a child -------------------------------------------

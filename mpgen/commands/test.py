@@ -43,6 +43,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -111,7 +112,7 @@ def survey(out: str | Path) -> tuple[list[Path], dict[Path, str]]:
         shown = _shown(path)
         if entry.name in CACHES:
             continue
-        if entry.is_dir() and entry.name != RUNTIME:
+        if entry.is_dir() and entry.name != RUNTIME and entry.name.isidentifier():
             raise MpgenError(Position(shown), "a folder mpgen did not generate, which the "
                                               "generated tests could import; remove it (mpgen "
                                               "check reports it)")
@@ -206,22 +207,31 @@ def _run_one(suite: Suite, package: str, args: list[str]) -> int:
                        *args, *(str(out / name) for name in suite.tests)]
         config = {"out": str(out), "mpgen": package, "modules": suite.modules,
                   "tests": list(suite.tests), "args": pytest_args}
+        # The verdict comes back on a pipe of its own, with a secret the child
+        # reads before any test code runs: a test's output, or code that ends the
+        # interpreter with status 0, is not a verdict.
+        secret = secrets.token_hex(16).encode()
+        secret_read, secret_write = os.pipe()
+        os.write(secret_write, secret)
+        os.close(secret_write)
         read, write = os.pipe()
         try:
             child = subprocess.Popen(
                 [sys.executable, "-I", "-c", "import sys; from mpgen.commands.test import "
-                 "child; sys.exit(child(sys.argv[1:]))", json.dumps(config), str(write)],
-                env=env, pass_fds=(write,), stdin=subprocess.DEVNULL)
+                 "child; sys.exit(child(sys.argv[1:]))", json.dumps(config), str(secret_read),
+                 str(write)],
+                env=env, pass_fds=(secret_read, write), stdin=subprocess.DEVNULL)
         finally:
             os.close(write)
+            os.close(secret_read)
         with os.fdopen(read, "rb") as verdict_pipe:
             try:
-                verdict = verdict_pipe.read(64)
+                verdict = verdict_pipe.read(256)
                 code = child.wait()
             except KeyboardInterrupt:  # the child has it too (one process group)
                 child.wait()
                 raise
-    if code == 0 and verdict == b"passed\n":
+    if code == 0 and verdict == b"passed " + secret + b"\n":
         return 0
     if code == 0:
         _say(f"mpgen test: {_shown(suite.out)}: the test run ended without its verdict "
@@ -240,7 +250,9 @@ def _say(line: str) -> None:
 
 def child(argv: list[str]) -> int:
     """The child's side: the path, the origins, pytest, the verdict."""
-    config, verdict_fd = json.loads(argv[0]), int(argv[1])
+    config, verdict_fd = json.loads(argv[0]), int(argv[2])
+    with os.fdopen(int(argv[1]), "rb") as pipe:
+        secret = pipe.read(64)
     sys.dont_write_bytecode = True
     _serve_from_sources(config["modules"], config["out"])
     problem = _origins(config["mpgen"], config["out"], config["modules"])
@@ -256,7 +268,7 @@ def child(argv: list[str]) -> int:
         _say(f"mpgen test: {problem}")
     if code != 0 or problem:
         return 2 if code == pytest.ExitCode.USAGE_ERROR else 1
-    os.write(verdict_fd, b"passed\n")
+    os.write(verdict_fd, b"passed " + secret + b"\n")
     return 0
 
 

@@ -159,3 +159,22 @@ def test_a_missing_folder_or_one_without_tests_is_one_line(project):
         assert ran.returncode == 2
         assert ran.stderr.startswith(f"{folder}: {why}")
         assert len(ran.stderr.splitlines()) == 1
+
+
+def test_the_origins_of_pytest_torch_and_mpgen_testing_are_checked():
+    import torch
+
+    import mpgen
+    from mpgen.commands.test import _origins
+
+    package = str(Path(mpgen.__file__).resolve().parent)
+    assert _origins(package, "/nonexistent", {}) is None
+    # A folder of the project that holds torch (as a vetted module's folder would).
+    torch_folder = str(Path(torch.__file__).resolve().parent)
+    problem = _origins(package, "/nonexistent", {"torch": torch_folder})
+    assert problem.startswith(f"torch comes from {Path(torch.__file__).resolve()}, not from "
+                              "this interpreter's libraries")
+    # mpgen.testing of another mpgen.
+    problem = _origins("/elsewhere/mpgen", "/nonexistent", {})
+    assert problem.startswith("mpgen.testing comes from ")
+    assert problem.endswith("not from this mpgen (/elsewhere/mpgen)")

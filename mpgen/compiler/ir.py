@@ -752,6 +752,7 @@ class TrainConfig:
     workers: int = 0  # DataLoader worker processes
     optimizer_module: Optional[str] = None  # a user's optimizer class: its module
     weight_decay: Optional[float] = None  # the optimizer's, written or its default
+    dims_given: tuple[str, ...] = ()  # the symbolic dims train.dims (or batch_size) sizes
 
     @property
     def optimizer_callee(self) -> str:
@@ -940,6 +941,7 @@ class PipelineConfig:
     microbatches: int  # M: the generated forward splits the batch into M
     schedule: str = "1f1b"  # pp_<name>.py's default --schedule: one of SCHEDULES
     dp: int = 1  # pp_<name>.py's default --dp: replicas of the pipeline (data parallel)
+    sync_bn: bool = False  # pp_<name>.py's default --sync-bn (BatchNorm over the replicas)
     #: Devices whose layers are all checkpointed (``checkpoint: [cuda:1]``),
     #: as the spec names them (before --device-map).
     checkpoint: tuple[str, ...] = ()

@@ -44,6 +44,9 @@ HELP = {
     "dp_mode": "how replicas synchronise gradients: FSDP2's fully_shard (parameters, gradients and "
     "optimizer state sharded over the replicas) or DDP (replicated)",
     "timeout": "seconds a collective or a send may wait for another rank before every rank stops",
+    "sync_bn": "normalise each BatchNorm's micro-batch by the statistics of that micro-batch on every "
+    "--dp replica together (without: each replica's own; the running stats are averaged over the "
+    "replicas after each step either way)",
     "decay_steps": "the schedule's length in steps, whatever --steps stops at (default: the spec's train.steps, else the run's steps)",
     "log_dir": "where log.csv goes (default: --checkpoint's DIR, else runs/{})",
     "save_every": "also save every K steps (0: only at the end)",
@@ -95,6 +98,12 @@ def parser(
         )
         add("--dp", type=int, default=pipeline.dp, metavar="N", help=HELP["dp"])
         add("--dp-mode", choices=("fsdp", "ddp"), default="fsdp", help=HELP["dp_mode"])
+        add(
+            "--sync-bn",
+            action=argparse.BooleanOptionalAction,
+            default=pipeline.sync_bn,
+            help=HELP["sync_bn"],
+        )
         add(
             "--timeout",
             type=float,
@@ -176,7 +185,9 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             refuse(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
         most = MOST_SIZE if name in SIZES else MOST_COUNT
         if value is not None and value > most:
-            refuse(f"--{name.replace('_', '-')} must be at most {most:,}, got {value:,}")
+            refuse(
+                f"--{name.replace('_', '-')} must be at most {most:,}, got {value:,}"
+            )
     if given.get("timeout") is not None and not 0 < given["timeout"] <= MOST_TIMEOUT:
         refuse(
             f"--timeout must be a positive number of seconds, at most {MOST_TIMEOUT:.0f}, "

@@ -21,7 +21,8 @@ script.
 #                      weighs what it weighs in the whole batch.
 # The log's loss is the sum of those values over the replicas, over dp:
 # the mean of the K batches' losses, as the single-process script logs.
-# A batch-coupled layer (BatchNorm) still sees micro-batches, and differs.
+# A batch-coupled layer (BatchNorm) still sees micro-batches, and differs
+# (NOTE [BatchNorm under data parallelism] in batchnorm.py).
 
 # NOTE: [DDP and a split backward]
 # The zero-bubble schedules (interleaved-zb, zbv, dualpipev) split a
@@ -62,7 +63,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from . import checkpoint, flags, launch, mesh, normalise, sharded, timeline
+from . import batchnorm, checkpoint, flags, launch, mesh, normalise, sharded, timeline
 from .data import batches, epoch_batches, one_line, share, split_data, training_data
 from .loop import autocast, last_step, run, tokens_per_sample
 from .mesh import stop
@@ -265,6 +266,10 @@ class Pipelined:
             args.init and self.resumed is None
         ):  # a checkpoint holds the weights to resume
             self.initialise(args.init)
+        if args.sync_bn and args.dp > 1:  # NOTE [BatchNorm under data parallelism]
+            for k in mine:
+                modules[k] = batchnorm.SyncedBatchNorm.convert(modules[k], grid.dp_group)
+        self.norms = batchnorm.batch_norms(modules.values())
         self.groups = tie_groups(stages, grid)
         sync_ties(self.groups, modules, gradients=False)
         self.wrapped = {k: self.replicate(module) for k, module in modules.items()}
@@ -369,8 +374,12 @@ class Pipelined:
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device] if self.device.type == "cuda" else None
+            # No buffer broadcast: BatchNorm's running stats are averaged after each step.
             return DistributedDataParallel(
-                module, device_ids=ids, process_group=self.grid.dp_group
+                module,
+                device_ids=ids,
+                process_group=self.grid.dp_group,
+                broadcast_buffers=False,
             )
         from torch.distributed.fsdp import fully_shard
 
@@ -734,6 +743,8 @@ class Pipelined:
                         p.grad.mul_(scale)
         for optimizer in self.optimizers.values():
             optimizer.step()
+        if self.norms and args.dp > 1 and not args.sync_bn:
+            batchnorm.average_running_stats(self.norms, self.grid.dp_group, args.dp)
         # The loss (the last stages' sum over the replicas) and the stop flag, in one all_reduce.
         word = torch.stack(
             [total / args.dp, torch.tensor(float(bool(self.signals)), device=device)]

@@ -659,6 +659,11 @@ class PipelineSpec(_Model):
         "The default `--dp` of `pp_<name>.py`: replicas of the pipeline, each training its share "
         "of `train.batch_size` (data parallel); torchrun starts the schedule's ranks times `dp` "
         "processes (mpgen)."))
+    # mpgen extension: pp_<name>.py's default --sync-bn.
+    sync_bn: StrictBool = Field(False, description=(
+        "The default `--sync-bn` of `pp_<name>.py`: each BatchNorm normalises a micro-batch by "
+        "the statistics of that micro-batch on every `dp` replica together (without it each "
+        "replica uses its own; docs/pipelining.md) (mpgen)."))
     # mpgen extension: every layer placed on these devices is checkpointed.
     checkpoint: list[Device] = Field(default_factory=list, description=(
         "Devices whose module layers are all checkpointed (the spec's devices, before "

@@ -724,3 +724,119 @@ def test_a_stage_without_parameters_trains_saves_and_resumes_under_the_mesh(tmp_
     assert rest.returncode == 0, rest.stderr[-3000:]
     assert losses(tmp_path / "ck" / "log.csv") == pytest.approx(
         losses(tmp_path / "single" / "log.csv"), rel=1e-5)
+
+
+NORM_NET = """
+mpgen: 1
+name: NormNet
+
+inputs:
+  x: [batch, 8]
+
+layers:
+  l1: {op: Linear, args: [8, 16]}
+  bn1: {op: BatchNorm1d, args: [16]}
+  a1: {op: Tanh}
+  l2: {op: Linear, args: [16, 16]}
+  bn2: {op: BatchNorm1d, args: [16], momentum: 0.3}
+  l3: {op: Linear, args: [16, 4]}
+
+placement:
+  l1: cuda:0
+  l2: cuda:1
+
+pipeline: {microbatches: 1, schedule: gpipe, sync_bn: true}
+
+train:
+  loss: MSELoss
+  optimizer: {op: SGD, lr: 0.1}
+  batch_size: 8
+"""
+
+
+@pytest.fixture(scope="module")
+def norm(tmp_path_factory) -> Path:
+    """NormNet (two BatchNorms on two stages), its data, initial weights and
+    the single-process script's 3 steps of 8."""
+    out = tmp_path_factory.mktemp("norm")
+    build_to(write_spec(out, NORM_NET), out, CPU)
+    generator = torch.Generator().manual_seed(2)
+    torch.save({"x": torch.randn(32, 8, generator=generator) * 3 + 1,
+                "target": torch.randn(32, 4, generator=generator)}, out / "data.pt")
+    torch.manual_seed(0)
+    torch.save(import_generated(out / "norm_net.py").NormNet().state_dict(), out / "init.pt")
+    single = subprocess.run(
+        [sys.executable, "train_norm_net.py", "--data", "data.pt", "--init", "init.pt",
+         "--steps", "3", "--batch-size", "8", "--log-dir", "single", "--checkpoint", "single"],
+        cwd=out, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    return out
+
+
+def _merged(folder: Path, name: str) -> dict:
+    done = subprocess.run([sys.executable, "pp_norm_net.py", "--merge", name, f"{name}.pt"],
+                          cwd=folder, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return torch.load(folder / f"{name}.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_sync_bn_over_replicas_equals_the_single_process_script(norm, mode):
+    # The spec's default --sync-bn, one micro-batch per replica: each BatchNorm
+    # normalises by both replicas' samples together, as the script does by its batch.
+    assert import_generated(norm / "pp_norm_net.py").STAGES.sync_bn is True
+    name = f"sync_{mode}"
+    run = torchrun(4, norm / "pp_norm_net.py", "--dp", "2", "--dp-mode", mode, "--steps", "3",
+                   "--batch-size", "8", "--data", "data.pt", "--init", "init.pt",
+                   "--checkpoint", name)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert losses(norm / name / "log.csv") == pytest.approx(
+        losses(norm / "single" / "log.csv"), rel=1e-5, abs=1e-7)
+    state = _merged(norm, name)
+    single = torch.load(norm / "single" / "last.pt", weights_only=True)["model"]
+    assert set(state) == set(single)
+    for key, value in single.items():  # the running stats and num_batches_tracked too
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_without_sync_bn_the_replicas_running_stats_are_averaged(norm):
+    # Each replica normalises by its own samples (the losses differ from the
+    # script's); after each step the running stats become the replicas' mean.
+    # After one step the first BatchNorm's input is the script's, so its running
+    # mean is the script's (a mean of two equal halves); num_batches_tracked
+    # counts micro-batches.
+    single = subprocess.run(
+        [sys.executable, "train_norm_net.py", "--data", "data.pt", "--init", "init.pt",
+         "--steps", "1", "--batch-size", "8", "--log-dir", "single_1", "--checkpoint", "single_1"],
+        cwd=norm, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    run = torchrun(4, norm / "pp_norm_net.py", "--dp", "2", "--dp-mode", "ddp", "--no-sync-bn",
+                   "--steps", "1", "--batch-size", "8", "--data", "data.pt", "--init", "init.pt",
+                   "--checkpoint", "apart", "--microbatches", "1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    state = _merged(norm, "apart")
+    expected = torch.load(norm / "single_1" / "last.pt", weights_only=True)["model"]
+    torch.testing.assert_close(state["bn1.running_mean"], expected["bn1.running_mean"],
+                               rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(state["bn1.running_var"], expected["bn1.running_var"])
+    assert state["bn1.num_batches_tracked"].item() == 1
+    again = torchrun(4, norm / "pp_norm_net.py", "--dp", "2", "--no-sync-bn", "--steps", "3",
+                     "--batch-size", "8", "--data", "data.pt", "--init", "init.pt",
+                     "--checkpoint", "micro", "--microbatches", "2")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert _merged(norm, "micro")["bn2.num_batches_tracked"].item() == 6
+
+
+def test_the_build_notes_what_batch_norm_becomes_in_the_pipeline(tmp_path):
+    from mpgen.commands import build
+
+    spec = write_spec(tmp_path, NORM_NET.replace(
+        "pipeline: {microbatches: 1, schedule: gpipe, sync_bn: true}", ""))
+    notes = build.compiled(build_to(spec, tmp_path / "out", CPU), CPU).notes
+    [note] = [n for n in notes if "BatchNorm" in n]
+    assert re.match(r"\S+\.yaml:\d+:\d+: note: pp_norm_net\.py runs this BatchNorm and "
+                    r"1 more on micro-batches \(2 or more per replica", note), note
+    assert "num_batches_tracked counts micro-batches" in note
+    assert "--sync-bn" in note and "\n" not in note
+    exact = write_spec(tmp_path, NORM_NET, "exact.yaml")  # one micro-batch, synced: nothing to say
+    assert not build.compiled(build_to(exact, tmp_path / "exact", CPU), CPU).notes

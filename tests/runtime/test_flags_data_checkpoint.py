@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from types import SimpleNamespace
 
@@ -18,7 +19,7 @@ TRAIN_FLAGS = {"--steps", "--epochs", "--batch-size", "--lr", "--seed", "--log-e
 # Every flag of the single-process script that applies (not fp16's --amp: a
 # gradient scaler would span the ranks), and the pipeline's own.
 PIPELINE_FLAGS = TRAIN_FLAGS | {"--microbatches", "--schedule", "--decay-steps", "--merge",
-                                "--dp", "--dp-mode", "--timeout"}
+                                "--dp", "--dp-mode", "--timeout", "--sync-bn", "--no-sync-bn"}
 
 
 def options(parser) -> set[str]:
@@ -35,6 +36,11 @@ def test_each_script_has_its_flags_with_the_specs_defaults():
     decaying = training(defaults=TRAINING.defaults | {"decay_steps": 9})
     assert flags.parser(decaying).parse_args([]).decay_steps == 9
     assert flags.parser(TRAINING, STAGES).parse_args([]).decay_steps == 6
+    # --sync-bn's default is the spec's pipeline: {sync_bn: ...}
+    assert flags.parser(TRAINING, STAGES).parse_args([]).sync_bn is False
+    synced = dataclasses.replace(STAGES, sync_bn=True)
+    assert flags.parser(TRAINING, synced).parse_args([]).sync_bn is True
+    assert flags.parser(TRAINING, synced).parse_args(["--no-sync-bn"]).sync_bn is False
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -67,8 +67,8 @@ _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
 #: ``mpgen_runtime.Stages``' field defaults (mpgen/runtime/spec.py, which the
 #: compiler does not import: tests/runtime keeps the two equal); a field at
 #: its default is not written.
-STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2, "dp": 1, "costs": (), "transfers": (),
-                   "flops": 0.0}
+STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2, "dp": 1, "sync_bn": False, "costs": (),
+                   "transfers": (), "flops": 0.0}
 #: Significant digits of the per-sample costs (the same on every rebuild).
 COST_DIGITS = 4
 
@@ -345,7 +345,7 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     if ties != "()":
         fields.append(("ties", ties))
     given = {"schedule": pipeline.schedule, "microbatches": pipeline.microbatches,
-             "dp": pipeline.dp, **_per_sample(graph)}
+             "dp": pipeline.dp, "sync_bn": pipeline.sync_bn, **_per_sample(graph)}
     fields += [(key, _literal(value)) for key, value in given.items()
                if value != STAGES_DEFAULTS[key]]
     train_codegen.facts_and_run(w, n["STAGES"], f"{RUNTIME}.Stages", fields,
@@ -386,3 +386,36 @@ def _per_sample(graph: Graph) -> dict[str, object]:
     if flops:
         found["flops"] = per_sample(flops)
     return found
+
+
+def batch_norm_notes(graph: Graph) -> list[str]:
+    """``SPEC:LINE:COL: note: ...`` at the first BatchNorm of a model whose
+    pipeline program runs it on micro-batches or replicas by default: what
+    its statistics become there (NOTE [BatchNorm under data parallelism]
+    in the runtime's batchnorm.py); none where pp_<name>.py matches the
+    single-process script (one micro-batch, one replica or --sync-bn)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    norms = [node for node in (*graph.nodes, *(n for b in graph.blocks for n in b.nodes))
+             if isinstance(node.op.target, type) and issubclass(node.op.target, _BatchNorm)]
+    if not norms or graph.train is None:
+        return []
+    all_stages = stages(graph, graph.spec_plan)
+    if pipeline_problem(graph, all_stages):
+        return []
+    count = len(all_stages)
+    pipeline = graph.pipeline or PipelineConfig(microbatches=count)
+    least = max(pipeline.microbatches, count if pipeline.schedule == "1f1b" else 1)
+    if least == 1 and (pipeline.dp == 1 or pipeline.sync_bn):
+        return []
+    script, train = file_names(graph)["pp"], file_names(graph)["train"]
+    where = (f"over the {pipeline.dp} replicas together (sync_bn)" if pipeline.sync_bn else
+             "on its replica alone (pipeline: {sync_bn: true} or --sync-bn: over every replica's)")
+    return [f"{norms[0].pos}: note: {script} runs this BatchNorm"
+            f"{f' and {len(norms) - 1} more' if len(norms) > 1 else ''} on micro-batches "
+            f"({least} or more per replica by default, --dp replicas): in training it normalises "
+            f"each micro-batch by that micro-batch's statistics {where}; its running stats move "
+            "once per micro-batch (num_batches_tracked counts micro-batches) and are averaged "
+            "over the replicas after each step, as checkpoints keep them; losses and stats equal "
+            f"{train}'s only with --microbatches 1 and --sync-bn or one replica "
+            "(docs/pipelining.md, BatchNorm)"]

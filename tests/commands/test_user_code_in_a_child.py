@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -310,6 +311,52 @@ def test_the_module_cannot_read_its_parents_environment(tmp_path):
     assert secret.encode() in wait_until(environ.read_bytes)  # check's own holds it
     out, err = check.communicate(timeout=300)
     assert check.returncode == 0, out + err  # the module's assert held
+
+
+def can_limit_tasks() -> bool:
+    """Whether this system lets mpgen make a ``pids`` cgroup (root, a writable
+    controller): where it cannot, a child running as root has no task limit
+    (docs/ci.md says so)."""
+    folder = isolate._task_group(os.getpid())
+    if folder is None:
+        return False
+    try:
+        folder.mkdir()
+    except OSError:
+        return False
+    folder.rmdir()
+    return True
+
+
+@pytest.mark.skipif(not can_limit_tasks(), reason="no pids cgroup can be made here")
+def test_the_child_cannot_start_more_than_its_tasks(tmp_path):
+    """Threads count as tasks, as processes do (cheaper to start here)."""
+    root = project(tmp_path, "import threading, time; threading.stack_size(256 << 10); n = 0\n"
+                             "        try:\n"
+                             f"            for _ in range({2 * isolate.MAX_TASKS}):\n"
+                             "                threading.Thread(target=time.sleep, args=(60,), "
+                             "daemon=True).start(); n += 1\n"
+                             "        except RuntimeError: pass\n"
+                             f"        assert n < {isolate.MAX_TASKS}, n")  # 0 once they run
+    result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
+    assert result.returncode == 0, result.stderr  # the module's assert held
+
+
+def test_nobody_runs_the_build_only_where_it_can_read_it():
+    """As root, the build runs as ``nobody`` when that user can read the
+    project and Python; a folder only its owner may enter is not."""
+    with tempfile.TemporaryDirectory() as folder:
+        os.chmod(folder, 0o755)  # /tmp's own; pytest's tmp_path is its owner's only
+        shut = Path(folder) / "shut"
+        spec = shut / "inner" / "spec.yaml"
+        spec.parent.mkdir(parents=True)
+        spec.write_text("mpgen: 1\n")
+        shut.chmod(0o700)
+        assert not isolate._readable(spec, isolate.NOBODY)
+        shut.chmod(0o755)
+        assert isolate._readable(spec, isolate.NOBODY)
+        spec.chmod(0o600)
+        assert not isolate._readable(spec, isolate.NOBODY)
 
 
 # -- what the parent takes from a child -------------------------------------------

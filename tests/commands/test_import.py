@@ -242,7 +242,8 @@ def test_identical_layers_in_a_sequential_are_one_repeated_layer(project):
 
 
 def test_a_shared_parameter_is_a_tie(project):
-    text = imported(project, "TinyLM", "idx=batch,seq:int64")
+    # A fixed length: its position table of 32 rows cannot hold every seq.
+    text = imported(project, "TinyLM", "idx=batch,12:int64")
     assert "tie: {weight: wte.weight}" in text
     assert 'arange: {op: torch.arange, in: [], end: "=size(idx, 1)"}' in text
     assert "dropout: {op: F.dropout, p: 0.1}" in text  # training follows the model's mode
@@ -475,3 +476,14 @@ def test_a_language_model_gets_cross_entropy_over_its_last_dim(tmp_path, seq):
 def test_a_model_of_no_known_kind_gets_no_train_section(project):
     text = imported(project, "ResidualCNN", "x=batch,3,32,32")
     assert "\ntrain:" not in text  # the defaults, MSELoss against targets shaped like the output
+
+
+def test_a_position_table_read_over_a_symbolic_length_is_refused_with_its_line(project):
+    # Meta runs check no index: the build follows arange's values to the
+    # table, where seq = 33 would be an IndexError (NOTE [Index ranges]).
+    ran = mpgen("import", "importmodels:TinyLM", "--input", "idx=batch,seq:int64", cwd=project)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr
+    assert ("layer 'wpe': Embedding(32, 16) has 32 rows, but 'arange' reads it at indices up "
+            "to seq - 1") in ran.stderr
+    assert "give seq a size of at most 32 in train.dims" in ran.stderr
+    assert "line 12: wpe: {op: Embedding, in: arange, args: [32, 16]}" in ran.stderr

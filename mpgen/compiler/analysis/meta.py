@@ -11,6 +11,7 @@ passes in as a :class:`Hooks` object.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
@@ -169,7 +170,9 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
             if node.factory:
                 kwargs["device"] = "meta"
             given = [list(tensors)] if node.op.seq_input else list(tensors)
-            return pick(node, fn(*given, *args, **kwargs))
+            result = fn(*given, *args, **kwargs)
+            track_range(node, fn, list(tensors), args, kwargs, result)
+            return pick(node, result)
         return pick(node, module(*tensors, *args, **kwargs))
 
     with hooks.budget.layer(node, label):
@@ -403,3 +406,125 @@ def stand_in(input: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     shape = list(input.shape)
     shape[dim] = length
     return input.new_empty(shape).requires_grad_(input.requires_grad)
+
+
+# -- the values of index tensors ----------------------------------------------
+# NOTE: [Index ranges]
+# Meta tensors hold no values, and meta kernels check no index: an
+# ``Embedding`` of 64 rows runs on meta at any index, so a position table
+# read through ``torch.arange(size(idx, 1))`` passes every meta run, at
+# sizes far past the table. Where the values of an integer tensor follow
+# from the spec alone, the interpreter keeps their range on the tensor
+# (:func:`value_range`): ``torch.arange`` makes one, ops that move or pick
+# values keep it (:data:`_SAME_VALUES`, :data:`_JOINED`), ``add``/``sub``
+# of a number or another range shift it, ``mul`` by a number scales it,
+# ``clamp`` bounds it. Anything
+# else drops it: an unknown range is never a guess. ``shapes`` compares it
+# with the table an ``Embedding`` reads (NOTE [Symbolic dims]).
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The least and greatest value of an integer tensor, and the
+    ``torch.arange`` layer they come from (``count``: how many values it made)."""
+
+    low: int
+    high: int
+    count: int
+    origin: Node
+
+
+_RANGE = "_mpgen_range"
+#: Ops whose output holds some of their first input's values, moved.
+_SAME_VALUES = frozenset({
+    "unsqueeze", "squeeze", "reshape", "flatten", "unflatten", "permute", "transpose",
+    "swapaxes", "swapdims", "movedim", "moveaxis", "broadcast_to", "tile", "repeat_interleave",
+    "flip", "fliplr", "flipud", "roll", "narrow", "select", "index_select", "clone", "t",
+    "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "take", "gather", "diagonal",
+    "take_along_dim", "contiguous", "expand_copy", "view_copy", "squeeze_copy",
+    "unsqueeze_copy", "permute_copy", "transpose_copy", "select_copy", "narrow_copy"})
+#: Ops whose output holds values of all their tensor inputs.
+_JOINED = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
+                     "column_stack", "row_stack"})
+
+
+def value_range(tensor: Any) -> Optional[Range]:
+    """The range of ``tensor``'s values, where the interpreter knows it."""
+    return getattr(tensor, _RANGE, None) if isinstance(tensor, torch.Tensor) else None
+
+
+def track_range(node: Node, fn: Callable, tensors: Sequence[Any], args: Sequence[Any],
+                kwargs: Mapping[str, Any], result: Any) -> None:
+    """Keep the range of ``result``'s values on it (NOTE [Index ranges]);
+    an output whose range is not known holds none."""
+    if not isinstance(result, torch.Tensor):
+        return
+    found = None
+    if result.dtype in _INTEGERS:
+        try:
+            found = _range_of(node, getattr(fn, "__name__", ""), list(tensors), list(args),
+                              dict(kwargs), result)
+        except (TypeError, ValueError, OverflowError):
+            found = None
+    if found is None:
+        if _RANGE in vars(result):  # the input itself, returned with other values
+            delattr(result, _RANGE)
+        return
+    setattr(result, _RANGE, found)
+
+
+_INTEGERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+def _number(v: Any) -> Optional[int]:
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+def _range_of(node: Node, name: str, tensors: list, args: list, kwargs: dict,
+              result: torch.Tensor) -> Optional[Range]:
+    count = result.numel()
+    if name == "arange" and not tensors:
+        # arange(end), arange(start, end[, step]), any of them by keyword.
+        if len(args) >= 2 or (len(args) == 1 and "end" in kwargs):
+            start = _number(args[0])
+            step = _number(args[2] if len(args) > 2 else kwargs.get("step", 1))
+        else:
+            start = _number(kwargs.get("start", 0))
+            step = _number(kwargs.get("step", 1))
+        if start is None or step is None or count == 0:
+            return None
+        last = start + (count - 1) * step
+        return Range(min(start, last), max(start, last), count, node)
+    ranges = [value_range(t) for t in tensors]
+    first = ranges[0] if ranges else None
+    if name in _SAME_VALUES:
+        return first
+    if name in _JOINED and ranges and all(ranges):
+        return Range(min(r.low for r in ranges), max(r.high for r in ranges),
+                     max(r.count for r in ranges), first.origin)
+    if first is None:
+        return None
+    other = ranges[1] if len(ranges) > 1 else None
+    scalar = _number(args[0]) if len(tensors) == 1 and args else None
+    if name in ("add", "sub", "subtract"):
+        alpha = _number(kwargs.get("alpha", 1))
+        sign = 1 if name == "add" else -1
+        if alpha is None or alpha < 0 or (other is None and scalar is None):
+            return None
+        if other is not None:
+            low = other.low if sign > 0 else -other.high
+            high = other.high if sign > 0 else -other.low
+            return Range(first.low + alpha * low, first.high + alpha * high, first.count,
+                         first.origin)
+        return Range(first.low + sign * alpha * scalar, first.high + sign * alpha * scalar,
+                     first.count, first.origin)
+    if name in ("mul", "multiply") and scalar is not None and scalar >= 0:
+        return Range(first.low * scalar, first.high * scalar, first.count, first.origin)
+    if name in ("clamp", "clip"):
+        low = _number(kwargs.get("min", args[0] if args else None))
+        high = _number(kwargs.get("max", args[1] if len(args) > 1 else None))
+        return Range(first.low if low is None else max(first.low, low),
+                     first.high if high is None else min(first.high, high), first.count,
+                     first.origin)
+    return None
+

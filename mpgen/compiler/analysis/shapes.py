@@ -30,6 +30,17 @@ the layer's line, and parameter counts come from the real modules.
 # other dims are batch and features. An LSTM over ``seq`` costs what one
 # over 1 does.
 #
+# Sizes far past a table do not fail on meta where the table is read by
+# index: an ``Embedding`` (or ``F.embedding``) looks nothing up on meta,
+# so a position table of 64 rows read through ``torch.arange(size(idx,
+# 1))`` runs at seq = 10,007. The interpreter keeps the range of such
+# indices (NOTE [Index ranges] in ``meta``) and ``_Runner.check_indices``
+# compares it with the table's rows: indices past them at a fixed size or
+# at the training and test sizes are refused at the table's line, and so
+# are indices that grow with a symbolic dim ``train.dims`` does not size
+# (it has no end, and no run says how long a sequence the model will get);
+# one it sizes is checked at those sizes (NOTE [Sample sizes]).
+#
 # NOTE: [Sample sizes]
 # Runs at primes near 10,007 say what a spec computes, not that it runs at
 # the sizes its generated code uses: a 32x32 kernel over ``[batch, 3, h, w]``
@@ -190,6 +201,7 @@ def _infer(graph: Graph, budget: Budget) -> Graph:
 def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass], budget: Budget):
     """The nodes with their types at ``symbols``' sizes, and every block use."""
     runner = _Runner(symbols, blocks, budget)
+    runner.sized = set(graph.train.dims_given) if graph.train is not None else set()
     env = {}
     for t in graph.inputs:
         try:
@@ -359,6 +371,7 @@ class _Runner(meta.Hooks):
         # block name -> [(param values, {node: type}, params count,
         # {layer: params count})] per use
         self.block_uses: dict[str, list[tuple[dict, dict, int]]] = {}
+        self.sized: set[str] = set()  # symbolic dims with a training size the spec gives
 
     def run_nodes(self, nodes: Sequence[Node], env: dict[str, Any]) -> list[Node]:
         result = []
@@ -474,6 +487,8 @@ class _Runner(meta.Hooks):
     def run(self, node, label, params, module, fn, inputs, call) -> torch.Tensor:
         if module is not None and not isinstance(module, meta.MetaBlock):
             self.precheck(node, label, module, inputs, params)
+        elif fn is nn.functional.embedding and len(inputs) > 1 and inputs[1].dim() >= 1:
+            self.check_indices(node, label, params, int(inputs[1].shape[0]), inputs[0])
         try:
             with meta.short_sequences(module, _one_step):
                 out = call()
@@ -527,6 +542,8 @@ class _Runner(meta.Hooks):
         elif isinstance(module, nn.Embedding) and x.dtype not in _INT_DTYPES:
             raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} expects "
                              f"integer indices but {node.inputs[0]} gives {got} {got.dtype}")
+        elif isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
+            self.check_indices(node, label, params, module.num_embeddings, x)
         if expected:
             raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} expects "
                              f"input {expected} but {node.inputs[0]} gives {got}")
@@ -542,6 +559,52 @@ class _Runner(meta.Hooks):
             raise MpgenError(node.pos, f"layer {label!r}: {meta.call_text(node, params)} has "
                              f"{meta.DTYPE_NAMES.get(weight.dtype)} weights but "
                              f"{node.inputs[0]} gives {got.dtype}")
+
+
+    def check_indices(self, node: Node, label: str, params, rows: int,
+                      x: torch.Tensor) -> None:
+        """A table of ``rows`` rows read with indices whose range the
+        interpreter knows (NOTE [Index ranges] in ``meta``) must hold every
+        one of them: meta kernels check no index, the model's run would (an
+        IndexError). Indices that grow with a symbolic dim are refused unless
+        ``train.dims`` sizes the dim: then the runs at the training and test
+        sizes check them (NOTE [Sample sizes])."""
+        found = meta.value_range(x)
+        if found is None:
+            return
+        count = self.symbols.dim(found.count)
+        symbolic = isinstance(count, SymDim)
+        if symbolic and count.known and set(count.symbols) <= self.sized:
+            return  # checked at the sizes the spec gives (check_sample_sizes)
+        if not symbolic and 0 <= found.low and found.high < rows:
+            return
+        origin = found.origin
+        made = f"layer {origin.name!r} ({meta.call_text(origin, params)}, line {origin.pos.line})"
+        call = (meta.call_text(node, params) if node.op.kind is not OpKind.FUNCTION
+                else f"{node.op.spelled}'s table {node.inputs[1]!r}")
+        where = f"layer {label!r}: {call} has {rows:,} rows, but {node.inputs[0]!r} reads it"
+        if found.low < 0 and not symbolic:
+            raise MpgenError(node.pos, f"{where} at index {found.low}, made by {made}: an "
+                             "index below 0 is an IndexError when the model runs")
+        if not symbolic:
+            raise MpgenError(node.pos, f"{where} at indices up to {found.high:,}, made by "
+                             f"{made}: an IndexError when the model runs; make the table at "
+                             f"least {found.high + 1:,} rows, or the indices smaller")
+        offset = found.high - (found.count - 1)  # arange(n) + offset: high = n - 1 + offset
+        names = " and ".join(count.symbols) if count.known else "a symbolic dim"
+        top = (f"{count} - 1" if offset == 0 else f"{count} + {offset - 1}" if offset > 1
+               else str(count))
+        single = count.known and len(count.symbols) == 1 and count.factor == 1
+        most = rows - offset
+        size = f" of at most {most:,}" if single and most >= 1 else ""
+        past = f"any {names} over {most:,}" if single and most >= 1 else "a longer sequence"
+        raise MpgenError(node.pos, f"{where} at indices up to {top}, made by {made}, and "
+                         f"{names} is symbolic with no size in train.dims: {past} is an "
+                         f"IndexError when the model runs (meta tensors check no index, so no "
+                         f"build run shows it); give {names} a size{size} in train.dims (the "
+                         f"training script and the tests run at it, and the build checks the "
+                         f"table there) or in the input's shape, or compute the indices so "
+                         f"that they stay below {rows:,}")
 
 
 def _one_step(forward: Callable, input: torch.Tensor, dim: int, args, kwargs) -> Any:

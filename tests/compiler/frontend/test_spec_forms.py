@@ -227,6 +227,7 @@ layers:
   pos: {op: torch.arange, in: [], args: ["=size(idx, 1)"]}
   wpe: {op: Embedding, args: [16, 4], in: pos}
 placement: {pos: cuda:1}
+train: {dims: {seq: 16}}
 """)
     assert 'pos = torch.arange(idx.size(1), device="cpu")' in code
     assert str(graph.node("pos").out) == "[seq]"

@@ -304,7 +304,8 @@ def _import(args: argparse.Namespace) -> int:
 def _split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
     """``mpgen train SPEC ... -- ARGS``: the arguments before ``--``, and ARGS
     (passed to the training script unchanged, ``--`` included after the
-    first). Only ``train`` has them; argparse alone mishandles ``--``."""
+    first; ``mpgen test``'s go to pytest). Only ``train`` and ``test`` have
+    them; argparse alone mishandles ``--``."""
     command = next((a for a in argv if not a.startswith("-")), None)
     if command not in ("train", "test") or "--" not in argv:
         return argv, []
@@ -550,7 +551,7 @@ def _completion(args: argparse.Namespace) -> int:
         for action in command._actions:
             if action.dest in ("spec", "specs", "old", "new"):
                 action.complete = shtab.FILE
-            elif action.dest in ("out", "root"):
+            elif action.dest in ("out", "outs", "root"):
                 action.complete = shtab.DIRECTORY
     _say(shtab.complete(parser, shell=args.shell).rstrip("\n"))
     return Exit.OK
@@ -623,7 +624,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         hint = (f" (the training script's arguments go after '--': mpgen train "
                 f"{shlex.quote(args.spec)} -- {shlex.join(unknown)})"
-                if args.command == "train" else "")
+                if args.command == "train" else
+                f" (pytest's arguments go after '--': mpgen test -- {shlex.join(unknown)})"
+                if args.command == "test" else "")
         parser.error(f"unrecognized arguments: {' '.join(unknown)}{hint}")
     args.script_args = script_args
     try:

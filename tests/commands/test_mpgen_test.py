@@ -178,3 +178,11 @@ def test_the_origins_of_pytest_torch_and_mpgen_testing_are_checked():
     problem = _origins("/elsewhere/mpgen", "/nonexistent", {})
     assert problem.startswith("mpgen.testing comes from ")
     assert problem.endswith("not from this mpgen (/elsewhere/mpgen)")
+
+
+def test_pytests_arguments_go_after_the_double_dash(project):
+    ran = mpgen("test", "out", "-k", "parameters", cwd=project)
+    assert ran.returncode == 2
+    assert ran.stderr.splitlines()[-1] == (
+        "mpgen: error: unrecognized arguments: -k parameters (pytest's arguments go after "
+        "'--': mpgen test -- -k parameters)")

@@ -41,7 +41,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 def batch_norms(modules) -> list[_BatchNorm]:
     """Every BatchNorm (1d, 2d, 3d, synced) of ``modules``, in order."""
-    return [m for module in modules for m in module.modules() if isinstance(m, _BatchNorm)]
+    return [
+        m for module in modules for m in module.modules() if isinstance(m, _BatchNorm)
+    ]
 
 
 class SyncedBatchNorm(_BatchNorm):
@@ -100,7 +102,10 @@ class SyncedBatchNorm(_BatchNorm):
                 module.track_running_stats,
             )
             found.group = group
-            own = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+            own = [
+                *module.named_parameters(recurse=False),
+                *module.named_buffers(recurse=False),
+            ]
             for name, tensor in own:
                 setattr(found, name, tensor)
             found.train(module.training)

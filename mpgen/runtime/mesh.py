@@ -149,5 +149,7 @@ def tied_apart(state: dict, ties: tuple) -> str | None:
             if not torch.equal(a, b):
                 gap = (a.double() - b.double()).abs().nan_to_num(0.0).max().item()
                 if gap > 0 or not torch.equal(a.isnan(), b.isnan()):
-                    return f"the tied copies {owner} and {key} differ (by up to {gap:.3g})"
+                    return (
+                        f"the tied copies {owner} and {key} differ (by up to {gap:.3g})"
+                    )
     return None

@@ -268,7 +268,9 @@ class Pipelined:
             self.initialise(args.init)
         if args.sync_bn and args.dp > 1:  # NOTE [BatchNorm under data parallelism]
             for k in mine:
-                modules[k] = batchnorm.SyncedBatchNorm.convert(modules[k], grid.dp_group)
+                modules[k] = batchnorm.SyncedBatchNorm.convert(
+                    modules[k], grid.dp_group
+                )
         self.norms = batchnorm.batch_norms(modules.values())
         self.groups = tie_groups(stages, grid)
         sync_ties(self.groups, modules, gradients=False)
@@ -573,7 +575,9 @@ class Pipelined:
         for t, (group, owner, copies) in enumerate(self.groups):
             if not copies:
                 continue
-            values = [local(self.modules[k].get_parameter(key)).detach() for k, key in copies]
+            values = [
+                local(self.modules[k].get_parameter(key)).detach() for k, key in copies
+            ]
             first = values[0].clone()  # the owner's, where this rank holds it
             if group is not None:
                 dist.broadcast(first, src=owner, group=group)
@@ -731,7 +735,11 @@ class Pipelined:
             self.run_batch(stream, losses)
             if losses:
                 total += torch.stack([x.detach().float() for x in losses]).sum()
-        if args.dp > 1 and args.dp_mode == "ddp" and args.schedule in mesh.SPLIT_BACKWARD:
+        if (
+            args.dp > 1
+            and args.dp_mode == "ddp"
+            and args.schedule in mesh.SPLIT_BACKWARD
+        ):
             average_gradients(self.modules.values(), self.grid.dp_group, args.dp)
         sync_ties(self.groups, self.modules, gradients=True)
         self.norm = grad_norm(self.stages, self.modules, self.norm_group, device)

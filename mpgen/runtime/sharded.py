@@ -273,7 +273,9 @@ def merge(stages, where: str, out: str) -> None:
         sys.exit(f"--merge: {path} is not a checkpoint of {stages.training.name}")
     apart = tied_apart(state, stages.ties)
     if apart:
-        sys.exit(f"--merge: {path}: {apart}; they are one parameter of the model, so nothing was written")
+        sys.exit(
+            f"--merge: {path}: {apart}; they are one parameter of the model, so nothing was written"
+        )
     try:
         save_file(state, pathlib.Path(out))
     except OSError as error:

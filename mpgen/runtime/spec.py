@@ -84,7 +84,8 @@ class Stages:
     schedule: str = "1f1b"  # --schedule's default
     microbatches: int = 2  # --microbatches' least (a divisor of the batch from it on)
     dp: int = 1  # --dp's default: replicas of the pipeline (data parallel)
-    sync_bn: bool = False  # --sync-bn's default (NOTE [BatchNorm under data parallelism])
+    #: --sync-bn's default (NOTE [BatchNorm under data parallelism]).
+    sync_bn: bool = False
     #: Each stage's forward and backward seconds for ONE sample, and each
     #: boundary's transfer seconds for one sample, at the cost model's speeds
     #: (compiler analysis.schedule.stage_times divided by the training batch):

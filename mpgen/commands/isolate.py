@@ -651,17 +651,20 @@ def _init(request: dict, namespaced: bool, uid: int, tasks: int, told: int) -> N
             os.chown(home, uid, uid)
     pid = os.fork()
     if pid == 0:
+        code = 0
         try:
             os.close(told)
             _work(request, uid, tasks)
         except SystemExit as exc:
-            os._exit(exc.code if isinstance(exc.code, int) else 1)
+            code = exc.code if isinstance(exc.code, int) else 1
         except BaseException:  # noqa: BLE001 - reported as the build's failure
             import traceback
 
             traceback.print_exc()
-            os._exit(1)
-        os._exit(0)
+            code = 1
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os._exit(code)
     status = _reap_until(pid)
     os.write(told, str(status).encode("ascii"))
     os._exit(0)

@@ -112,6 +112,9 @@ def survey(out: str | Path) -> tuple[list[Path], dict[Path, str]]:
         shown = _shown(path)
         if entry.name in CACHES:
             continue
+        if entry.is_symlink() and (entry.name == RUNTIME or entry.name.endswith(".py")):
+            raise MpgenError(Position(shown), "a symbolic link, which mpgen never generates; "
+                                              "remove it (mpgen check reports it)")
         if entry.is_dir() and entry.name != RUNTIME and entry.name.isidentifier():
             raise MpgenError(Position(shown), "a folder mpgen did not generate, which the "
                                               "generated tests could import; remove it (mpgen "

@@ -136,6 +136,16 @@ def test_python_that_mpgen_did_not_generate_in_out_is_refused(project, stranger)
     assert "(mpgen check reports it)" in ran.stderr
 
 
+def test_a_link_in_out_is_refused(project):
+    out = project / "out"
+    (out / "simple_model.py").rename(project / "elsewhere.py")
+    (out / "simple_model.py").symlink_to(project / "elsewhere.py")
+    ran = mpgen_test(project, "out")
+    assert (ran.returncode, ran.stdout) == (2, "")
+    assert ran.stderr == ("out/simple_model.py: a symbolic link, which mpgen never generates; "
+                          "remove it (mpgen check reports it)\n")
+
+
 def test_a_forged_bytecode_cache_in_out_is_never_read(project):
     # A test module with no tests, compiled under the real one's cache name,
     # hash-based and unchecked: plain Python would load it without a look at

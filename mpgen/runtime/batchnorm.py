@@ -63,6 +63,9 @@ class SyncedBatchNorm(_BatchNorm):
         alone = self.group is None or dist.get_world_size(self.group) == 1
         if not self.training or alone:
             return super().forward(input)
+        given = input.dtype  # half precision: statistics in float32, as cuDNN's
+        if given in (torch.float16, torch.bfloat16):
+            input = input.float()
         dims = [d for d in range(input.dim()) if d != 1]
         shape = [1, -1] + [1] * (input.dim() - 2)
         # every replica's values per channel (their micro-batches are equal)
@@ -86,7 +89,7 @@ class SyncedBatchNorm(_BatchNorm):
                 unbiased = var * (total / max(total - 1, 1))
                 self.running_mean.lerp_(mean.detach(), factor)
                 self.running_var.lerp_(unbiased.detach(), factor)
-        return out
+        return out.to(given)
 
     @classmethod
     def convert(cls, module: nn.Module, group: dist.ProcessGroup) -> nn.Module:

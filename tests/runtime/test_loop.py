@@ -102,3 +102,63 @@ def test_a_scheduler_steps_after_each_logged_step(tmp_path):
     train("--steps", "3", "--log-dir", str(tmp_path), spec=halving)
     with open(tmp_path / "log.csv", newline="") as f:
         assert [float(row["lr"]) for row in csv.DictReader(f)] == [0.1, 0.05, 0.025]
+
+
+# Batches checked against the spec (mpgen/runtime/data.py) ----------------------
+
+from mpgen.runtime import data  # noqa: E402
+
+#: tokens [seq, batch], a mask [batch, seq] and targets flattened seq-first.
+CHECKED = training(inputs=("tokens", "mask"), targets=("target",),
+                   batch_dims=(1, 0, (0, 1)),
+                   shapes=(("seq", "batch"), ("batch", "seq"), ("seq*batch",)),
+                   dtypes=("int64", "float32", "int64"), classes=(None, None, (5, -100)))
+
+
+def checked(*batch):
+    return data.check_batch(batch, CHECKED, "data.pt")
+
+
+def test_named_dims_bind_across_the_keys_and_products_follow():
+    ids, mask = torch.zeros(6, 4, dtype=torch.int64), torch.ones(4, 6)
+    checked(ids, mask, torch.zeros(24, dtype=torch.int64))
+    with pytest.raises(SystemExit) as stop:
+        checked(ids, torch.ones(4, 7), torch.zeros(24, dtype=torch.int64))
+    assert stop.value.code == ("data.pt: mask is [4, 7]; the spec's input mask is [batch, seq] "
+                               "(with seq = 6, batch = 4 from the other keys)")
+    with pytest.raises(SystemExit) as stop:
+        checked(ids, mask, torch.zeros(25, dtype=torch.int64))
+    assert stop.value.code == ("data.pt: target is [25]; the spec's target is [seq*batch] "
+                               "(with seq = 6, batch = 4 from the other keys)")
+
+
+def test_a_dtype_of_the_same_kind_is_converted_another_refused():
+    ids, mask = torch.zeros(6, 4, dtype=torch.int32), torch.ones(4, 6, dtype=torch.float64)
+    tokens, mask, target = checked(ids, mask, torch.zeros(24, dtype=torch.int16))
+    assert (tokens.dtype, mask.dtype, target.dtype) == (torch.int64, torch.float32, torch.int64)
+    with pytest.raises(SystemExit, match=r"^data.pt: target is float32; the spec's target is "
+                                         r"int64 \(integer values\)$"):
+        checked(ids, mask, torch.zeros(24))
+
+
+def test_class_indices_are_in_range_or_ignored():
+    ids, mask = torch.zeros(6, 4, dtype=torch.int64), torch.ones(4, 6)
+    target = torch.full((24,), -100)
+    target[:5] = torch.arange(5)
+    checked(ids, mask, target)
+    target[7] = 5
+    with pytest.raises(SystemExit, match="^data.pt: target holds class 5; the spec's target "
+                                         "takes classes 0 to 4 or the ignore_index -100$"):
+        checked(ids, mask, target)
+
+
+def test_a_flattened_target_stacks_and_splits_like_its_output():
+    # Sample b's targets [seq] sit at s*batch + b, as [seq, batch, C].view(-1, C) orders them.
+    samples = [torch.arange(3) * 10 + b for b in range(4)]
+    stacked = data.stack(samples, (0, 1))
+    assert stacked.tolist() == torch.stack(samples, 1).reshape(-1).tolist()
+    assert data.narrow(stacked, (0, 1), 4, 2, 2).tolist() == (
+        torch.stack(samples[2:], 1).reshape(-1).tolist())
+    first = data.stack(samples, (0, 0))  # batch outermost: flatten(0, 1) of [batch, seq]
+    assert first.tolist() == torch.cat(samples).tolist()
+    assert data.narrow(first, (0, 0), 4, 1, 2).tolist() == torch.cat(samples[1:3]).tolist()

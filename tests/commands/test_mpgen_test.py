@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
-from helpers import EXAMPLES, mpgen
+from helpers import EXAMPLES, ROOT, mpgen
 
 #: Slow: each run starts pytest, and torch, in a child interpreter.
 pytestmark = pytest.mark.slow
@@ -77,8 +78,15 @@ def test_runs_the_real_tests_in_a_hostile_tree(project):
     naive = subprocess.run([sys.executable, "-m", "pytest", "-q", "out"], cwd=project,
                            capture_output=True, text=True, timeout=300, env=hostile_env())
     assert (naive.returncode, naive.stdout.strip()) == (0, "FAKE PYTEST")
-    # mpgen test: the out of [tool.mpgen], the real pytest and torch, every test run.
-    ran = mpgen_test(project, "--", "-q", env=hostile_env())
+    # The step docs/ci.md's workflow runs now (mpgen test: the out of [tool.mpgen]),
+    # as the runner runs it: the real pytest and torch, every test run.
+    step = yaml.safe_load((ROOT / "docs" / "examples" / "mpgen.yml").read_text())
+    script = next(s["run"] for s in step["jobs"]["mpgen"]["steps"]
+                  if s.get("name") == "Generated tests pass")
+    assert script.startswith("mpgen test ")
+    env = {**hostile_env(), "PATH": f"{Path(MPGEN).parent}{os.pathsep}{os.environ['PATH']}"}
+    ran = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", "-c", script],
+                         cwd=project, capture_output=True, text=True, timeout=300, env=env)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "FAKE" not in ran.stdout + ran.stderr
     assert "9 passed, 1 skipped" in ran.stdout  # the skip: real GPUs this machine lacks

@@ -448,9 +448,21 @@ class Pipelined:
             layout = self.layout_of(path) if "layout" in saved else ""
         except Exception as error:  # a refused or damaged file
             stop(f"--resume: cannot read {path} ({one_line(error)})")
-        wrong = self.differences(saved, state)
+        # A tied copy's optimizer state, where the layout that wrote it held
+        # the copy on its owner's stage (one parameter, one entry): the owner's.
+        aliases = {}
+        for key in state["optim"]:
+            if f"optim.{key}" not in saved:
+                found = [t for t in self.twins(key) if f"optim.{t}" in saved]
+                if found:
+                    aliases[key] = found[0]
+        wrong = self.differences(saved, state, aliases)
         if wrong:
             stop(f"--resume: {path} does not match this model and optimizer: {wrong}")
+        optim = state["optim"]
+        state["optim"] = {k: v for k, v in optim.items() if k not in aliases}
+        for key, twin in aliases.items():
+            state["optim"].setdefault(twin, optim[key])
         # The RNG states go back only onto the layout that wrote them.
         same = layout == state["layout"] and f"rng.rank_{self.grid.rank}.torch" in saved
         if not same:
@@ -466,6 +478,14 @@ class Pipelined:
         step = step if isinstance(step, int) else next(iter(step.values()))
         if step != done:
             stop(f"--resume: {path} holds step {step}, not {done}; it is not whole")
+        # DCP replaced the values that are not tensors, and filled the tensors in place.
+        for key in optim:
+            value = state["optim"][aliases.get(key, key)]
+            if isinstance(optim[key], torch.Tensor) and optim[key] is not value:
+                optim[key].copy_(value)
+            else:
+                optim[key] = value
+        state["optim"] = optim
         for k, (model_keys, optim_keys) in owned.items():
             module = self.wrapped[k]
             set_model_state_dict(
@@ -486,23 +506,39 @@ class Pipelined:
             print(f"resumed from {path} at step {done}{how}{ignored}")
         return done
 
-    def differences(self, saved: dict, state: dict) -> str:
+    def twins(self, key: str) -> list[str]:
+        """A flattened optimizer key (``state.l4.weight.momentum_buffer``) for
+        each other copy of its tied parameter (none where it is not tied)."""
+        for names in self.stages.training.ties:  # the model's, whatever the stages
+            for part in ("state.", "param_groups."):
+                for name in names:
+                    if key.startswith(f"{part}{name}."):
+                        rest = key[len(f"{part}{name}") :]
+                        return [f"{part}{n}{rest}" for n in names if n != name]
+        return []
+
+    def differences(self, saved: dict, state: dict, aliases: dict) -> str:
         """What keeps a checkpoint (``saved``: its keys' metadata) from
         loading into this layout, in one line ("" when nothing): keys it
-        lacks, keys it holds that the model and optimizer do not, tensors of
-        another shape, no step. A collective: every rank's keys and findings
-        go to every rank, so all of them stop, or none."""
+        lacks (a tied copy's optimizer state may come from another copy's:
+        ``aliases``), keys it holds that the model and optimizer do not,
+        tensors of another shape, no step. A collective: every rank's keys
+        and findings go to every rank, so all of them stop, or none."""
         missing, shapes = [], []
         for part in ("model", "optim"):
             for key, value in state[part].items():
+                if part == "optim" and key in aliases:
+                    key = aliases[key]
                 meta = saved.get(f"{part}.{key}")
                 if meta is None:
                     missing.append(f"{part}.{key}")
                 elif isinstance(value, torch.Tensor) and hasattr(meta, "size"):
                     if tuple(meta.size) != tuple(value.shape):
-                        shapes.append(
-                            f"{part}.{key} {list(meta.size)} there, {list(value.shape)} here"
+                        there, here = (
+                            "x".join(map(str, size)) or "scalar"
+                            for size in (meta.size, value.shape)
                         )
+                        shapes.append(f"{part}.{key} {there} there vs {here} here")
         if "step" not in saved and not sharded.stage_steps(saved):
             missing.append("step")
         mine = (missing, shapes, [f"optim.{key}" for key in state["optim"]])
@@ -517,6 +553,12 @@ class Pipelined:
                 for key in stage().state_dict()
             }
         known.update(key for _, _, o in found for key in o)
+        known.update(
+            f"optim.{twin}"
+            for _, _, o in found
+            for key in o
+            for twin in self.twins(key[6:])
+        )
         unexpected = sorted(
             key
             for key in saved

@@ -227,9 +227,17 @@ def load(path: pathlib.Path, state: dict, no_dist: bool = False) -> None:
     CheckpointException, a BaseException with their tracebacks)."""
     Reader(str(path)).read_metadata()  # refused in one line, before DCP wraps it
     try:
-        dcp.load(
-            state, storage_reader=Reader(str(path)), planner=Planner(), no_dist=no_dist
-        )
+        with (
+            warnings.catch_warnings()
+        ):  # "assuming ... a single process": no_dist says so
+            if no_dist:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                state,
+                storage_reader=Reader(str(path)),
+                planner=Planner(),
+                no_dist=no_dist,
+            )
     except CheckpointException as error:
         found = [failure[0] for failure in error.failures.values()]
         raise (found[0] if found else RuntimeError(str(error))) from None

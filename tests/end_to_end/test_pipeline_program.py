@@ -185,9 +185,69 @@ def test_a_checkpoint_of_another_model_is_one_line(pipe, padded):
     run = torchrun(2, padded / "pp_padded_lm.py", "--steps", "1", *PADDED, "--checkpoint",
                    str(pipe / "tied_dp"), "--resume")
     assert run.returncode != 0
-    assert re.search(r"--resume: \S+step_3 is not a checkpoint of this model and optimizer: "
-                     r"\d+ missing \(\S+", run.stderr), run.stderr[-3000:]
+    # What differs, in one line: its keys the model lacks, the model's keys it lacks.
+    assert re.search(r"--resume: \S+step_3 does not match this model and optimizer: "
+                     r"\d+ missing \(model\.\S+, .*; \d+ unexpected \(model\.l3\.bias, .*; "
+                     r"\d+ of another shape \(model\.emb\.weight 10x16 there vs 50x16 here, ",
+                     run.stderr), run.stderr[-3000:]
     assert "[rank0]: Traceback" not in run.stderr  # a worker's (torchrun's own follows)
+
+
+TWO_STAGES = PIPE.replace("""placement:
+  l1: cuda:0
+  l2: cuda:1
+  emb: cuda:0
+  l4: cuda:1
+""", """placement:
+  l1: cuda:0
+  l3: cuda:1
+""")
+
+
+def test_a_checkpoint_resumes_onto_more_stages_and_back(pipe, tmp_path):
+    # The same model built as 2 stages (1f1b on 2 ranks) and as 4 (interleaved
+    # and zbv on 2 ranks): one checkpoint goes from 4 stages to 2 and back to 4,
+    # and the run is the single-process script's.
+    build_to(write_spec(tmp_path, TWO_STAGES), tmp_path, CPU)
+    assert len(import_generated(tmp_path / "pp_pipe_net.py").STAGES.stages) == 2
+    ck = str(tmp_path / "ck")
+    common = ("--batch-size", "8", "--microbatches", "4", "--data", str(pipe / "data.pt"),
+              "--checkpoint", ck, "--timeout", "60")
+    first = torchrun(2, pipe / "pp_pipe_net.py", "--schedule", "interleaved", "--steps", "1",
+                     "--init", "init.pt", *common)
+    assert first.returncode == 0, first.stderr[-3000:]
+    fewer = torchrun(2, tmp_path / "pp_pipe_net.py", "--schedule", "1f1b", "--steps", "2",
+                     "--resume", *common)
+    assert fewer.returncode == 0, fewer.stderr[-3000:]
+    assert "at step 1 (resharded onto 2 x 1 ranks)" in fewer.stdout
+    more = torchrun(2, pipe / "pp_pipe_net.py", "--schedule", "zbv", "--steps", "3", "--resume",
+                    *common)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "at step 2 (resharded onto 2 x 1 ranks)" in more.stdout
+    expected = losses(pipe / "single" / "log.csv")
+    assert losses(tmp_path / "ck" / "log.csv") == pytest.approx(expected, rel=1e-5, abs=1e-7)
+
+
+def test_a_checkpoint_folder_whose_metadata_runs_code_is_refused_in_one_line(pipe, tmp_path):
+    step = tmp_path / "evil" / "step_1"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("step 1\n")
+    marker = tmp_path / "ran"
+    (step / ".metadata").write_bytes(
+        b"cos\nsystem\n(V" + f"touch {marker}".encode() + b"\ntR.")  # pickle: os.system(...)
+    refused = ("cannot read {}/step_1 (Refused: its .metadata names os.system, which a "
+               "checkpoint's metadata never holds: refused (not unpickled))")
+    merged = subprocess.run([sys.executable, "pp_pipe_net.py", "--merge", str(step.parent),
+                             str(tmp_path / "merged.pt")],
+                            cwd=pipe, capture_output=True, text=True, timeout=60)
+    assert merged.returncode == 1
+    assert merged.stderr == "--merge: " + refused.format(step.parent) + "\n"
+    resumed = torchrun(4, pipe / "pp_pipe_net.py", "--steps", "2", "--data", "data.pt",
+                       "--checkpoint", str(step.parent), "--resume")
+    assert resumed.returncode != 0
+    assert "--resume: " + refused.format(step.parent) + "\n" in resumed.stderr, resumed.stderr
+    assert "[rank0]: Traceback" not in resumed.stderr
+    assert not marker.exists() and not (tmp_path / "merged.pt").exists()
 
 
 def test_bf16_autocast_crosses_stages_in_the_models_dtype(pipe):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import os
+import pickle
 import socket
 import time
 
@@ -219,3 +220,38 @@ def test_a_save_refuses_tied_copies_on_one_rank_that_differ(tmp_path):
             "parameter of Tiny, so nothing was saved")
     finally:
         torch.distributed.destroy_process_group()
+
+
+class _RunsCode:
+    """What a hostile checkpoint pickles: unpickling it runs a command."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def test_a_checkpoint_whose_metadata_runs_code_is_refused_unread(tmp_path):
+    model = {**STAGES.stages[0]().state_dict(), **STAGES.stages[1]().state_dict()}
+    dcp.save({"model": model, "step": 3}, checkpoint_id=tmp_path / "step_3", no_dist=True)
+    (tmp_path / "step_3" / sharded.MARKER).write_text("step 3\n")
+    marker = tmp_path / "ran"
+    (tmp_path / "step_3" / ".metadata").write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(SystemExit) as stopped:
+        sharded.merge(STAGES, str(tmp_path), str(tmp_path / "model.pt"))
+    assert str(stopped.value) == (
+        f"--merge: cannot read {tmp_path}/step_3 (Refused: its .metadata names posix.system, "
+        "which a checkpoint's metadata never holds: refused (not unpickled))")
+    with pytest.raises(sharded.Refused):
+        sharded.load(tmp_path / "step_3", {"step": 0}, no_dist=True)
+    assert not marker.exists() and not (tmp_path / "model.pt").exists()
+
+
+def test_a_checkpoint_value_that_runs_code_is_refused_unread(tmp_path):
+    marker = tmp_path / "ran"
+    dcp.save({"step": _RunsCode(marker)}, checkpoint_id=tmp_path / "step_3", no_dist=True)
+    assert set(sharded.keys(tmp_path / "step_3")) == {"step"}  # the metadata is DCP's own
+    with pytest.raises(sharded.Refused, match="step: UnpicklingError: Weights only load failed"):
+        sharded.load(tmp_path / "step_3", {"step": 0}, no_dist=True)
+    assert not marker.exists()

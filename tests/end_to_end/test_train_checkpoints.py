@@ -9,6 +9,7 @@ resource limits are the real ones)."""
 from __future__ import annotations
 
 import csv
+import os
 import re
 import resource
 import signal
@@ -314,3 +315,33 @@ def test_a_file_that_cannot_be_read_is_one_line(simple, tmp_path, args, files, m
     assert len(run.stderr.splitlines()) == 1, run.stderr
     assert run.stderr.startswith(message), run.stderr
     assert len(run.stderr) < 400
+
+
+class _RunsCode:
+    """What a hostile file pickles: loading it with plain pickle runs a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("args, name, message", [
+    (["--checkpoint", "c", "--resume"], "c/last.pt",
+     "--resume: cannot resume from c/last.pt (UnpicklingError: Weights only load failed"),
+    (["--init", "init.pt"], "init.pt",
+     "--init init.pt: cannot read it (UnpicklingError: Weights only load failed"),
+    (["--data", "data.pt"], "data.pt",
+     "--data: cannot read data.pt (UnpicklingError: Weights only load failed"),
+], ids=["resume", "init", "data"])
+def test_a_file_that_would_run_code_is_refused_in_one_line(simple, tmp_path, args, name, message):
+    marker = tmp_path / "ran"
+    path = tmp_path / name
+    path.parent.mkdir(exist_ok=True)
+    torch.save({"model": _RunsCode(marker), "step": 1}, path)
+    run = subprocess.run([sys.executable, str(simple), "--steps", "1", *args], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1, run.stderr
+    assert len(run.stderr.splitlines()) == 1 and run.stderr.startswith(message), run.stderr
+    assert not marker.exists()

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import pickle
 import socket
+import threading
 import time
 
 import pytest
@@ -18,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 
-from mpgen.runtime import loop, mesh, pipeline, sharded
+from mpgen.runtime import launch, loop, mesh, pipeline, sharded
 from tiny import STAGES, TRAINING, Tiny
 
 
@@ -255,3 +256,18 @@ def test_a_checkpoint_value_that_runs_code_is_refused_unread(tmp_path):
     with pytest.raises(sharded.Refused, match="step: UnpicklingError: Weights only load failed"):
         sharded.load(tmp_path / "step_3", {"step": 0}, no_dist=True)
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_a_lost_rank_is_named_only_when_its_heartbeat_stopped():
+    # Rank 1 is alive (its heartbeat thread beats) but never says it is
+    # running, as a rank slow to notice the failure; rank 2 beats no more.
+    server = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    store = torch.distributed.PrefixStore("mpgen/attempt_1", server)
+    store.add("mpgen/beat/2", 5)  # it beat, then died
+    threading.Thread(target=launch.beat, args=(store, 1), daemon=True).start()
+    launch.ATTEMPT[0] = store
+    try:
+        assert launch.silent(0, 3, wait=1.0) == [2]
+    finally:
+        launch.ATTEMPT[0] = None

@@ -93,3 +93,17 @@ def test_a_missing_prediction_says_why():
         None, "torch gives no order of --schedule gpipe to replay")
     assert timeline.prediction("1f1b", None, [0, 1], (), (), 1.0, 2) == (
         None, "the build's cost model gave no time for these stages")
+
+
+def test_the_summary_says_why_a_bubble_is_not_predicted(tmp_path, capsys):
+    from mpgen.runtime.log import Log
+
+    rates = {"schedule": "--schedule gpipe with 2 micro-batches",
+             "unpredicted": "the build's cost model gave no time for these stages"}
+    log = Log(tmp_path, 1, 0, 1, 4, (), rates)
+    log.step(1, 0, 0.5, 0.1, {"grad_norm": 1.0, "busy": [1e-3, 1e-3]})
+    log.close(0)
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("idle:")]
+    assert line.split("; ")[1] == ("no predicted bubble for --schedule gpipe with 2 "
+                                  "micro-batches: the build's cost model gave no time for "
+                                  "these stages")

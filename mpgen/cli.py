@@ -201,7 +201,7 @@ def _test_command(sub) -> None:
     (docs/ci.md, "The generated tests")."""
     test = sub.add_parser(
         "test", help="run the generated tests, in a way the project cannot change",
-        usage="mpgen test [OUT ...] [--root DIR] [-- PYTEST ARGS...]",
+        usage="mpgen test [OUT ...] [--root DIR] [--timeout SECONDS] [-- PYTEST ARGS...]",
         description="Run the generated tests of each OUT (default: out of [tool.mpgen], else "
                     "generated) with pytest in a child interpreter: the project off the "
                     "path but for the modules its specs name (vetted as at build time, "
@@ -216,7 +216,24 @@ def _test_command(sub) -> None:
     test.add_argument("--root", metavar="DIR",
                       help="the project the specs' modules come from (default: root of "
                            "[tool.mpgen], else each spec's repository)")
+    test.add_argument("--timeout", metavar="SECONDS", type=_wall_seconds,
+                      help="stop an output folder's tests after SECONDS of wall time, "
+                           "failing (default: 3600)")
     test.set_defaults(device_map=None, time_limit=None)
+
+
+def _wall_seconds(text: str) -> float:
+    """``mpgen test --timeout``: seconds above 0, at most a week."""
+    from mpgen.commands.test import MAX_TIMEOUT
+
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of seconds above 0 and at most {MAX_TIMEOUT:g}")
+    return value
 
 
 def _test(args: argparse.Namespace) -> int:
@@ -230,7 +247,7 @@ def _test(args: argparse.Namespace) -> int:
     for out in outs:
         _check_out(out, project)
     root = args.root or (project and project.folder_path("root"))
-    return test.run(outs, root, args.script_args)
+    return test.run(outs, root, args.script_args, args.timeout or test.DEFAULT_TIMEOUT)
 
 
 def _import_command(sub) -> None:

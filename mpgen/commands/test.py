@@ -31,19 +31,26 @@ tests").
 #   of the project is importable;
 # - the run passes only when every generated test file had at least one test
 #   and every test collected ran and passed: pytest's "no tests ran" (exit 5),
-#   a deselected or skipped test, a file without tests, or a child that ended
-#   without reporting its verdict all fail the step.
+#   a deselected test, one skipped by anything but mpgen.testing (its
+#   real-GPU runs where the GPUs are missing), a file without a passed test,
+#   or a child that ended without writing its verdict (with a secret it read
+#   before any test code ran) all fail the step;
+# - the child has a session of its own, a wall-clock limit (--timeout), and
+#   every process left in its session is killed when it ends.
 #
 # Code the policy vetted still runs in the child and is trusted, as it is at
-# build time: review changes to it as code (docs/ci.md).
+# build time: review changes to it as code (docs/ci.md). The files of the
+# output folder are run as they are: ``mpgen check`` proves them current.
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import tempfile
@@ -66,6 +73,10 @@ RUNTIME = "mpgen_runtime"
 #: The modules whose origin is checked before any test runs, beside mpgen.testing.
 CHECKED = ("pytest", "_pytest", "pluggy", "torch", "numpy")
 #: pytest's options: mpgen's configuration only (the ini file is added first).
+#: Seconds of wall time one output folder's tests may take (--timeout).
+DEFAULT_TIMEOUT = 3600.0
+#: The most --timeout may be.
+MAX_TIMEOUT = 7 * 24 * 3600.0
 OPTIONS = ("--noconftest", "-p", "no:cacheprovider", "--import-mode=append",
            "--assert=plain")
 
@@ -184,22 +195,24 @@ def plan(out: str | Path, root: Optional[str] = None) -> Suite:
     return Suite(folder, tuple(p.name for p in tests), modules)
 
 
-def run(outs: Sequence[str], root: Optional[str], args: Sequence[str]) -> int:
+def run(outs: Sequence[str], root: Optional[str], args: Sequence[str],
+        timeout: float = DEFAULT_TIMEOUT) -> int:
     """Run the generated tests of each output folder (NOTE [A test step a
-    pull request cannot subvert]) with pytest's extra ``args``; 0 when every
-    one ran and passed, 1 when a test failed or did not run. Every folder is
-    checked before any test runs (:class:`MpgenError`)."""
+    pull request cannot subvert]) with pytest's extra ``args``, each folder's
+    run stopped after ``timeout`` seconds of wall time; 0 when every test ran
+    and passed, 1 when a test failed or did not run. Every folder is checked
+    before any test runs (:class:`MpgenError`)."""
     import mpgen
 
     suites = [plan(out, root) for out in outs]
     package = str(Path(mpgen.__file__).resolve().parent)
     worst = 0
     for suite in suites:
-        worst = max(worst, _run_one(suite, package, list(args)))
+        worst = max(worst, _run_one(suite, package, list(args), timeout))
     return worst
 
 
-def _run_one(suite: Suite, package: str, args: list[str]) -> int:
+def _run_one(suite: Suite, package: str, args: list[str], timeout: float) -> int:
     out = suite.out.resolve()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "PYTHON"))}
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
@@ -219,20 +232,22 @@ def _run_one(suite: Suite, package: str, args: list[str]) -> int:
         os.close(secret_write)
         read, write = os.pipe()
         try:
+            # A session of its own: every process of the run is stopped with it.
             child = subprocess.Popen(
                 [sys.executable, "-I", "-c", "import sys; from mpgen.commands.test import "
                  "child; sys.exit(child(sys.argv[1:]))", json.dumps(config), str(secret_read),
                  str(write)],
-                env=env, pass_fds=(secret_read, write), stdin=subprocess.DEVNULL)
+                env=env, pass_fds=(secret_read, write), stdin=subprocess.DEVNULL,
+                start_new_session=True)
         finally:
             os.close(write)
             os.close(secret_read)
         try:
-            try:
-                code = child.wait()
-            except KeyboardInterrupt:  # the child has it too (one process group)
-                child.wait()
-                raise
+            code = _wait(child, timeout)
+            if code is None:
+                _say(f"mpgen test: {_shown(suite.out)}: the tests ran past --timeout "
+                     f"{timeout:g} s; stopped them, failing")
+                return 1
             # What the child wrote is in the pipe's buffer; a process it left
             # behind that still holds the pipe is not waited for.
             os.set_blocking(read, False)
@@ -248,6 +263,32 @@ def _run_one(suite: Suite, package: str, args: list[str]) -> int:
         _say(f"mpgen test: {_shown(suite.out)}: the test run ended without its verdict "
              "(code it ran ended the interpreter); failing")
     return 2 if code == 2 else 1
+
+
+def _wait(child: subprocess.Popen, timeout: float) -> Optional[int]:
+    """The child's exit status, or None when it ran past ``timeout`` seconds;
+    either way every process left in its session is killed. A Ctrl-C here
+    is passed on to the run (its own session does not get the terminal's)
+    and waited for."""
+    try:
+        return child.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    except KeyboardInterrupt:
+        _signal_session(child, signal.SIGINT)
+        try:
+            child.wait(timeout=10)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            pass
+        raise
+    finally:
+        _signal_session(child, signal.SIGKILL)
+        child.wait()
+
+
+def _signal_session(child: subprocess.Popen, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(child.pid, signum)
 
 
 def _say(line: str) -> None:

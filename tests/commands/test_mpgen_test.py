@@ -204,3 +204,27 @@ def test_pytests_arguments_go_after_the_double_dash(project):
     assert ran.stderr.splitlines()[-1] == (
         "mpgen: error: unrecognized arguments: -k parameters (pytest's arguments go after "
         "'--': mpgen test -- -k parameters)")
+
+
+def gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (absent, or a zombie not yet reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+def test_tests_that_run_past_the_timeout_are_stopped_with_every_process(project):
+    marker = project / "grandchild.pid"
+    model = project / "out" / "simple_model.py"
+    text = model.read_text()
+    model.write_text(text.replace(
+        "import torch\n",
+        "import subprocess, time\n"
+        f"_p = subprocess.Popen(['sleep', '600'])\nopen({str(marker)!r}, 'w').write(str(_p.pid))\n"
+        "time.sleep(600)\nimport torch\n", 1))
+    ran = mpgen_test(project, "out", "--timeout", "30")  # past the import of torch, pytest
+    assert ran.returncode == 1
+    assert ran.stderr.splitlines()[-1] == (
+        "mpgen test: out: the tests ran past --timeout 30 s; stopped them, failing")
+    assert gone(int(marker.read_text()))

@@ -193,14 +193,9 @@ def collate(samples: list, training) -> tuple:
             continue
         try:
             batch.append(stack([torch.as_tensor(x) for x in column], d))
-        except (
-            RuntimeError,
-            TypeError,
-            ValueError,
-        ) as error:  # samples of different shapes
-            batch.append(
-                Unstacked(f"the samples' {key} do not stack ({one_line(error)})")
-            )
+        except (RuntimeError, TypeError, ValueError) as error:  # shapes that differ
+            why = f"the samples' {key} do not stack ({one_line(error)})"
+            batch.append(Unstacked(why))
     return tuple(batch)
 
 

@@ -930,6 +930,18 @@ SHAPED = """
 
     def dicts():
         return DataLoader([{"x": torch.zeros(1, 8, 8)}] * 8, batch_size=4)  # no target
+
+
+    class Ragged(torch.utils.data.Dataset):  # samples that differ in width
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return torch.zeros(1, 8, 8 + i % 2), torch.tensor(0)
+
+
+    def ragged():
+        return Ragged()
 """
 
 
@@ -978,6 +990,15 @@ def test_data_not_shaped_as_the_spec_says_is_one_line(img, here, capsys, files, 
     run = main(img, capsys, *argv, "--steps", "2")
     assert run.code == message
     assert "Traceback" not in run.out + run.err
+
+
+def test_samples_that_do_not_stack_are_one_line(img, here, capsys):
+    write_module(here, "loop_shaped", SHAPED)
+    done = subprocess_run(img, here, "--data", "loop_shaped:ragged", "--workers", "1")
+    assert done.returncode == 1 and "step 1" not in done.stdout  # stopped before the model ran
+    assert done.stderr.startswith("--data loop_shaped:ragged: the samples' x do not stack "
+                                  "(RuntimeError: stack expects each tensor to be equal size")
+    assert len(done.stderr.splitlines()) == 1
 
 
 def test_named_dims_bind_across_the_keys_of_a_batch(tokens, here, capsys):

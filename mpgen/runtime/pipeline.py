@@ -92,13 +92,16 @@ def pick(target: torch.Tensor | None, dim: int | None, index: torch.Tensor):
 def sendable(dtypes: tuple) -> object:
     """A forward hook that makes a stage's outputs sendable: contiguous (as gloo
     and NCCL need), copied when passed on as received (its receive buffer takes
-    the next micro-batch), in the dtypes the next stage receives (not autocast's)."""
+    the next micro-batch), in the dtypes the next stage receives (not autocast's);
+    a view is copied too: the split backward of the zero-bubble schedules
+    detaches a stage's outputs in place, which a view refuses (a Linear over
+    [batch, seq, d] returns one)."""
 
     def hook(module: nn.Module, inputs: tuple, outputs: tuple) -> tuple:
         return tuple(
             (
                 x.clone(memory_format=torch.contiguous_format)
-                if any(x is i for i in inputs)
+                if any(x is i for i in inputs) or x._base is not None
                 else x.contiguous()
             ).to(dtype)
             for x, dtype in zip(outputs, dtypes)
@@ -608,8 +611,11 @@ class Pipelined:
         self.where = str(sharded.folder(self.args.checkpoint, done))
 
     def check_ties(self, done: int) -> None:
-        """Before a save: every tied copy equals its owner's, on every rank
-        (else one line, and nothing saved; mesh.tied_apart at --merge)."""
+        """Before a save: every tied copy equals its owner's, on every rank,
+        and under DDP every replica's parameters are the same (else one line,
+        and nothing saved; mesh.tied_apart at --merge)."""
+        if self.args.dp > 1 and self.args.dp_mode == "ddp":
+            self.check_replicas(done)
         ties = self.stages.ties
         if not ties:
             return
@@ -635,6 +641,31 @@ class Pipelined:
                     f"step {done}: the tied copies {keys} differ (by up to {gap:.3g}); they are "
                     f"one parameter of {self.stages.training.name}, so nothing was saved"
                 )
+
+    def check_replicas(self, done: int) -> None:
+        """Under DDP: each parameter's sum is the same on every replica (a
+        reduction that missed some gradients lets replicas drift apart, and a
+        checkpoint would keep one of them)."""
+        keys = [
+            (k, key) for k in self.mine for key, _ in self.modules[k].named_parameters()
+        ]
+        sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
+        for i, (k, key) in enumerate(keys, 1):
+            sums[i] = self.modules[k].get_parameter(key).detach().double().sum()
+        high, low = sums.clone(), sums
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.grid.dp_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.grid.dp_group)
+        gaps = (high - low).nan_to_num(0.0)
+        first = next((i for i, gap in enumerate(gaps.tolist()) if gap > 0), None)
+        found = [None] * dist.get_world_size()
+        seen = None if first is None else (keys[first - 1][1], gaps[first].item())
+        dist.all_gather_object(found, seen)
+        seen = next((x for x in found if x is not None), None)
+        if seen is not None:
+            stop(
+                f"step {done}: the --dp replicas' {seen[0]} differ (their sums by {seen[1]:.3g}); "
+                "--dp-mode ddp did not keep them equal, so nothing was saved"
+            )
 
     # -- the schedule -------------------------------------------------------------
 

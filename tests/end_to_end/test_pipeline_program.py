@@ -900,3 +900,34 @@ def test_the_build_notes_what_batch_norm_becomes_in_the_pipeline(tmp_path):
     assert "--sync-bn" in note and "\n" not in note
     exact = write_spec(tmp_path, NORM_NET, "exact.yaml")  # one micro-batch, synced: nothing to say
     assert not build.compiled(build_to(exact, tmp_path / "exact", CPU), CPU).notes
+
+
+def test_zbv_ddp_replicas_keep_the_tied_copies_on_one_rank_equal(tmp_path):
+    # Four stages in a V on two ranks: rank 0 holds the embedding (stage 0) and
+    # the head tied to it (stage 3). Under DDP their gradients were not averaged
+    # over the replicas, the copies drifted apart and --merge wrote both.
+    spec = TIED_LM.replace("placement:\n  emb: cuda:0\n  head: cuda:1\n",
+                           "placement:\n  emb: cuda:0\n  fc: cuda:1\n  act: cuda:2\n"
+                           "  head: cuda:3\n")
+    build_to(write_spec(tmp_path, spec), tmp_path, CPU)
+    torch.manual_seed(0)
+    torch.save(import_generated(tmp_path / "tied_lm.py").TiedLM().state_dict(), tmp_path / "init.pt")
+    single = subprocess.run(
+        [sys.executable, "train_tied_lm.py", "--seed", "0", "--steps", "3", "--batch-size", "8",
+         "--log-dir", "single", "--checkpoint", "single"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert single.returncode == 0, single.stderr
+    run = torchrun(4, tmp_path / "pp_tied_lm.py", "--schedule", "zbv", "--dp", "2",
+                   "--dp-mode", "ddp", "--steps", "3", "--batch-size", "8", "--microbatches", "4",
+                   "--init", "init.pt", "--checkpoint", "pp")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert losses(tmp_path / "pp" / "log.csv") == pytest.approx(
+        losses(tmp_path / "single" / "log.csv"), rel=1e-5, abs=1e-7)
+    done = subprocess.run([sys.executable, "pp_tied_lm.py", "--merge", "pp", "merged.pt"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
+    assert torch.equal(merged["head.weight"], merged["emb.weight"])
+    expected = torch.load(tmp_path / "single" / "last.pt", weights_only=True)["model"]
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)

@@ -487,3 +487,13 @@ def test_a_position_table_read_over_a_symbolic_length_is_refused_with_its_line(p
             "to seq - 1") in ran.stderr
     assert "give seq a size of at most 32 in train.dims" in ran.stderr
     assert "line 12: wpe: {op: Embedding, in: arange, args: [32, 16]}" in ran.stderr
+
+
+def test_a_size_in_args_torch_cannot_allocate_is_one_line(project):
+    # --args sizes reach the user's constructor: torch's refusal is quoted by
+    # its first line, never with the C++ frames that follow it.
+    ran = mpgen("import", "importmodels:MLP", "--input", "x=batch,8", "--args",
+                '{"dim": 10000000000000000000000}', cwd=project)
+    assert ran.returncode == 2 and "Traceback" not in ran.stderr
+    assert ran.stderr.count("\n") == 1 and "frame #" not in ran.stderr
+    assert "MLP(dim=10000000000000000000000) failed: TypeError: " in ran.stderr

@@ -95,6 +95,16 @@ def parse_input(text: str) -> InputSpec:
     return found
 
 
+def failure(exc: BaseException, most: int = 500) -> str:
+    """``Type: message`` of an exception from the user's code or torch, in
+    one line: the first of its message, cut to about ``most`` characters
+    (torch's C++ errors carry a stack of frames after it)."""
+    lines = str(exc).strip().splitlines()
+    text = lines[0] if lines else ""
+    text = text if len(text) <= most else text[:most] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
 def _short(text: str, most: int = 80) -> str:
     """``text`` as a message quotes it, cut to about ``most`` characters."""
     return repr(text if len(text) <= most else text[:most] + "...")
@@ -124,12 +134,12 @@ def load_module(target: str, args_json: Optional[str] = None,
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's code: any failure is theirs to see
         raise MpgenError(None, f"{target}: cannot import {module_name!r}: "
-                               f"{type(exc).__name__}: {exc}") from None
+                               f"{failure(exc)}") from None
     try:
         cls = getattr(module, class_name, None)
     except Exception as exc:  # a library's lazy attribute that fails to import
         raise MpgenError(None, f"{target}: cannot import {class_name!r} from {module_name}: "
-                               f"{type(exc).__name__}: {exc}") from None
+                               f"{failure(exc)}") from None
     is_class = inspect.isclass(cls) and issubclass(cls, nn.Module)
     if not (is_class or (inspect.isfunction(cls) and not inspect.isclass(cls))):
         names = [n for n, v in vars(module).items()
@@ -143,7 +153,7 @@ def load_module(target: str, args_json: Optional[str] = None,
     except Exception as exc:
         where = _user_frame(exc)
         raise MpgenError(where, f"{class_name}({shown_args(args)}) failed: "
-                                f"{type(exc).__name__}: {exc}") from None
+                                f"{failure(exc)}") from None
     if not isinstance(built, nn.Module):
         raise MpgenError(None, f"{target}: {class_name}({shown_args(args)}) returned "
                                f"{type(built).__name__}, not an nn.Module")
@@ -169,7 +179,7 @@ def _config_args(target: str, cls: Any, config_json: str, args: Union[dict, list
         built = config_class(**config)
     except Exception as exc:
         raise MpgenError(None, f"{config_class.__name__}({shown_args(config)}) failed: "
-                               f"{type(exc).__name__}: {exc}") from None
+                               f"{failure(exc)}") from None
     if "use_cache" not in config and hasattr(built, "use_cache"):
         built.use_cache = False
     return [built]
@@ -299,7 +309,7 @@ class _Recorder(fx.Interpreter):
             value = super().run_node(n)
         except Exception as exc:
             raise node_error(n, f"fails on sample inputs of the --input shapes: "
-                                f"{type(exc).__name__}: {exc}") from None
+                                f"{failure(exc)}") from None
         self.values[n] = value
         return value
 
@@ -316,7 +326,7 @@ def trace(root: nn.Module, inputs: Sequence[InputSpec]
         graph = tracer.trace(root)
     except Exception as exc:
         raise MpgenError(_user_frame(exc), f"torch.fx cannot trace {cls}.forward: "
-                                           f"{type(exc).__name__}: {exc}") from None
+                                           f"{failure(exc)}") from None
     gm = fx.GraphModule(root, graph, cls)
     gm.graph.eliminate_dead_code()
     inputs = _check_placeholders(root, gm.graph, inputs)

@@ -1167,3 +1167,11 @@ def test_a_spec_without_train_refuses_token_id_targets_in_one_line(tmp_path_fact
     assert run.code == ("tokens.pt: target is [8, 5], 8 samples of [5]; the spec's target is "
                         "[batch, seq, 10], a sample [seq, 10] (with seq = 5 from the other keys)")
     assert "step 1/1" in ok(built, capsys, "--steps", "1").out  # its synthetic targets fit
+
+
+def test_an_npz_of_pickled_objects_is_refused_unread(reg, here, capsys):
+    numpy.savez(here / "objects.npz", x=numpy.array([{"a": 1}], dtype=object),
+                target=numpy.zeros((1, 1)))
+    run = main(reg, capsys, "--data", "objects.npz", "--steps", "1")
+    assert run.code == ("--data: cannot read objects.npz (ValueError: Object arrays cannot be "
+                        "loaded when allow_pickle=False)")

@@ -202,40 +202,38 @@ def base_tree(root: Path, commit: str) -> Tree:
 
     def read(paths: list[str]) -> dict[str, "bytes | str"]:
         found: dict[str, "bytes | str"] = {}
-        targets = {p: followed(p) for p in paths}
-        wanted = {}
-        for path, target in targets.items():
-            if isinstance(target, str) and target in entries:
-                _, oid, size = entries[target]
-                if size > MAX_BYTES:
-                    found[path] = f"spec is larger than {MAX_BYTES} bytes"
-                else:
-                    wanted.setdefault(oid, []).append(path)
+        wanted: dict[str, list[str]] = {}
+        for path in paths:
+            target, why = followed(path)
+            if target is None or target not in entries:
+                found[path] = why or "not in the merge base"
+                continue
+            _, oid, size = entries[target]
+            if size > MAX_BYTES:
+                found[path] = f"spec is larger than {MAX_BYTES} bytes"
             else:
-                found[path] = target if isinstance(target, str) and target.startswith("a ") \
-                    else "not in the merge base"
+                wanted.setdefault(oid, []).append(path)
         if wanted:
             for oid, data in _cat_file(root, list(wanted)).items():
                 for path in wanted[oid]:
                     found[path] = data
         return found
 
-    def followed(path: str) -> str:
-        # A symbolic link in git is a blob holding its target: followed inside
-        # the tree (at most 8 links), as the file system would.
+    def followed(path: str) -> tuple[Optional[str], Optional[str]]:
+        """The file ``path`` is once links are followed, or None and why.
+        A symbolic link in git is a blob holding its target: followed inside
+        the tree (at most 8 links), as the file system would."""
         for _ in range(8):
-            if path not in entries:
-                return path
-            mode, oid, size = entries[path]
-            if mode != "120000":
-                return path
+            if path not in entries or entries[path][0] != "120000":
+                return path, None
+            _, oid, size = entries[path]
             data = _cat_file(root, [oid]).get(oid, b"") if size <= 4096 else b""
             target = posixpath.normpath(posixpath.join(posixpath.dirname(path),
                                                        data.decode("utf-8", "replace")))
             if target.startswith(("../", "/")) or target == "..":
-                return "a symbolic link to a file outside the repository; not read"
+                return None, "a symbolic link to a file outside the repository; not read"
             path = target
-        return "a symbolic link to a symbolic link ...; not read"
+        return None, "a chain of more than 8 symbolic links; not read"
 
     return Tree(commit, set(entries), read)
 

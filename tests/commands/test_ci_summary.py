@@ -186,3 +186,20 @@ def test_is_spec_reads_the_yaml_as_the_loader_does():
     # YAML the loader refuses (an alias) is still a spec when it says so.
     assert ci_summary.is_spec(b"mpgen: 1\na: &x 1\nb: *x\n", "a.yaml")
     assert not ci_summary.is_spec("refused", "a.yaml")  # not read: a link out, too large
+
+
+def test_the_base_follows_a_link_inside_its_tree_and_names_odd_files(repo):
+    # A spec named like a message ("a b.yaml") is a spec; a link in the base
+    # is read as what it points to, as the file system would.
+    git(repo, "checkout", "-q", "main")
+    write_spec(repo, spec_text("Odd"), "a spec.yaml")
+    os.symlink("model.yaml", repo / "linked.yaml")
+    commit_all(repo, "odd names")
+    git(repo, "checkout", "-q", "-B", "pr")
+    write_spec(repo, spec_text("Odd", "cuda:2"), "a spec.yaml")
+    (repo / "linked.yaml").unlink()
+    write_spec(repo, spec_text("Model", "cuda:3"), "linked.yaml")
+    commit_all(repo, "move both")
+    text = summary(repo)
+    assert "| `a spec.yaml` | changed |" in text and "  layer2: cuda:1 -> cuda:2" in text
+    assert "| `linked.yaml` | changed |" in text and "  layer2: cuda:1 -> cuda:3" in text

@@ -210,6 +210,7 @@ def test_a_save_refuses_tied_copies_on_one_rank_that_differ(tmp_path):
         engine = type("Engine", (), {})()  # the parts of a Pipelined that check_ties reads
         engine.stages, engine.modules, engine.device = stages, modules, torch.device("cpu")
         engine.groups = [(None, 0, copies)]
+        engine.args = type("Args", (), {"dp": 1, "dp_mode": "ddp"})()  # one replica
         pipeline.sync_ties(engine.groups, modules, gradients=False)
         pipeline.Pipelined.check_ties(engine, 5)  # equal: nothing to say
         with torch.no_grad():

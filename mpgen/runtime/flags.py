@@ -42,7 +42,8 @@ HELP = {
     "its devices (a rank per device), zbv and dualpipev for an even number of stages (two per rank, in a V)",
     "dp": "replicas of the pipeline (data parallel): torchrun starts ranks per replica x N processes",
     "dp_mode": "how replicas synchronise gradients: FSDP2's fully_shard (parameters, gradients and "
-    "optimizer state sharded over the replicas) or DDP (replicated)",
+    "optimizer state sharded over the replicas) or DDP (replicated; under interleaved-zb, zbv and "
+    "dualpipev the runtime averages the gradients itself after the last micro-batch)",
     "timeout": "seconds a collective or a send may wait for another rank before every rank stops",
     "sync_bn": "normalise each BatchNorm's micro-batch by the statistics of that micro-batch on every "
     "--dp replica together (without: each replica's own; the running stats are averaged over the "

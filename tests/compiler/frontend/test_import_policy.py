@@ -27,6 +27,7 @@ import yaml
 
 from helpers import ROOT, mpgen, mpgen_process
 from test_user_modules import GATE  # a small nn.Module class
+from mpgen.commands import isolate
 from mpgen.compiler import driver
 from mpgen.compiler.frontend import imports, ops
 from mpgen.errors import MpgenError
@@ -80,7 +81,12 @@ class Project:
 
 
 @pytest.fixture
-def project(tmp_path) -> Project:
+def project(tmp_path, monkeypatch) -> Project:
+    # The policy is what is tested here, so the child runs uncontained by
+    # namespaces: contained, its tree is read-only and no module could write
+    # the marker, so the marker's absence would prove nothing (containment
+    # has its own tests: tests/commands/test_user_code_in_a_child.py).
+    monkeypatch.setattr(isolate, "USE_NAMESPACES", False)
     root = tmp_path / "proj"
     (root / ".git").mkdir(parents=True)
     return Project(root.resolve(), tmp_path / "marker")

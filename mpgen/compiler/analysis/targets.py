@@ -42,14 +42,16 @@ def infer_targets(graph: Graph) -> Graph:
         out = graph.type_of(loss.output)
         shape = out.shape if out else ()
         if out is not None and loss.module is None and not _floating(out.dtype):
-            if not loss.written and any(_floating(graph.type_of(other.output).dtype)
-                                        for other in graph.train.losses):
+            if loss.written:
+                errors.add(loss.pos, f"train.loss: {loss.op} needs a floating-point output to "
+                           f"train through, but {loss.output!r} {out} is {out.dtype}: no "
+                           "gradient flows back through it; give the loss the floating-point "
+                           "output before the argmax, comparison or cast, or leave this output "
+                           "out of train.loss")
+                continue
+            if any(_floating(graph.type_of(other.output).dtype) for other in graph.train.losses):
                 continue  # the default loss trains the outputs that carry gradients
-            errors.add(loss.pos, f"train.loss: {loss.op} needs a floating-point output to train through, but "
-                       f"{loss.output!r} {out} is {out.dtype}: no gradient flows back through "
-                       "it; give the loss the floating-point output before the argmax, "
-                       "comparison or cast, or leave this output out of train.loss")
-            continue
+            # no output carries a gradient: placement's check names the output at its layer
         if loss.target != "classes":
             target = dataclasses.replace(loss, target_type=TensorType(tuple(shape)))
         else:

@@ -985,6 +985,9 @@ class Graph:
     spec_plan: Optional[ForwardPlan] = field(default=None, compare=False, repr=False)
     pipeline: Optional[PipelineConfig] = None  # ``pipeline:``; None: the plain forward
     layout: Optional[Layout] = None
+    #: Filled by analysis.shapes: (dim, largest size, why) for each symbolic
+    #: dim whose positions read a table of fixed rows (NOTE [Symbolic dims]).
+    dim_limits: tuple[tuple[str, int, str], ...] = ()
 
     def node(self, name: str) -> Node:
         return self._nodes_by_name[name]

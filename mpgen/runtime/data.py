@@ -251,7 +251,9 @@ def narrow(x: torch.Tensor, d, size: int, start: int, length: int) -> torch.Tens
 # (seq*batch) is the product of those, ? is any size; a dtype of the same
 # kind (float64 for float32, int32 for int64) is converted, another kind is
 # refused; a class-index target must hold classes in [0, C) or the loss's
-# ignore_index. A mismatch is one line naming the data, the key, the spec's
+# ignore_index, an input an Embedding reads indices below its rows, and a dim
+# whose positions read a table of fixed rows (Training.dim_limits: a learned
+# position Embedding) at most those rows. A mismatch is one line naming the data, the key, the spec's
 # shape and the data's, and the script exits 1 (never a traceback from
 # inside forward).
 
@@ -357,6 +359,11 @@ def _check_tensors(
             file = None if files is None else files[i]
             sys.exit(_mismatch(training, i, x, specs[i], before, where, file))
         checked.append(x)
+    for dim, most, why in training.dim_limits:
+        if sizes.get(dim, 0) > most:
+            sys.exit(
+                f"{where}: {dim} is {sizes[dim]:,}; the model takes {dim} up to {most:,}: {why}"
+            )
     return checked
 
 
@@ -386,6 +393,11 @@ def _check_classes(x: torch.Tensor, training, i: int, where: str) -> None:
         bad &= x != ignored
     if bool(bad.any()):
         value = int(x[bad][0])
+        if i < len(training.inputs):
+            sys.exit(
+                f"{where}: {training.keys[i]} holds {value}; the spec's {_role(training, i)} "
+                f"indexes an Embedding of {classes:,} rows, so it takes 0 to {classes - 1:,}"
+            )
         also = "" if ignored is None else f" or the ignore_index {ignored}"
         sys.exit(
             f"{where}: {training.keys[i]} holds class {value}; the spec's "

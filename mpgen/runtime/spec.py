@@ -41,8 +41,12 @@ class Training:
     #: is checked against them before the model runs (data.check_batch).
     shapes: tuple[tuple[int | str, ...], ...] = ()
     dtypes: tuple[str, ...] = ()
-    #: Per key, a class-index target's ``(classes, ignore_index)`` (None: not one).
+    #: Per key, a class-index target's ``(classes, ignore_index)``, or an
+    #: input's ``(rows, None)`` where an Embedding reads it (None: neither).
     classes: tuple[Optional[tuple[int, Optional[int]]], ...] = ()
+    #: ``(dim, largest size, why)``: a named dim whose positions read a table
+    #: of fixed rows (a learned position Embedding): data past it is refused.
+    dim_limits: tuple[tuple[str, int, str], ...] = ()
     data_kwargs: dict = field(default_factory=dict)  # for the spec's data factory
     eval_data_kwargs: dict = field(default_factory=dict)
 

@@ -162,3 +162,21 @@ def test_a_flattened_target_stacks_and_splits_like_its_output():
     first = data.stack(samples, (0, 0))  # batch outermost: flatten(0, 1) of [batch, seq]
     assert first.tolist() == torch.cat(samples).tolist()
     assert data.narrow(first, (0, 0), 4, 1, 2).tolist() == torch.cat(samples[1:3]).tolist()
+
+
+#: token ids an Embedding of 50 rows reads, their positions a table of 8 rows.
+POSITIONS = training(inputs=("idx",), targets=(), batch_dims=(0,), shapes=(("batch", "seq"),),
+                     dtypes=("int64",), classes=((50, None),),
+                     dim_limits=(("seq", 8, "layer 'wpe' (Embedding(8, 4)) has 8 rows"),))
+
+
+def test_token_ids_and_positions_past_their_tables_are_refused():
+    data.check_batch((torch.full((2, 8), 49),), POSITIONS, "data.pt")
+    with pytest.raises(SystemExit) as stop:
+        data.check_batch((torch.zeros(2, 9, dtype=torch.int64),), POSITIONS, "data.pt")
+    assert stop.value.code == ("data.pt: seq is 9; the model takes seq up to 8: layer 'wpe' "
+                               "(Embedding(8, 4)) has 8 rows")
+    with pytest.raises(SystemExit) as stop:
+        data.check_batch((torch.full((2, 8), 50),), POSITIONS, "data.pt")
+    assert stop.value.code == ("data.pt: idx holds 50; the spec's input idx indexes an "
+                               "Embedding of 50 rows, so it takes 0 to 49")

@@ -178,14 +178,14 @@ def _infer(graph: Graph, budget: Budget) -> Graph:
     symbols = _Symbols.of(graph.inputs)
     blocks = {b.name: b for b in graph.blocks}
     try:
-        nodes, uses = _run(graph, symbols, blocks, budget)
+        nodes, uses, limits = _run(graph, symbols, blocks, budget)
     except OutOfBudget:
         raise
     except MpgenError as error:
         raise _agree_errors(error, graph, symbols.other(), blocks, budget) from None
     # NOTE [Symbolic dims]: what a size derived from a symbol looks like at
     # other primes tells it from a constant.
-    again, uses_again = _run(graph, symbols.other(), blocks, budget)
+    again, uses_again, _ = _run(graph, symbols.other(), blocks, budget)
     nodes = [_agree_node(n, m) for n, m in zip(nodes, again)]
     for name, per_use in uses.items():
         uses[name] = [(values, {k: _agree(t, other[1].get(k)) for k, t in types.items()},
@@ -195,7 +195,8 @@ def _infer(graph: Graph, budget: Budget) -> Graph:
     check_sample_sizes(graph, blocks, budget)
     inputs = tuple(_with_high(t, nodes, blocks) for t in graph.inputs)
     block_classes = tuple(_block_facts(b, uses.get(b.name, [])) for b in graph.blocks)
-    return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes)
+    return dataclasses.replace(graph, nodes=tuple(nodes), inputs=inputs, blocks=block_classes,
+                               dim_limits=tuple((dim, *limits[dim]) for dim in sorted(limits)))
 
 
 def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass], budget: Budget):
@@ -214,7 +215,7 @@ def _run(graph: Graph, symbols: _Symbols, blocks: Mapping[str, BlockClass], budg
         warnings.simplefilter("ignore")
         nodes = runner.run_nodes(graph.nodes, env)
     runner.errors.raise_if_any()
-    return nodes, runner.block_uses
+    return nodes, runner.block_uses, runner.limits
 
 
 #: How many times the non-batch dims may double in the search for sizes a
@@ -372,6 +373,9 @@ class _Runner(meta.Hooks):
         # {layer: params count})] per use
         self.block_uses: dict[str, list[tuple[dict, dict, int]]] = {}
         self.sized: set[str] = set()  # symbolic dims with a training size the spec gives
+        #: dim -> (its largest size, why): a sized symbolic dim whose indices
+        #: read a table (check_indices); the scripts refuse data past it.
+        self.limits: dict[str, tuple[int, str]] = {}
 
     def run_nodes(self, nodes: Sequence[Node], env: dict[str, Any]) -> list[Node]:
         result = []
@@ -574,8 +578,18 @@ class _Runner(meta.Hooks):
             return
         count = self.symbols.dim(found.count)
         symbolic = isinstance(count, SymDim)
+        offset = found.high - (found.count - 1)  # arange(n) + offset: high = n - 1 + offset
+        single = symbolic and count.known and len(count.symbols) == 1 and count.factor == 1
         if symbolic and count.known and set(count.symbols) <= self.sized:
-            return  # checked at the sizes the spec gives (check_sample_sizes)
+            # checked at the sizes the spec gives (check_sample_sizes); the
+            # scripts refuse data whose dim would read past the table
+            if single and (count.symbols[0] not in self.limits
+                           or rows - offset < self.limits[count.symbols[0]][0]):
+                self.limits[count.symbols[0]] = (
+                    rows - offset, f"layer {label!r} ({meta.call_text(node, params)}) has "
+                    f"{rows:,} rows, read at positions up to {count.symbols[0]}"
+                    + (f" + {offset - 1}" if offset > 1 else " - 1" if offset == 0 else ""))
+            return
         if not symbolic and 0 <= found.low and found.high < rows:
             return
         origin = found.origin
@@ -590,11 +604,9 @@ class _Runner(meta.Hooks):
             raise MpgenError(node.pos, f"{where} at indices up to {found.high:,}, made by "
                              f"{made}: an IndexError when the model runs; make the table at "
                              f"least {found.high + 1:,} rows, or the indices smaller")
-        offset = found.high - (found.count - 1)  # arange(n) + offset: high = n - 1 + offset
         names = " and ".join(count.symbols) if count.known else "a symbolic dim"
         top = (f"{count} - 1" if offset == 0 else f"{count} + {offset - 1}" if offset > 1
                else str(count))
-        single = count.known and len(count.symbols) == 1 and count.factor == 1
         most = rows - offset
         size = f" of at most {most:,}" if single and most >= 1 else ""
         past = f"any {names} over {most:,}" if single and most >= 1 else "a longer sequence"
@@ -629,7 +641,7 @@ def _with_high(tensor: InputTensor, nodes: Sequence[Node], blocks) -> InputTenso
              if a.positional and isinstance(a.positional[0], int)]
     sizes += [v for a in embeddings for k, v in a.keyword
               if k == "num_embeddings" and isinstance(v, int)]
-    return dataclasses.replace(tensor, high=min(sizes) if sizes else 2)
+    return dataclasses.replace(tensor, high=min(sizes) if sizes else None)
 
 
 def _block_facts(block: BlockClass, uses) -> BlockClass:

@@ -326,9 +326,12 @@ def render_train(graph: Graph) -> str:
               ("losses", "lambda: (" + _tuple([call(loss.callee, [], loss.kwargs)
                                                for loss in train.losses]) + ")"),
               ("forward_loss", n["forward_loss"])]
-    if any(class_range(loss) for loss in train.losses):
-        fields.append(("classes", layouts_literal([None] * len(graph.inputs)
-                                                  + [class_range(loss) for loss in train.losses])))
+    ranges = ([(t.high, None) if t.high else None for t in graph.inputs]
+              + [class_range(loss) for loss in train.losses])
+    if any(ranges):
+        fields.append(("classes", layouts_literal(ranges)))
+    if graph.dim_limits:
+        fields.append(("dim_limits", layouts_literal(list(graph.dim_limits))))
     if trainable:
         w.line()
         w.line()

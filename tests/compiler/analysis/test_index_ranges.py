@@ -48,6 +48,17 @@ def test_a_symbolic_dim_the_table_holds_at_its_training_size_builds(tmp_path):
     assert "indices up to 64" in refused(tmp_path, arange='[1, "=size(idx, 1) + 1"]', dims=64)
 
 
+def test_a_sized_dim_that_reads_a_table_is_bounded_for_the_scripts(tmp_path):
+    # The training script refuses data past the table (Training.dim_limits),
+    # and an input an Embedding reads has that table's rows as its range.
+    graph = build(tmp_path, dims=32)
+    assert graph.dim_limits == (
+        ("seq", 64, "layer 'wpe' (Embedding(64, 16)) has 64 rows, read at positions up to seq - 1"),)
+    assert [t.high for t in graph.inputs] == [100]
+    graph = build(tmp_path, arange='[1, "=size(idx, 1) + 1"]', dims=32)
+    assert [limit[:2] for limit in graph.dim_limits] == [("seq", 63)]
+
+
 def test_a_symbolic_dim_without_a_size_is_refused_at_the_tables_line(tmp_path):
     message = refused(tmp_path)
     assert message.startswith(f"{tmp_path / 'spec.yaml'}:8:3: layer 'wpe': Embedding(64, 16) "

@@ -487,6 +487,10 @@ def test_a_position_table_read_over_a_symbolic_length_is_refused_with_its_line(p
             "to seq - 1") in ran.stderr
     assert "give seq a size of at most 32 in train.dims" in ran.stderr
     assert "line 12: wpe: {op: Embedding, in: arange, args: [32, 16]}" in ran.stderr
+    # The model's own table, not a gap of the importer; --input is where a size goes.
+    assert ("the imported spec does not build (the model reads a table of fixed rows along a "
+            "symbolic dim)") in ran.stderr and "please report" not in ran.stderr
+    assert "hint: the build checks symbolic dims (idx: seq)" in ran.stderr
 
 
 def test_a_size_in_args_torch_cannot_allocate_is_one_line(project):

@@ -116,5 +116,5 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
     layers, blocks = fold_blocks(layers, importer, model_name(type(root)))
     layers = fold_repeats(layers, importer)
     text = render(root, importer, layers, blocks, command, devices)
-    text = check_builds(text, time_limit)
+    text = check_builds(text, time_limit, inputs)
     return Imported(text, model_name(type(root)), len(layers), tuple(notes))

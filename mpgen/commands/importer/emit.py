@@ -116,8 +116,11 @@ def _compiled(text: str, time_limit: Optional[float], inputs: Sequence):
                      "far beyond any table of fixed length (position embeddings); if the "
                      "model indexes one along such a dim, give it a size in --input"]
                     if dims else [])
-            raise MpgenError(None, "the imported spec does not build (a model mpgen import "
-                                   "cannot express yet; please report it):\n"
+            # A table read along a dim with no end is the model's, not the importer's.
+            why = ("the model reads a table of fixed rows along a symbolic dim"
+                   if "is symbolic with no size in train.dims" in shown
+                   else "a model mpgen import cannot express yet; please report it")
+            raise MpgenError(None, f"the imported spec does not build ({why}):\n"
                                    + "\n".join([shown, *quoted, *hint])) from None
 
 

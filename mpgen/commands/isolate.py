@@ -337,7 +337,7 @@ def _run(request: dict, stderr: "_Capture") -> tuple[list[bytes], Optional[int],
                     if wall_cap is not None and now - started > wall_cap:
                         why = f"was stopped after {wall_cap:g} s of wall-clock time"
                         break
-                    tree = _tree(child.pid)
+                    tree = tree_cpu(child.pid)
                     if not tree:  # no /proc: the wall-clock cap stands alone
                         continue
                     top = max(tree.values())
@@ -438,7 +438,7 @@ def _descendants(roots: Iterable[int], table: Mapping[int, tuple[int, bytes, flo
     return found
 
 
-def _tree(pid: int) -> dict[int, float]:
+def tree_cpu(pid: int) -> dict[int, float]:
     """CPU seconds of process ``pid`` and of each process under it; empty
     where that cannot be read."""
     table = _processes() or {}

@@ -54,6 +54,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -77,6 +78,9 @@ CHECKED = ("pytest", "_pytest", "pluggy", "torch", "numpy")
 DEFAULT_TIMEOUT = 3600.0
 #: The most --timeout may be.
 MAX_TIMEOUT = 7 * 24 * 3600.0
+#: Seconds the tests may go on without any of their processes using the CPU
+#: (a test that sleeps or waits for what never comes) before they are stopped.
+IDLE_SECONDS = 15.0
 OPTIONS = ("--noconftest", "-p", "no:cacheprovider", "--import-mode=append",
            "--assert=plain")
 
@@ -243,10 +247,9 @@ def _run_one(suite: Suite, package: str, args: list[str], timeout: float) -> int
             os.close(write)
             os.close(secret_read)
         try:
-            code = _wait(child, timeout)
-            if code is None:
-                _say(f"mpgen test: {_shown(suite.out)}: the tests ran past --timeout "
-                     f"{timeout:g} s; stopped them, failing")
+            code, why = _wait(child, timeout)
+            if why:
+                _say(f"mpgen test: {_shown(suite.out)}: the tests {why}; stopped them, failing")
                 return 1
             # What the child wrote is in the pipe's buffer; a process it left
             # behind that still holds the pipe is not waited for.
@@ -265,15 +268,35 @@ def _run_one(suite: Suite, package: str, args: list[str], timeout: float) -> int
     return 2 if code == 2 else 1
 
 
-def _wait(child: subprocess.Popen, timeout: float) -> Optional[int]:
-    """The child's exit status, or None when it ran past ``timeout`` seconds;
-    either way every process left in its session is killed. A Ctrl-C here
-    is passed on to the run (its own session does not get the terminal's)
-    and waited for."""
+def _wait(child: subprocess.Popen, timeout: float) -> tuple[Optional[int], str]:
+    """The child's exit status, or why it was stopped: it ran past
+    ``timeout`` seconds, or none of its processes used the CPU for
+    :data:`IDLE_SECONDS`; either way every process left in its session is
+    killed. A Ctrl-C here is passed on to the run (its own session does not
+    get the terminal's) and waited for."""
+    from mpgen.commands.isolate import tree_cpu
+
+    start = time.monotonic()
+    used, busy = None, start
     try:
-        return child.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None
+        while True:
+            now = time.monotonic()
+            if now - start >= timeout:
+                return None, f"ran past --timeout {timeout:g} s"
+            try:
+                return child.wait(timeout=min(1.0, start + timeout - now)), ""
+            except subprocess.TimeoutExpired:
+                pass
+            # Any change counts: a process that ends takes its CPU time along.
+            tree = tree_cpu(child.pid)
+            if not tree:  # no /proc to read (not Linux): the wall-clock limit alone
+                continue
+            spent = sum(tree.values())
+            if spent != used:
+                used, busy = spent, time.monotonic()
+            elif time.monotonic() - busy > IDLE_SECONDS:
+                return None, (f"used no CPU for {IDLE_SECONDS:g} s (a test that sleeps or "
+                              "waits)")
     except KeyboardInterrupt:
         _signal_session(child, signal.SIGINT)
         try:

@@ -222,9 +222,25 @@ def test_tests_that_run_past_the_timeout_are_stopped_with_every_process(project)
         "import torch\n",
         "import subprocess, time\n"
         f"_p = subprocess.Popen(['sleep', '600'])\nopen({str(marker)!r}, 'w').write(str(_p.pid))\n"
-        "time.sleep(600)\nimport torch\n", 1))
+        "while True:\n    pass\nimport torch\n", 1))
     ran = mpgen_test(project, "out", "--timeout", "30")  # past the import of torch, pytest
     assert ran.returncode == 1
     assert ran.stderr.splitlines()[-1] == (
         "mpgen test: out: the tests ran past --timeout 30 s; stopped them, failing")
+    assert gone(int(marker.read_text()))
+
+
+def test_tests_that_wait_without_using_the_cpu_are_stopped(project):
+    marker = project / "grandchild.pid"
+    model = project / "out" / "simple_model.py"
+    model.write_text(model.read_text().replace(
+        "import torch\n",
+        "import subprocess, time\n"
+        f"_p = subprocess.Popen(['sleep', '600'])\nopen({str(marker)!r}, 'w').write(str(_p.pid))\n"
+        "time.sleep(600)\nimport torch\n", 1))
+    ran = mpgen_test(project, "out")  # the default --timeout is an hour
+    assert ran.returncode == 1
+    assert ran.stderr.splitlines()[-1] == (
+        "mpgen test: out: the tests used no CPU for 15 s (a test that sleeps or waits); "
+        "stopped them, failing")
     assert gone(int(marker.read_text()))

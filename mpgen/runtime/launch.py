@@ -15,6 +15,7 @@ and the one line a rank that lost the others ends with.
 
 from __future__ import annotations
 
+import atexit
 import sys
 import threading
 import time
@@ -55,6 +56,9 @@ ATTEMPT: list = [None]
 
 #: Seconds between two of a rank's heartbeats.
 BEAT = 0.5
+#: Set when the heartbeat thread is to end; the thread, once started.
+_STOPPING = threading.Event()
+_BEATING: list = []
 
 
 def attempt_store(wait: timedelta) -> dict:
@@ -76,7 +80,10 @@ def attempt_store(wait: timedelta) -> dict:
     rank = int(environ["RANK"])
     store = dist.PrefixStore(f"mpgen/{attempt(shared, rank)}", shared)
     ATTEMPT[0] = store
-    threading.Thread(target=beat, args=(store, rank), daemon=True).start()
+    thread = threading.Thread(target=beat, args=(store, rank), daemon=True)
+    thread.start()
+    _BEATING.append(thread)
+    atexit.register(stop_beating)
     return {"store": store, "rank": rank, "world_size": int(environ["WORLD_SIZE"])}
 
 
@@ -95,14 +102,25 @@ def attempt(store, rank: int) -> str:
 def beat(store, rank: int) -> None:
     """This rank's heartbeat: one more every BEAT seconds while the process
     runs (a daemon thread; collectives release the GIL while they wait),
-    until the store is gone."""
+    until stop_beating() or the store is gone."""
     key = f"mpgen/beat/{rank}"
-    while True:
+    while not _STOPPING.is_set():
         try:
             store.add(key, 1)
-        except Exception:  # the job's store went, or the process ends
+        except Exception:  # the job's store went
             return
-        time.sleep(BEAT)
+        _STOPPING.wait(BEAT)
+
+
+def stop_beating() -> None:
+    """End the heartbeat thread and wait for it, before the process group
+    goes and the interpreter ends: a thread still inside the store's C++
+    client when they do aborts the process ("terminate called without an
+    active exception")."""
+    _STOPPING.set()
+    for thread in _BEATING:
+        thread.join(timeout=10)
+    _BEATING.clear()
 
 
 def prepare(folder: str) -> None:

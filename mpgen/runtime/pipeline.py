@@ -1000,5 +1000,6 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         except (RuntimeError, dist.DistBackendError) as error:
             launch.lost(grid, error)
     finally:
+        launch.stop_beating()
         if dist.is_initialized():
             dist.destroy_process_group()

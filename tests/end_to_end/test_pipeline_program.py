@@ -897,7 +897,12 @@ def test_the_build_notes_what_batch_norm_becomes_in_the_pipeline(tmp_path):
     assert re.match(r"\S+\.yaml:\d+:\d+: note: pp_norm_net\.py runs this BatchNorm and "
                     r"1 more on micro-batches \(2 or more per replica", note), note
     assert "num_batches_tracked counts micro-batches" in note
-    assert "--sync-bn" in note and "\n" not in note
+    assert "run --microbatches 1 (docs/pipelining.md, BatchNorm)" in note and "\n" not in note
+    replicas = write_spec(tmp_path, NORM_NET.replace(
+        "pipeline: {microbatches: 1, schedule: gpipe, sync_bn: true}",
+        "pipeline: {microbatches: 1, schedule: gpipe, dp: 2}"), "replicas.yaml")
+    [note] = build.compiled(build_to(replicas, tmp_path / "replicas", CPU), CPU).notes
+    assert "on its replica" in note and "run --microbatches 1 and --sync-bn" in note
     exact = write_spec(tmp_path, NORM_NET, "exact.yaml")  # one micro-batch, synced: nothing to say
     assert not build.compiled(build_to(exact, tmp_path / "exact", CPU), CPU).notes
 

@@ -410,13 +410,12 @@ def batch_norm_notes(graph: Graph) -> list[str]:
         return []
     script, train = file_names(graph)["pp"], file_names(graph)["train"]
     replicas = f", {pipeline.dp} replicas" if pipeline.dp > 1 else ""
-    where = (f"over the {pipeline.dp} replicas together (sync_bn)" if pipeline.sync_bn else
-             "on its replica alone (pipeline: {sync_bn: true} or --sync-bn: over every replica's)")
+    where = "over every replica's (sync_bn)" if pipeline.sync_bn else "on its replica"
+    also = "" if pipeline.sync_bn or pipeline.dp == 1 else " and --sync-bn"
     return [f"{norms[0].pos}: note: {script} runs this BatchNorm"
             f"{f' and {len(norms) - 1} more' if len(norms) > 1 else ''} on micro-batches "
-            f"({least} or more per replica by default{replicas}): in training it normalises "
-            f"each micro-batch by that micro-batch's statistics {where}; its running stats move "
-            "once per micro-batch (num_batches_tracked counts micro-batches) and are averaged "
-            "over the replicas after each step, as checkpoints keep them; losses and stats equal "
-            f"{train}'s only with --microbatches 1 and --sync-bn or one replica "
+            f"({least} or more per replica by default{replicas}): each micro-batch is "
+            f"normalised by its own statistics {where}, and the running stats move once per "
+            "micro-batch (num_batches_tracked counts micro-batches), averaged over the replicas "
+            f"after each step; for {train}'s losses and stats run --microbatches 1{also} "
             "(docs/pipelining.md, BatchNorm)"]

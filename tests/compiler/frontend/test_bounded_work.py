@@ -226,7 +226,9 @@ def answers(tmp_path_factory) -> dict[str, tuple[int, str, float, str]]:
                          capture_output=True, text=True, timeout=300)
     assert ran.returncode == 0, ran.stderr
     results = json.loads(ran.stdout.splitlines()[-1])
-    assert results["reference"][:2] == [0, ""]
+    code, err = results["reference"][:2]
+    # Built, with nothing but notes (its BatchNorms in the pipeline program)
+    assert code == 0 and all(": note: " in line for line in err.splitlines()), err
     return {name: (*results[name], paths[name]) for name in paths}
 
 

@@ -43,9 +43,12 @@ TRAINING = mpgen_runtime.Training(
     inputs=("tokens", "positions", "token_types"),
     targets=("target",),
     batch_dims=(0, 0, 0, 0),
+    shapes=(("batch", "seq"), ("batch", "seq"), ("batch", "seq"), ("batch",)),
+    dtypes=("int64", "int64", "int64", "int64"),
     make_batch=make_batch,
     losses=lambda: (nn.CrossEntropyLoss(),),
     forward_loss=forward_loss,
+    classes=((30522, None), (512, None), (2, None), (2, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 4, "lr": 2e-05},
 )

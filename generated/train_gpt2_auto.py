@@ -42,9 +42,12 @@ TRAINING = mpgen_runtime.Training(
     inputs=("tokens", "positions"),
     targets=("target",),
     batch_dims=(0, 0, 0),
+    shapes=(("batch", "seq"), ("batch", "seq"), ("batch", "seq")),
+    dtypes=("int64", "int64", "int64"),
     make_batch=make_batch,
     losses=lambda: (nn.CrossEntropyLoss(),),
     forward_loss=forward_loss,
+    classes=((50257, None), (1024, None), (50257, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 2, "lr": 0.0003},
 )

@@ -43,9 +43,12 @@ TRAINING = mpgen_runtime.Training(
     inputs=("tokens", "h0", "c0"),
     targets=("target",),
     batch_dims=(1, 1, 1, 1),
+    shapes=(("seq", "batch"), (2, "batch", 32), (2, "batch", 32), ("seq", "batch")),
+    dtypes=("int64", "float32", "float32", "int64"),
     make_batch=make_batch,
     losses=lambda: (nn.CrossEntropyLoss(),),
     forward_loss=forward_loss,
+    classes=((50, None), None, None, (50, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 4, "lr": 20.0},
 )

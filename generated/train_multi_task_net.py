@@ -46,9 +46,12 @@ TRAINING = mpgen_runtime.Training(
     inputs=("image", "features"),
     targets=("cls_head_target", "reg_head_target"),
     batch_dims=(0, 0, 0, 0),
+    shapes=(("batch", 512), ("batch", 32), ("batch",), ("batch", 1)),
+    dtypes=("float32", "float32", "int64", "float32"),
     make_batch=make_batch,
     losses=lambda: (nn.CrossEntropyLoss(), nn.HuberLoss(delta=0.5)),
     forward_loss=forward_loss,
+    classes=(None, None, (5, -100), None),
     optimizer=make_optimizer,
     defaults={"steps": 10, "batch_size": 32, "lr": 0.001},
 )

@@ -43,9 +43,12 @@ TRAINING = mpgen_runtime.Training(
     inputs=("images",),
     targets=("target",),
     batch_dims=(0, 0),
+    shapes=(("batch", 3, 224, 224), ("batch",)),
+    dtypes=("float32", "int64"),
     make_batch=make_batch,
     losses=lambda: (nn.CrossEntropyLoss(),),
     forward_loss=forward_loss,
+    classes=(None, (1000, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 8, "lr": 0.1},
 )

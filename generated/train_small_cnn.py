@@ -41,9 +41,12 @@ TRAINING = mpgen_runtime.Training(
     inputs=("images",),
     targets=("target",),
     batch_dims=(0, 0),
+    shapes=(("batch", 3, 32, 32), ("batch",)),
+    dtypes=("float32", "int64"),
     make_batch=make_batch,
     losses=lambda: (nn.CrossEntropyLoss(label_smoothing=0.1),),
     forward_loss=forward_loss,
+    classes=(None, (10, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 20, "batch_size": 16, "lr": 0.05},
 )

@@ -41,9 +41,12 @@ TRAINING = mpgen_runtime.Training(
     inputs=("input_ids",),
     targets=("target",),
     batch_dims=(0, 0),
+    shapes=(("batch", "seq"), ("batch", "seq")),
+    dtypes=("int64", "int64"),
     make_batch=make_batch,
     losses=lambda: (nn.CrossEntropyLoss(),),
     forward_loss=forward_loss,
+    classes=((64, None), (64, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 2, "lr": 0.001},
 )

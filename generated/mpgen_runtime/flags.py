@@ -22,6 +22,15 @@ SCHEDULES = {
     "dualpipev": "ScheduleDualPipeV",
 }
 
+#: The flags that become a tensor's size or a number of processes, and the
+#: most each may be (a dim's most, as a spec's); the other counts (steps,
+#: epochs, intervals) are int64 in a checkpoint. Past them: one usage line,
+#: never an overflow inside torch.
+SIZES = ("batch_size", "microbatches", "accumulate", "samples", "dp", "workers")
+MOST_SIZE, MOST_COUNT = 2**31 - 1, 2**63 - 1
+#: The longest --timeout, in seconds (a year; longer overflows a timedelta).
+MOST_TIMEOUT = 365 * 24 * 3600.0
+
 #: What --resume says of an --init it does not read.
 NOT_INIT = " (its weights, not --init's)"
 
@@ -34,8 +43,12 @@ HELP = {
     "its devices (a rank per device), zbv and dualpipev for an even number of stages (two per rank, in a V)",
     "dp": "replicas of the pipeline (data parallel): torchrun starts ranks per replica x N processes",
     "dp_mode": "how replicas synchronise gradients: FSDP2's fully_shard (parameters, gradients and "
-    "optimizer state sharded over the replicas) or DDP (replicated)",
+    "optimizer state sharded over the replicas) or DDP (replicated; under interleaved-zb, zbv and "
+    "dualpipev the runtime averages the gradients itself after the last micro-batch)",
     "timeout": "seconds a collective or a send may wait for another rank before every rank stops",
+    "sync_bn": "normalise each BatchNorm's micro-batch by the statistics of that micro-batch on every "
+    "--dp replica together (without: each replica's own; the running stats are averaged over the "
+    "replicas after each step either way)",
     "decay_steps": "the schedule's length in steps, whatever --steps stops at (default: the spec's train.steps, else the run's steps)",
     "log_dir": "where log.csv goes (default: --checkpoint's DIR, else runs/{})",
     "save_every": "also save every K steps (0: only at the end)",
@@ -87,6 +100,12 @@ def parser(
         )
         add("--dp", type=int, default=pipeline.dp, metavar="N", help=HELP["dp"])
         add("--dp-mode", choices=("fsdp", "ddp"), default="fsdp", help=HELP["dp_mode"])
+        add(
+            "--sync-bn",
+            action=argparse.BooleanOptionalAction,
+            default=pipeline.sync_bn,
+            help=HELP["sync_bn"],
+        )
         add(
             "--timeout",
             type=float,
@@ -166,9 +185,15 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         value = given.get(name)
         if value is not None and value < low:
             refuse(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    if given.get("timeout") is not None and not 0 < given["timeout"] < math.inf:
+        most = MOST_SIZE if name in SIZES else MOST_COUNT
+        if value is not None and value > most:
+            refuse(
+                f"--{name.replace('_', '-')} must be at most {most:,}, got {value:,}"
+            )
+    if given.get("timeout") is not None and not 0 < given["timeout"] <= MOST_TIMEOUT:
         refuse(
-            f"--timeout must be a positive number of seconds, got {given['timeout']}"
+            f"--timeout must be a positive number of seconds, at most {MOST_TIMEOUT:.0f}, "
+            f"got {given['timeout']}"
         )
     for name in ("lr", "grad_clip"):
         if not 0 <= given[name] < math.inf:

@@ -178,7 +178,11 @@ class Log:
             said = (
                 f"; the cost model predicts a bubble of {predicted:.0%} for {self.rates['schedule']}"
                 if predicted is not None
-                else ""
+                else (
+                    f"; no predicted bubble for {self.rates['schedule']}: {self.rates['unpredicted']}"
+                    if self.rates.get("unpredicted")
+                    else ""
+                )
             )
             each = ", ".join(f"{b / self.busy_steps:.4f}" for b in self.busy_ranks)
             self.say(

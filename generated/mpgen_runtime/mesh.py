@@ -32,6 +32,9 @@ from .spec import Stages
 #: rank k % R) or in a V (stages r and 2R - 1 - r on rank r).
 LOOPED = ("interleaved", "looped-bfs", "interleaved-zb")
 V_SHAPED = ("zbv", "dualpipev")
+#: Schedules that split a stage's backward into its input's and its weights'
+#: gradients (torch.autograd.grad; NOTE [DDP and a split backward]).
+SPLIT_BACKWARD = ("interleaved-zb", "zbv", "dualpipev")
 
 
 def stop(message: str) -> None:
@@ -130,3 +133,24 @@ def make(
                 dist.new_group(holders, timeout=wait) if len(holders) > 1 else None
             )
     return Mesh(ranks, dp, rank, mesh, pp_group, dp_group, ties)
+
+
+def tied_apart(state: dict, ties: tuple) -> str | None:
+    """Why the tied copies in a state dict of the whole model are not one
+    parameter: the first whose tensors differ, by their keys and the largest
+    difference (None: every copy equals its owner)."""
+    for tie in ties:
+        (_, owner), *copies = tie
+        for _, key in copies:
+            a, b = state.get(owner), state.get(key)
+            if a is None or b is None:
+                continue  # not there: the keys' own check names it
+            if a.shape != b.shape:
+                return f"the tied copies {owner} {list(a.shape)} and {key} {list(b.shape)} differ in shape"
+            if not torch.equal(a, b):
+                gap = (a.double() - b.double()).abs().nan_to_num(0.0).max().item()
+                if gap > 0 or not torch.equal(a.isnan(), b.isnan()):
+                    return (
+                        f"the tied copies {owner} and {key} differ (by up to {gap:.3g})"
+                    )
+    return None

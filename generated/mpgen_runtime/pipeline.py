@@ -22,7 +22,22 @@ script.
 #                      weighs what it weighs in the whole batch.
 # The log's loss is the sum of those values over the replicas, over dp:
 # the mean of the K batches' losses, as the single-process script logs.
-# A batch-coupled layer (BatchNorm) still sees micro-batches, and differs.
+# A batch-coupled layer (BatchNorm) still sees micro-batches, and differs
+# (NOTE [BatchNorm under data parallelism] in batchnorm.py).
+
+# NOTE: [DDP and a split backward]
+# The zero-bubble schedules (interleaved-zb, zbv, dualpipev) split a
+# stage's backward into the input's gradient and the weights', computed by
+# torch.autograd.grad and written into .grad by the stage, so DDP's
+# reducer, which waits for autograd's AccumulateGrad hooks, never sees most
+# of them (torch 2.13's stage still arms it for some full backwards: a
+# reduction of part of the gradients). Under those schedules --dp-mode ddp
+# leaves the stage modules unwrapped, and step() does DDP's reduction by
+# hand after the last micro-batch: every gradient's mean over the dp group,
+# once (average_gradients). The replicas start equal as under DDP (one
+# seed, --init or the checkpoint, identical on every replica); buffers are
+# not broadcast (a BatchNorm's running stats: NOTE [BatchNorm under data
+# parallelism]).
 """
 
 from __future__ import annotations
@@ -49,7 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from . import checkpoint, flags, launch, mesh, normalise, sharded, timeline
+from . import batchnorm, checkpoint, flags, launch, mesh, normalise, sharded, timeline
 from .data import batches, epoch_batches, one_line, share, split_data, training_data
 from .loop import autocast, last_step, run, tokens_per_sample
 from .mesh import stop
@@ -78,13 +93,16 @@ def pick(target: torch.Tensor | None, dim: int | None, index: torch.Tensor):
 def sendable(dtypes: tuple) -> object:
     """A forward hook that makes a stage's outputs sendable: contiguous (as gloo
     and NCCL need), copied when passed on as received (its receive buffer takes
-    the next micro-batch), in the dtypes the next stage receives (not autocast's)."""
+    the next micro-batch), in the dtypes the next stage receives (not autocast's);
+    a view is copied too: the split backward of the zero-bubble schedules
+    detaches a stage's outputs in place, which a view refuses (a Linear over
+    [batch, seq, d] returns one)."""
 
     def hook(module: nn.Module, inputs: tuple, outputs: tuple) -> tuple:
         return tuple(
             (
                 x.clone(memory_format=torch.contiguous_format)
-                if any(x is i for i in inputs)
+                if any(x is i for i in inputs) or x._base is not None
                 else x.contiguous()
             ).to(dtype)
             for x, dtype in zip(outputs, dtypes)
@@ -189,6 +207,23 @@ def sync_ties(groups: list[tuple], modules: dict, gradients: bool) -> None:
                     p.copy_(value)
 
 
+def average_gradients(modules, group, dp: int) -> None:
+    """DDP's reduction done by hand, for the schedules that split the backward
+    (NOTE [DDP and a split backward]): each gradient becomes its mean over
+    the ``dp`` replicas, in one all_reduce of them all flattened."""
+    kinds = {}  # one flat tensor per dtype
+    for module in modules:
+        for p in module.parameters():
+            if p.grad is not None:
+                kinds.setdefault(p.grad.dtype, []).append(p.grad)
+    for grads in kinds.values():
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=group)
+        flat /= dp
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+
+
 def grad_norm(stages: Stages, modules: dict, group, device) -> torch.Tensor:
     """The norm of one replica's gradients (each tied parameter counted once),
     as clip_grad_norm_ computes it on one model; ``group``: the ranks whose
@@ -235,6 +270,12 @@ class Pipelined:
             args.init and self.resumed is None
         ):  # a checkpoint holds the weights to resume
             self.initialise(args.init)
+        if args.sync_bn and args.dp > 1:  # NOTE [BatchNorm under data parallelism]
+            for k in mine:
+                modules[k] = batchnorm.SyncedBatchNorm.convert(
+                    modules[k], grid.dp_group
+                )
+        self.norms = batchnorm.batch_norms(modules.values())
         self.groups = tie_groups(stages, grid)
         sync_ties(self.groups, modules, gradients=False)
         self.wrapped = {k: self.replicate(module) for k, module in modules.items()}
@@ -333,12 +374,18 @@ class Pipelined:
         replicas (--dp-mode)."""
         if self.args.dp == 1 or not trains(module):
             return module
+        if self.args.dp_mode == "ddp" and self.args.schedule in mesh.SPLIT_BACKWARD:
+            return module  # its gradients are averaged by step() (NOTE [DDP and a split backward])
         if self.args.dp_mode == "ddp":
             from torch.nn.parallel import DistributedDataParallel
 
             ids = [self.device] if self.device.type == "cuda" else None
+            # No buffer broadcast: BatchNorm's running stats are averaged after each step.
             return DistributedDataParallel(
-                module, device_ids=ids, process_group=self.grid.dp_group
+                module,
+                device_ids=ids,
+                process_group=self.grid.dp_group,
+                broadcast_buffers=False,
             )
         from torch.distributed.fsdp import fully_shard
 
@@ -366,7 +413,9 @@ class Pipelined:
 
     def state(self) -> tuple[dict, dict]:
         """What a checkpoint holds, keyed by the model's state-dict keys, and
-        each stage's keys in it: of the model, of the optimizer's flattened state."""
+        each stage's keys in it: of the model, of the optimizer's flattened
+        state. One step counter for the whole checkpoint (written by every
+        rank alike; DCP keeps one copy), whatever the stages."""
         model, optim, owned = {}, {}, {}
         for k in self.mine:
             if not self.modules[k].state_dict():  # activations only: nothing to save
@@ -383,48 +432,64 @@ class Pipelined:
             owned[k][1].extend(found)
         grid = self.grid
         layout = f"{len(self.stages.stages)} stages on pipeline ranks {grid.ranks} x {grid.dp} replicas"
-        state = {"model": model, "optim": optim, "layout": layout}
-        state["step"] = {f"stage_{k}": 0 for k in self.mine}
+        state = {"model": model, "optim": optim, "layout": layout, "step": 0}
         state["rng"] = {f"rank_{grid.rank}": checkpoint.rng_states()}
         return state, owned
 
     def resume(self) -> int:
+        """Load the checkpoint agree_on_checkpoint found into this layout,
+        whatever layout wrote it (NOTE [Coordinated checkpoints]): every rank
+        reads the same metadata, checks it against its own keys, and enters
+        the same collectives (one to agree on what differs, DCP's load)."""
         if self.resumed is None:
             return 0
         done, path = self.resumed, sharded.folder(self.args.checkpoint, self.resumed)
         # The schedule's lr at step done, before the optimizer's state (it keeps that lr).
         self.fast_forward(done)
         state, owned = self.state()
-        saved = sharded.keys(path)
-        missing = [
-            f"{part}.{key}"
-            for part in ("model", "optim")
-            for key in state[part]
-            if f"{part}.{key}" not in saved
-        ]
-        missing += [
-            f"step.stage_{k}" for k in self.mine if f"step.stage_{k}" not in saved
-        ]
-        if missing:
-            stop(
-                f"--resume: {path} is not a checkpoint of this model and optimizer: {len(missing)} "
-                f"missing ({', '.join(missing[:4])}{', ...' * (len(missing) > 4)})"
-            )
-        same = (
-            f"rng.rank_{self.grid.rank}.torch" in saved
-            and self.layout_of(path) == state["layout"]
-        )
+        try:  # the same file on every rank: every rank stops here, or none
+            saved = sharded.keys(path)
+            layout = self.layout_of(path) if "layout" in saved else ""
+        except Exception as error:  # a refused or damaged file
+            stop(f"--resume: cannot read {path} ({one_line(error)})")
+        # A tied copy's optimizer state, where the layout that wrote it held
+        # the copy on its owner's stage (one parameter, one entry): the owner's.
+        aliases = {}
+        for key in state["optim"]:
+            if f"optim.{key}" not in saved:
+                found = [t for t in self.twins(key) if f"optim.{t}" in saved]
+                if found:
+                    aliases[key] = found[0]
+        wrong = self.differences(saved, state, aliases)
+        if wrong:
+            stop(f"--resume: {path} does not match this model and optimizer: {wrong}")
+        optim = state["optim"]
+        state["optim"] = {k: v for k, v in optim.items() if k not in aliases}
+        for key, twin in aliases.items():
+            state["optim"].setdefault(twin, optim[key])
+        # The RNG states go back only onto the layout that wrote them.
+        same = layout == state["layout"] and f"rng.rank_{self.grid.rank}.torch" in saved
         if not same:
             del state["rng"]
+        del state["layout"]
+        if "step" not in saved:  # an older checkpoint: a step per stage, all alike
+            state["step"] = {min(sharded.stage_steps(saved))[len("step.") :]: 0}
         try:
             sharded.load(path, state)
-        except Exception as error:  # shapes that do not match
+        except Exception as error:
             stop(f"--resume: cannot load {path} ({one_line(error)})")
-        steps = {k: state["step"][f"stage_{k}"] for k in self.mine}
-        if any(step != done for step in steps.values()):
-            stop(
-                f"--resume: {path} holds stages at different steps ({steps}); it is not whole"
-            )
+        step = state["step"]
+        step = step if isinstance(step, int) else next(iter(step.values()))
+        if step != done:
+            stop(f"--resume: {path} holds step {step}, not {done}; it is not whole")
+        # DCP replaced the values that are not tensors, and filled the tensors in place.
+        for key in optim:
+            value = state["optim"][aliases.get(key, key)]
+            if isinstance(optim[key], torch.Tensor) and optim[key] is not value:
+                optim[key].copy_(value)
+            else:
+                optim[key] = value
+        state["optim"] = optim
         for k, (model_keys, optim_keys) in owned.items():
             module = self.wrapped[k]
             set_model_state_dict(
@@ -445,10 +510,82 @@ class Pipelined:
             print(f"resumed from {path} at step {done}{how}{ignored}")
         return done
 
+    def twins(self, key: str) -> list[str]:
+        """A flattened optimizer key (``state.l4.weight.momentum_buffer``) for
+        each other copy of its tied parameter (none where it is not tied)."""
+        for names in self.stages.training.ties:  # the model's, whatever the stages
+            for part in ("state.", "param_groups."):
+                for name in names:
+                    if key.startswith(f"{part}{name}."):
+                        rest = key[len(f"{part}{name}") :]
+                        return [f"{part}{n}{rest}" for n in names if n != name]
+        return []
+
+    def differences(self, saved: dict, state: dict, aliases: dict) -> str:
+        """What keeps a checkpoint (``saved``: its keys' metadata) from
+        loading into this layout, in one line ("" when nothing): keys it
+        lacks (a tied copy's optimizer state may come from another copy's:
+        ``aliases``), keys it holds that the model and optimizer do not,
+        tensors of another shape, no step. A collective: every rank's keys
+        and findings go to every rank, so all of them stop, or none."""
+        missing, shapes = [], []
+        for part in ("model", "optim"):
+            for key, value in state[part].items():
+                if part == "optim" and key in aliases:
+                    key = aliases[key]
+                meta = saved.get(f"{part}.{key}")
+                if meta is None:
+                    missing.append(f"{part}.{key}")
+                elif isinstance(value, torch.Tensor) and hasattr(meta, "size"):
+                    if tuple(meta.size) != tuple(value.shape):
+                        there, here = (
+                            "x".join(map(str, size)) or "scalar"
+                            for size in (meta.size, value.shape)
+                        )
+                        shapes.append(f"{part}.{key} {there} there vs {here} here")
+        if "step" not in saved and not sharded.stage_steps(saved):
+            missing.append("step")
+        mine = (missing, shapes, [f"optim.{key}" for key in state["optim"]])
+        found = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        missing = sorted({key for m, _, _ in found for key in m})
+        shapes = sorted({s for _, s, _ in found for s in s})
+        with torch.device("meta"):
+            known = {
+                f"model.{key}"
+                for stage in self.stages.stages
+                for key in stage().state_dict()
+            }
+        known.update(key for _, _, o in found for key in o)
+        known.update(
+            f"optim.{twin}"
+            for _, _, o in found
+            for key in o
+            for twin in self.twins(key[6:])
+        )
+        unexpected = sorted(
+            key
+            for key in saved
+            if key.startswith(("model.", "optim.")) and key not in known
+        )
+        wrong = [
+            f"{len(keys)} {what} ({', '.join(keys[:4])}{', ...' * (len(keys) > 4)})"
+            for what, keys in (
+                ("missing", missing),
+                ("unexpected", unexpected),
+                ("of another shape", shapes),
+            )
+            if keys
+        ]
+        return "; ".join(wrong)
+
     def layout_of(self, path: pathlib.Path) -> str:
-        """The layout that wrote a checkpoint (a collective)."""
+        """The layout that wrote a checkpoint (read by this rank alone: no
+        collective, so a rank may call it whatever the others do)."""
         found = {"layout": ""}
-        sharded.load(path, found)
+        with warnings.catch_warnings():  # "assuming ... a single process": it is
+            warnings.simplefilter("ignore", UserWarning)
+            sharded.load(path, found, no_dist=True)
         return found["layout"]
 
     def fast_forward(self, done: int) -> None:
@@ -465,13 +602,71 @@ class Pipelined:
     def save(self, done: int) -> None:
         if not self.args.checkpoint:
             return
+        self.check_ties(done)
         state, _ = self.state()
-        state["step"] = {key: done for key in state["step"]}
+        state["step"] = done
         try:
             sharded.save(self.args.checkpoint, done, state)
         except OSError as error:
             stop(f"step {done}: cannot write {self.args.checkpoint} ({error})")
         self.where = str(sharded.folder(self.args.checkpoint, done))
+
+    def check_ties(self, done: int) -> None:
+        """Before a save: every tied copy equals its owner's, on every rank,
+        and under DDP every replica's parameters are the same (else one line,
+        and nothing saved; mesh.tied_apart at --merge)."""
+        if self.args.dp > 1 and self.args.dp_mode == "ddp":
+            self.check_replicas(done)
+        ties = self.stages.ties
+        if not ties:
+            return
+        apart = torch.zeros(len(ties), dtype=torch.float64, device=self.device)
+        for t, (group, owner, copies) in enumerate(self.groups):
+            if not copies:
+                continue
+            values = [
+                local(self.modules[k].get_parameter(key)).detach() for k, key in copies
+            ]
+            first = values[0].clone()  # the owner's, where this rank holds it
+            if group is not None:
+                dist.broadcast(first, src=owner, group=group)
+            for value in values:
+                if value.numel():
+                    gap = (value.double() - first.double()).abs().nan_to_num(0.0).max()
+                    apart[t] = torch.maximum(apart[t], gap)
+        dist.all_reduce(apart, op=dist.ReduceOp.MAX)
+        for t, gap in enumerate(apart.tolist()):
+            if gap > 0:
+                keys = " and ".join(key for _, key in ties[t])
+                stop(
+                    f"step {done}: the tied copies {keys} differ (by up to {gap:.3g}); they are "
+                    f"one parameter of {self.stages.training.name}, so nothing was saved"
+                )
+
+    def check_replicas(self, done: int) -> None:
+        """Under DDP: each parameter's sum is the same on every replica (a
+        reduction that missed some gradients lets replicas drift apart, and a
+        checkpoint would keep one of them)."""
+        keys = [
+            (k, key) for k in self.mine for key, _ in self.modules[k].named_parameters()
+        ]
+        sums = torch.zeros(len(keys) + 1, dtype=torch.float64, device=self.device)
+        for i, (k, key) in enumerate(keys, 1):
+            sums[i] = self.modules[k].get_parameter(key).detach().double().sum()
+        high, low = sums.clone(), sums
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=self.grid.dp_group)
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=self.grid.dp_group)
+        gaps = (high - low).nan_to_num(0.0)
+        first = next((i for i, gap in enumerate(gaps.tolist()) if gap > 0), None)
+        found = [None] * dist.get_world_size()
+        seen = None if first is None else (keys[first - 1][1], gaps[first].item())
+        dist.all_gather_object(found, seen)
+        seen = next((x for x in found if x is not None), None)
+        if seen is not None:
+            stop(
+                f"step {done}: the --dp replicas' {seen[0]} differ (their sums by {seen[1]:.3g}); "
+                "--dp-mode ddp did not keep them equal, so nothing was saved"
+            )
 
     # -- the schedule -------------------------------------------------------------
 
@@ -545,18 +740,20 @@ class Pipelined:
         ]
         tokens = tokens_per_sample(training, example)
         self.rates["tokens"] = tokens
-        predicted = timeline.predict(
-            getattr(self.schedule, "pipeline_order", None) or {},
+        predicted, why = timeline.prediction(
+            args.schedule,
+            getattr(self.schedule, "pipeline_order", None),
             grid.ranks,
             stages.costs,
             stages.transfers,
             self.part / m,
+            m,
         )
+        self.rates["schedule"] = f"--schedule {args.schedule} with {m} micro-batches"
         if predicted is not None:
             self.rates["predicted"] = predicted[1]
-            self.rates["schedule"] = (
-                f"--schedule {args.schedule} with {m} micro-batches"
-            )
+        else:
+            self.rates["unpredicted"] = why
         if self.logs:
             replicas = f" x {args.dp} replicas ({args.dp_mode})" if args.dp > 1 else ""
             micro = f"{args.accumulate} batches of " if args.accumulate > 1 else ""
@@ -612,6 +809,12 @@ class Pipelined:
             self.run_batch(stream, losses)
             if losses:
                 total += torch.stack([x.detach().float() for x in losses]).sum()
+        if (
+            args.dp > 1
+            and args.dp_mode == "ddp"
+            and args.schedule in mesh.SPLIT_BACKWARD
+        ):
+            average_gradients(self.modules.values(), self.grid.dp_group, args.dp)
         sync_ties(self.groups, self.modules, gradients=True)
         self.norm = grad_norm(self.stages, self.modules, self.norm_group, device)
         if args.grad_clip:
@@ -622,6 +825,8 @@ class Pipelined:
                         p.grad.mul_(scale)
         for optimizer in self.optimizers.values():
             optimizer.step()
+        if self.norms and args.dp > 1 and not args.sync_bn:
+            batchnorm.average_running_stats(self.norms, self.grid.dp_group, args.dp)
         # The loss (the last stages' sum over the replicas) and the stop flag, in one all_reduce.
         word = torch.stack(
             [total / args.dp, torch.tensor(float(bool(self.signals)), device=device)]
@@ -796,5 +1001,6 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         except (RuntimeError, dist.DistBackendError) as error:
             launch.lost(grid, error)
     finally:
+        launch.stop_beating()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -17,12 +17,25 @@ rank at once with torch.distributed.checkpoint (DCP), each rank its shards.
 # DCP writes every rank's files into one folder: the ranks of a multi-node
 # job need a folder they all see (a shared filesystem); check_shared says
 # so at the start instead of a resume that depends on the node.
+
+# NOTE: [Reading a checkpoint folder safely]
+# A checkpoint folder may come from someone else, and DCP reads two kinds of
+# pickle: the .metadata file (plain pickle.load) and the non-tensor values
+# (the step, the layout, the RNG states, the optimizer's hyperparameters:
+# torch.load with weights_only=False). Both would run whatever code a
+# crafted file names. Every read here goes through Reader, whose
+# read_metadata unpickles with an allow-list (DCP's metadata classes,
+# torch.Size, dtypes, layouts, a path: what DCP's Metadata holds), and
+# Planner, which loads the values with weights_only=True (tensors, numbers,
+# strings, tuples, lists, dicts). A file that names anything else is refused
+# with one line, before anything is loaded.
 """
 
 from __future__ import annotations
 
 import os
 import pathlib
+import pickle
 import re
 import shutil
 import sys
@@ -31,12 +44,87 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .checkpoint import save as save_file
 from .data import one_line
+from .mesh import tied_apart
 
 MARKER = "COMPLETE"
 STEP = re.compile(r"step_(\d+)")
+
+#: What a checkpoint's .metadata may name (NOTE [Reading a checkpoint folder safely]).
+METADATA_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "TensorProperties",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+}
+
+
+class Refused(pickle.UnpicklingError):
+    """A checkpoint file names something it may not."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """pickle.Unpickler that finds only METADATA_CLASSES and torch's dtypes."""
+
+    def find_class(self, module: str, name: str):
+        if name in METADATA_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise Refused(
+            f"its .metadata names {module}.{name}, which a checkpoint's metadata never holds: "
+            "refused (not unpickled)"
+        )
+
+
+class Reader(dcp.FileSystemReader):
+    """DCP's reader of a checkpoint folder, unpickling its .metadata with
+    MetadataUnpickler (NOTE [Reading a checkpoint folder safely])."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = MetadataUnpickler(f).load()
+        if not isinstance(metadata, Metadata):
+            raise Refused(
+                f"its .metadata holds a {type(metadata).__name__}, not DCP's Metadata"
+            )
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class Planner(DefaultLoadPlanner):
+    """DCP's load planner, reading the non-tensor values with weights_only=True."""
+
+    def load_bytes(self, read_item, value) -> None:
+        try:
+            found = torch.load(value, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            raise Refused(f"{read_item.dest_index.fqn}: {one_line(error)}") from None
+        if self.flatten_state_dict:
+            set_element(
+                self.original_state_dict, self.mappings[read_item.dest_index.fqn], found
+            )
+        else:
+            self.state_dict[read_item.dest_index.fqn] = found
 
 
 def folder(root: str, step: int) -> pathlib.Path:
@@ -124,13 +212,36 @@ def save(root: str, step: int, state: dict) -> pathlib.Path:
 
 def keys(path: pathlib.Path) -> dict:
     """The flattened keys a checkpoint holds, with their metadata."""
-    reader = dcp.FileSystemReader(str(path))
-    return dict(reader.read_metadata().state_dict_metadata)
+    return dict(Reader(str(path)).read_metadata().state_dict_metadata)
 
 
-def load(path: pathlib.Path, state: dict) -> None:
-    """Fill ``state`` (tensors in place, other values replaced) from ``path``."""
-    dcp.load(state, checkpoint_id=path)
+def stage_steps(saved: dict) -> list[str]:
+    """The step counters of an older checkpoint, one per stage (step.stage_K):
+    today's holds one, ``step``."""
+    return [key for key in saved if re.fullmatch(r"step\.stage_\d+", key)]
+
+
+def load(path: pathlib.Path, state: dict, no_dist: bool = False) -> None:
+    """Fill ``state`` (tensors in place, other values replaced) from ``path``,
+    reading nothing that could run code (a collective unless ``no_dist``).
+    Raises the first rank's error (DCP gathers every rank's into a
+    CheckpointException, a BaseException with their tracebacks)."""
+    Reader(str(path)).read_metadata()  # refused in one line, before DCP wraps it
+    try:
+        with (
+            warnings.catch_warnings()
+        ):  # "assuming ... a single process": no_dist says so
+            if no_dist:
+                warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                state,
+                storage_reader=Reader(str(path)),
+                planner=Planner(),
+                no_dist=no_dist,
+            )
+    except CheckpointException as error:
+        found = [failure[0] for failure in error.failures.values()]
+        raise (found[0] if found else RuntimeError(str(error))) from None
 
 
 def model_state(path: pathlib.Path) -> dict:
@@ -146,7 +257,7 @@ def model_state(path: pathlib.Path) -> dict:
         warnings.catch_warnings()
     ):  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({"model": found}, checkpoint_id=path)
+        load(path, {"model": found}, no_dist=not dist.is_initialized())
     return found
 
 
@@ -169,6 +280,11 @@ def merge(stages, where: str, out: str) -> None:
         keys = {key for stage in stages.stages for key in stage().state_dict()}
     if set(state) != keys:
         sys.exit(f"--merge: {path} is not a checkpoint of {stages.training.name}")
+    apart = tied_apart(state, stages.ties)
+    if apart:
+        sys.exit(
+            f"--merge: {path}: {apart}; they are one parameter of the model, so nothing was written"
+        )
     try:
         save_file(state, pathlib.Path(out))
     except OSError as error:

@@ -25,7 +25,10 @@ class Training:
     devices: tuple[str, ...]  # the devices the model is placed on
     inputs: tuple[str, ...]  # a batch's keys: the model's inputs,
     targets: tuple[str, ...]  # then the losses' targets
-    batch_dims: tuple[Optional[int], ...]  # each key's batch dim (None: none)
+    #: Each key's batch dim (None: none), or for a target whose batch sits
+    #: inside a product (``[seq*batch]``) ``(dim, place)``: place 0 when the
+    #: batch is its outer factor (``b*R + r``), 1 when its inner (``r*B + b``).
+    batch_dims: tuple[Optional[int] | tuple[int, int], ...]
     make_batch: Callable
     losses: Callable[[], tuple]
     forward_loss: Callable
@@ -34,6 +37,17 @@ class Training:
     closure: bool = False  # the optimizer's step recomputes the loss (LBFGS)
     ties: tuple = ()  # (key, owner's key): each tied parameter's two state-dict keys
     defaults: dict = field(default_factory=dict)
+    #: Each key's shape as the spec states it, a dim a number or its name
+    #: (``"batch"``, ``"seq*batch"``, ``"?"``: any), and its dtype: every batch
+    #: is checked against them before the model runs (data.check_batch).
+    shapes: tuple[tuple[int | str, ...], ...] = ()
+    dtypes: tuple[str, ...] = ()
+    #: Per key, a class-index target's ``(classes, ignore_index)``, or an
+    #: input's ``(rows, None)`` where an Embedding reads it (None: neither).
+    classes: tuple[Optional[tuple[int, Optional[int]]], ...] = ()
+    #: ``(dim, largest size, why)``: a named dim whose positions read a table
+    #: of fixed rows (a learned position Embedding): data past it is refused.
+    dim_limits: tuple[tuple[str, int, str], ...] = ()
     data_kwargs: dict = field(default_factory=dict)  # for the spec's data factory
     eval_data_kwargs: dict = field(default_factory=dict)
 
@@ -75,6 +89,8 @@ class Stages:
     schedule: str = "1f1b"  # --schedule's default
     microbatches: int = 2  # --microbatches' least (a divisor of the batch from it on)
     dp: int = 1  # --dp's default: replicas of the pipeline (data parallel)
+    #: --sync-bn's default (NOTE [BatchNorm under data parallelism]).
+    sync_bn: bool = False
     #: Each stage's forward and backward seconds for ONE sample, and each
     #: boundary's transfer seconds for one sample, at the cost model's speeds
     #: (compiler analysis.schedule.stage_times divided by the training batch):

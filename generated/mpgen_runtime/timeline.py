@@ -17,6 +17,11 @@ torch runs, and the busy time each rank measures.
 # turn). The bubble is the ranks' idle share of the step; measured(), the
 # same share of a real step, from the time each rank spends in its stages'
 # forward and backward (the schedule's calls, timed by time_stages).
+# 1f1b is replayed from its textbook order (one_f_one_b: what
+# Schedule1F1B runs): torch 2.13's pipeline_order of it starts the last
+# rank's micro-batches at 1 (F1 .. FM), so its replay waits forever for
+# an F0 that is never listed. A prediction that cannot be made says why
+# in the summary (prediction()), never drops its clause silently.
 """
 
 from __future__ import annotations
@@ -30,16 +35,61 @@ COMPUTE = {"F": "forward", "B": "backward", "I": "input", "W": "weight"}
 
 
 def actions(order: list) -> list[tuple[str, int, int]]:
-    """A rank's compute actions as (kind, stage, micro-batch), in order."""
+    """A rank's compute actions as (kind, stage, micro-batch), in order
+    (torch's actions, or such tuples already)."""
     found = []
     for action in order:
         if action is None:
+            continue
+        if not hasattr(action, "computation_type"):  # (kind, stage, micro-batch)
+            found.append(action)
             continue
         for one in getattr(action, "sub_actions", None) or (action,):
             kind = one.computation_type.value
             if kind in COMPUTE:
                 found.append((kind, one.stage_index, one.microbatch_index))
     return found
+
+
+def one_f_one_b(ranks: list[int], microbatches: int) -> dict:
+    """Schedule1F1B's order, stage k on rank k: rank r runs R - 1 - r
+    forwards (at most M), then a forward and a backward in turn, then the
+    backwards left, as (kind, stage, micro-batch)."""
+    count, m, order = len(ranks), microbatches, {}
+    for k in range(count):
+        warmup = min(m, count - 1 - k)
+        found = [("F", k, i) for i in range(warmup)]
+        for i in range(m - warmup):
+            found += [("F", k, warmup + i), ("B", k, i)]
+        found += [("B", k, i) for i in range(m - warmup, m)]
+        order[ranks[k]] = found
+    return order
+
+
+def prediction(
+    schedule: str,
+    order: Optional[dict],
+    ranks: list[int],
+    costs,
+    transfers,
+    samples: float,
+    microbatches: int,
+) -> tuple[Optional[tuple[float, float]], str]:
+    """The predicted step time and bubble of ``schedule`` (``order``:
+    torch's pipeline_order of it), or None and why not, in a clause."""
+    if not costs or len(costs) != len(ranks):
+        return None, "the build's cost model gave no time for these stages"
+    if schedule == "1f1b":
+        order = one_f_one_b(ranks, microbatches)
+    if not order:
+        return None, f"torch gives no order of --schedule {schedule} to replay"
+    found = predict(order, ranks, costs, transfers, samples)
+    if found is None:
+        return None, (
+            f"torch's order of --schedule {schedule} cannot be replayed "
+            "(an action waits for one the order never runs)"
+        )
+    return found, ""
 
 
 def predict(

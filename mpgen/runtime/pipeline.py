@@ -275,6 +275,22 @@ class Pipelined:
                     modules[k], grid.dp_group
                 )
         self.norms = batchnorm.batch_norms(modules.values())
+        if (
+            self.norms
+            and grid.replica == 0
+            and (args.microbatches > 1 or (args.dp > 1 and not args.sync_bn))
+        ):  # the build's note, again where the run is read
+            where = (
+                "over every replica's"
+                if args.sync_bn and args.dp > 1
+                else "on its replica"
+            )
+            print(
+                f"{grid.where()}: {len(self.norms)} BatchNorm layer(s) normalise each of "
+                f"{args.microbatches} micro-batches by its own statistics {where}, where "
+                f"{stages.training.name}'s single-process script uses the whole batch's "
+                "(docs/pipelining.md, BatchNorm)"
+            )
         self.groups = tie_groups(stages, grid)
         sync_ties(self.groups, modules, gradients=False)
         self.wrapped = {k: self.replicate(module) for k, module in modules.items()}

@@ -850,6 +850,7 @@ def test_sync_bn_over_replicas_equals_the_single_process_script(norm, mode):
                    "--batch-size", "8", "--data", "data.pt", "--init", "init.pt",
                    "--checkpoint", name)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert "BatchNorm" not in run.stdout  # nothing differs from the script: nothing to say
     assert losses(norm / name / "log.csv") == pytest.approx(
         losses(norm / "single" / "log.csv"), rel=1e-5, abs=1e-7)
     state = _merged(norm, name)
@@ -874,6 +875,9 @@ def test_without_sync_bn_the_replicas_running_stats_are_averaged(norm):
                    "--steps", "1", "--batch-size", "8", "--data", "data.pt", "--init", "init.pt",
                    "--checkpoint", "apart", "--microbatches", "1")
     assert run.returncode == 0, run.stderr[-3000:]
+    assert re.search(r"\(stage 0, replica 0\): 1 BatchNorm layer\(s\) normalise each of 1 "
+                     r"micro-batches by its own statistics on its replica, where NormNet's "
+                     r"single-process script uses the whole batch's", run.stdout), run.stdout
     state = _merged(norm, "apart")
     expected = torch.load(norm / "single_1" / "last.pt", weights_only=True)["model"]
     torch.testing.assert_close(state["bn1.running_mean"], expected["bn1.running_mean"],

@@ -38,6 +38,8 @@ import torch.distributed.nn.functional as dist_fn
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from .mesh import average
+
 
 def batch_norms(modules) -> list[_BatchNorm]:
     """Every BatchNorm (1d, 2d, 3d, synced) of ``modules``, in order."""
@@ -119,15 +121,11 @@ class SyncedBatchNorm(_BatchNorm):
 
 def average_running_stats(norms: list[_BatchNorm], group, dp: int) -> None:
     """Each running mean and variance becomes its mean over the ``dp``
-    replicas of ``group`` (one all_reduce per dtype)."""
-    kinds: dict = {}
-    for norm in norms:
-        for stat in (norm.running_mean, norm.running_var):
-            if stat is not None:
-                kinds.setdefault(stat.dtype, []).append(stat)
-    for stats in kinds.values():
-        flat = torch.cat([s.reshape(-1) for s in stats])
-        dist.all_reduce(flat, group=group)
-        flat /= dp
-        for s, part in zip(stats, flat.split([s.numel() for s in stats])):
-            s.copy_(part.view_as(s))
+    replicas of ``group``."""
+    stats = [
+        s
+        for norm in norms
+        for s in (norm.running_mean, norm.running_var)
+        if s is not None
+    ]
+    average(stats, group, dp)

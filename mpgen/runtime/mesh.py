@@ -107,6 +107,20 @@ class Mesh:
         return f"rank {self.rank} (stage{'s' * (len(self.mine) > 1)} {stages}, replica {self.replica})"
 
 
+def average(tensors, group, dp: int) -> None:
+    """Each of ``tensors`` becomes, in place, its mean over the ``dp``
+    replicas of ``group``: one all_reduce per dtype, of them all flattened."""
+    kinds: dict = {}
+    for t in tensors:
+        kinds.setdefault(t.dtype, []).append(t)
+    for same in kinds.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.all_reduce(flat, group=group)
+        flat /= dp
+        for t, part in zip(same, flat.split([t.numel() for t in same])):
+            t.copy_(part.view_as(t))
+
+
 def make(
     stages: Stages, ranks: list[int], dp: int, device_type: str, timeout: float
 ) -> Mesh:

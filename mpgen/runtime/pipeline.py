@@ -209,18 +209,11 @@ def sync_ties(groups: list[tuple], modules: dict, gradients: bool) -> None:
 def average_gradients(modules, group, dp: int) -> None:
     """DDP's reduction done by hand, for the schedules that split the backward
     (NOTE [DDP and a split backward]): each gradient becomes its mean over
-    the ``dp`` replicas, in one all_reduce of them all flattened."""
-    kinds = {}  # one flat tensor per dtype
-    for module in modules:
-        for p in module.parameters():
-            if p.grad is not None:
-                kinds.setdefault(p.grad.dtype, []).append(p.grad)
-    for grads in kinds.values():
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=group)
-        flat /= dp
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
+    the ``dp`` replicas."""
+    grads = [
+        p.grad for module in modules for p in module.parameters() if p.grad is not None
+    ]
+    mesh.average(grads, group, dp)
 
 
 def grad_norm(stages: Stages, modules: dict, group, device) -> torch.Tensor:

@@ -465,28 +465,39 @@ train:
 """
 
 
-def test_a_tied_copy_takes_its_owners_weight_decay_group(tmp_path):
-    # The embedding owns the weight the head shares: exempt from decay in the
-    # model, so the head's copy on the other stage is exempt too. Grouped by its
-    # own layer (a Linear), it decayed apart from the embedding's.
-    build_to(write_spec(tmp_path, TIED_LM), tmp_path, CPU)
+def _tied_lm(tmp_path, spec: str, batch_size: str) -> None:
+    """TiedLM of ``spec`` built in ``tmp_path``, its initial weights
+    (init.pt), and 3 steps of its single-process script (single/)."""
+    build_to(write_spec(tmp_path, spec), tmp_path, CPU)
     torch.manual_seed(0)
     torch.save(import_generated(tmp_path / "tied_lm.py").TiedLM().state_dict(), tmp_path / "init.pt")
     single = subprocess.run(
-        [sys.executable, "train_tied_lm.py", "--seed", "0", "--steps", "3", "--batch-size", "4",
-         "--log-dir", "single", "--checkpoint", "single"],
+        [sys.executable, "train_tied_lm.py", "--seed", "0", "--steps", "3", "--batch-size",
+         batch_size, "--log-dir", "single", "--checkpoint", "single"],
         cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert single.returncode == 0, single.stderr
-    run = torchrun(2, tmp_path / "pp_tied_lm.py", "--steps", "3", "--batch-size", "4",
-                   "--microbatches", "2", "--init", "init.pt", "--checkpoint", "pp")
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert losses(tmp_path / "pp" / "log.csv") == pytest.approx(
-        losses(tmp_path / "single" / "log.csv"), rel=1e-5, abs=1e-7)
+
+
+def _merged_tied_lm(tmp_path) -> dict:
+    """The pipeline checkpoint pp/ merged into one state dict, its tied copies equal."""
     done = subprocess.run([sys.executable, "pp_tied_lm.py", "--merge", "pp", "merged.pt"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     merged = torch.load(tmp_path / "merged.pt", weights_only=True)
     assert torch.equal(merged["head.weight"], merged["emb.weight"])
+    return merged
+
+def test_a_tied_copy_takes_its_owners_weight_decay_group(tmp_path):
+    # The embedding owns the weight the head shares: exempt from decay in the
+    # model, so the head's copy on the other stage is exempt too. Grouped by its
+    # own layer (a Linear), it decayed apart from the embedding's.
+    _tied_lm(tmp_path, TIED_LM, "4")
+    run = torchrun(2, tmp_path / "pp_tied_lm.py", "--steps", "3", "--batch-size", "4",
+                   "--microbatches", "2", "--init", "init.pt", "--checkpoint", "pp")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert losses(tmp_path / "pp" / "log.csv") == pytest.approx(
+        losses(tmp_path / "single" / "log.csv"), rel=1e-5, abs=1e-7)
+    merged = _merged_tied_lm(tmp_path)
     expected = torch.load(tmp_path / "single" / "last.pt", weights_only=True)["model"]["emb.weight"]
     torch.testing.assert_close(merged["emb.weight"], expected, rtol=1e-5, atol=1e-6)
 
@@ -923,25 +934,14 @@ def test_zbv_ddp_replicas_keep_the_tied_copies_on_one_rank_equal(tmp_path):
     spec = TIED_LM.replace("placement:\n  emb: cuda:0\n  head: cuda:1\n",
                            "placement:\n  emb: cuda:0\n  fc: cuda:1\n  act: cuda:2\n"
                            "  head: cuda:3\n")
-    build_to(write_spec(tmp_path, spec), tmp_path, CPU)
-    torch.manual_seed(0)
-    torch.save(import_generated(tmp_path / "tied_lm.py").TiedLM().state_dict(), tmp_path / "init.pt")
-    single = subprocess.run(
-        [sys.executable, "train_tied_lm.py", "--seed", "0", "--steps", "3", "--batch-size", "8",
-         "--log-dir", "single", "--checkpoint", "single"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert single.returncode == 0, single.stderr
+    _tied_lm(tmp_path, spec, "8")
     run = torchrun(4, tmp_path / "pp_tied_lm.py", "--schedule", "zbv", "--dp", "2",
                    "--dp-mode", "ddp", "--steps", "3", "--batch-size", "8", "--microbatches", "4",
                    "--init", "init.pt", "--checkpoint", "pp")
     assert run.returncode == 0, run.stderr[-3000:]
     assert losses(tmp_path / "pp" / "log.csv") == pytest.approx(
         losses(tmp_path / "single" / "log.csv"), rel=1e-5, abs=1e-7)
-    done = subprocess.run([sys.executable, "pp_tied_lm.py", "--merge", "pp", "merged.pt"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    merged = torch.load(tmp_path / "merged.pt", weights_only=True)
-    assert torch.equal(merged["head.weight"], merged["emb.weight"])
+    merged = _merged_tied_lm(tmp_path)
     expected = torch.load(tmp_path / "single" / "last.pt", weights_only=True)["model"]
     for key, value in expected.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)

@@ -43,20 +43,25 @@ def _device_map(text: Optional[str], where: Optional[Position] = None) -> dict[s
         raise MpgenError(where, f"[tool.mpgen] device-map: {message}") from None
 
 
+def _positive(text: str, most: float, what: str) -> float:
+    """``text`` as a number above 0 and at most ``most``, else argparse's
+    error saying it is not ``what``."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 0 < value <= most):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
 def _seconds(text: str) -> float:
     """``--time-limit``: a number of CPU seconds above 0, at most
     ``config.MAX_TIME_LIMIT``: a limit can be raised, never removed."""
     from mpgen.config import MAX_TIME_LIMIT
 
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_TIME_LIMIT):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of CPU seconds above 0 and at most {MAX_TIME_LIMIT:g} "
-            "(a limit can be raised, never removed)")
-    return value
+    return _positive(text, MAX_TIME_LIMIT, "a number of CPU seconds above 0 and at most "
+                     f"{MAX_TIME_LIMIT:g} (a limit can be raised, never removed)")
 
 
 def _compile_options(command: argparse.ArgumentParser) -> None:
@@ -226,14 +231,8 @@ def _wall_seconds(text: str) -> float:
     """``mpgen test --timeout``: seconds above 0, at most a week."""
     from mpgen.commands.test import MAX_TIMEOUT
 
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_TIMEOUT):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of seconds above 0 and at most {MAX_TIMEOUT:g}")
-    return value
+    return _positive(text, MAX_TIMEOUT,
+                     f"a number of seconds above 0 and at most {MAX_TIMEOUT:g}")
 
 
 def _test(args: argparse.Namespace) -> int:

@@ -228,9 +228,8 @@ def load(path: pathlib.Path, state: dict, no_dist: bool = False) -> None:
     CheckpointException, a BaseException with their tracebacks)."""
     Reader(str(path)).read_metadata()  # refused in one line, before DCP wraps it
     try:
-        with (
-            warnings.catch_warnings()
-        ):  # "assuming ... a single process": no_dist says so
+        # DCP warns "assuming the intent is to load in a single process": no_dist says so.
+        with warnings.catch_warnings():
             if no_dist:
                 warnings.simplefilter("ignore", UserWarning)
             dcp.load(
@@ -253,11 +252,7 @@ def model_state(path: pathlib.Path) -> dict:
             found[key[len("model.") :]] = torch.empty(
                 tuple(meta.size), dtype=meta.properties.dtype
             )
-    with (
-        warnings.catch_warnings()
-    ):  # "assuming the intent is to load in a single process": it is
-        warnings.simplefilter("ignore", UserWarning)
-        load(path, {"model": found}, no_dist=not dist.is_initialized())
+    load(path, {"model": found}, no_dist=not dist.is_initialized())
     return found
 
 

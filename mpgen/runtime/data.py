@@ -413,14 +413,8 @@ def check_batch(batch: tuple, training, where: str) -> tuple:
             if isinstance(x, Unstacked):
                 sys.exit(f"{where}: {x.why}")
         return batch
-    specs = list(training.shapes)
-    checked = _check_tensors(list(batch), training, where, specs)
-    out = []
-    for i, x in enumerate(checked):
-        x = _convert(x, training, i, where)
-        _check_classes(x, training, i, where)
-        out.append(x)
-    return tuple(out)
+    checked = _check_tensors(list(batch), training, where, list(training.shapes))
+    return tuple(_values_checked(checked, training, where))
 
 
 def check_file(tensors: list, training, where: str) -> list:
@@ -431,6 +425,11 @@ def check_file(tensors: list, training, where: str) -> list:
     specs = [sample_shape(s, d) for s, d in zip(training.shapes, training.batch_dims)]
     firsts = [t if d is None else t[0] for t, d in zip(tensors, training.batch_dims)]
     _check_tensors(firsts, training, where, specs, files=tensors)
+    return _values_checked(tensors, training, where)
+
+
+def _values_checked(tensors: list, training, where: str) -> list:
+    """Each key converted to the spec's dtype, its class indices checked."""
     out = []
     for i, x in enumerate(tensors):
         x = _convert(x, training, i, where)

@@ -10,12 +10,15 @@ and the one line a rank that lost the others ends with.
 # collective): it is named gone only if its heartbeat (mpgen/beat/RANK, one
 # more every BEAT seconds from a thread of its own) did not move during
 # that wait and a confirmation round as long. A killed rank, or one stopped
-# (SIGSTOP), beats no more; a live one keeps beating while it waits.
+# (SIGSTOP), beats no more; a live one keeps beating while it waits, and
+# lets the SIGTERM torchrun's agent sends every worker when one ends wait
+# until it has named the lost ranks (else it would be named among them).
 """
 
 from __future__ import annotations
 
 import atexit
+import signal
 import sys
 import threading
 import time
@@ -147,12 +150,18 @@ def lost(grid: mesh.Mesh, error: BaseException, wait: float = 3.0) -> None:
     if not any(word in text.lower() for word in words):
         raise error
     gone = ""
+    # torchrun's agent sends SIGTERM to every worker once it sees one end, and
+    # kills them 30 s later: a rank still asking would otherwise die mid-wait,
+    # stop beating, and be named gone by another (the wait is a few seconds).
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)
     try:
         missing = silent(grid.rank, dist.get_world_size(), wait)
         if missing:
             gone = f"rank{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} stopped or hung; "
     except Exception:  # the store went with the job: name no rank
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     sys.exit(
         f"{grid.where()}: {gone or 'another rank stopped or hung; '}lost contact ({text[:160]}); "
         "relaunch with --resume to continue from the last complete checkpoint"

@@ -832,6 +832,51 @@ class Costs:
         return dict(self.value_bytes)
 
 
+# -- memory plan ---------------------------------------------------------------
+
+#: The parts of a device's memory a plan names, in the order they are shown.
+MEMORY_PARTS = ("weights", "gradients", "optimizer", "activations", "transfers", "transient")
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """One device's bytes in one way of running the model (NOTE [Memory plan]
+    in placement/memory.py): each part at its largest during a step, and the
+    largest total alive at one moment (``peak``), where the step reaches it
+    (``phase``) and what is alive then (``at_peak``, by part; ``largest``, the
+    units holding the most then, largest first)."""
+
+    device: str
+    weights: int  # parameters and buffers (and AMP's casts of them, held in forward)
+    gradients: int  # one per trainable parameter; 0 for inference
+    optimizer: int  # the optimizer's state; 0 for inference
+    activations: int  # saved for backward at the end of forward (inference: the largest live set)
+    peak: int
+    phase: str = ""  # "forward", "backward", "optimizer step" (pipeline: "F3", "B1", ...)
+    at_peak: tuple[tuple[str, int], ...] = ()  # part (MEMORY_PARTS) -> bytes alive at the peak
+    largest: tuple[tuple[str, int], ...] = ()  # unit name -> bytes at the peak, at most 3
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Every device's memory for the single-process training script at the
+    spec's batch (``train``), the pipeline program under the spec's schedule,
+    micro-batches and replicas (``pipeline``; keyed by the stage's device) and
+    a forward at the batch without gradients (``inference``)."""
+
+    batch: int
+    train: tuple[DeviceMemory, ...]
+    pipeline: tuple[DeviceMemory, ...]
+    inference: tuple[DeviceMemory, ...]
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    dp: int = 1
+
+    def of(self, mode: str) -> dict[str, DeviceMemory]:
+        """Device -> its memory in ``mode``: train, pipeline or inference."""
+        return {d.device: d for d in getattr(self, mode)}
+
+
 # -- placement -----------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -988,6 +1033,8 @@ class Graph:
     #: Filled by analysis.shapes: (dim, largest size, why) for each symbolic
     #: dim whose positions read a table of fixed rows (NOTE [Symbolic dims]).
     dim_limits: tuple[tuple[str, int, str], ...] = ()
+    #: Filled by placement.memory: every device's memory (NOTE [Memory plan]).
+    memory: Optional[MemoryPlan] = field(default=None, compare=False, repr=False)
 
     def node(self, name: str) -> Node:
         return self._nodes_by_name[name]

@@ -23,7 +23,15 @@ from typing import Optional
 from mpgen.compiler.analysis.costs import human_bytes
 from mpgen.compiler.analysis.schedule import layout_ranks
 from mpgen.compiler.codegen.common import environment
-from mpgen.compiler.ir import Costs, Graph, device_runs, unit_labels
+from mpgen.compiler.ir import (
+    MEMORY_PARTS,
+    Costs,
+    DeviceMemory,
+    Graph,
+    MemoryPlan,
+    device_runs,
+    unit_labels,
+)
 from mpgen.compiler.placement.devices import map_device
 from mpgen.compiler.placement.stages import stages
 
@@ -112,6 +120,8 @@ class ReportContext:
     notes: list[str] = field(default_factory=list)
     pipeline: list[str] = field(default_factory=list)  # paragraphs; none: plain forward
     checkpoints: Optional[Table] = None  # the checkpointed units; None: there are none
+    memory: list[str] = field(default_factory=list)  # paragraphs; none: no memory plan
+    memory_table: Optional[Table] = None  # per device and run: the plan's peaks
 
 
 def report_context(graph: Graph) -> ReportContext:
@@ -156,7 +166,93 @@ def report_context(graph: Graph) -> ReportContext:
             + " could not be measured on the meta device; their output size is used instead."]),
         pipeline=_pipeline(graph),
         checkpoints=_checkpoint_table(graph, costs),
+        memory=_memory_notes(graph.memory, devices, capacity),
+        memory_table=_memory_table(graph.memory, devices, capacity),
     )
+
+
+# -- the memory plan ----------------------------------------------------------
+
+#: The ways of running the model the plan covers, in the table's order, and
+#: what the report calls each.
+MEMORY_RUNS = (("train", "training"), ("pipeline", "pipeline"), ("inference", "inference"))
+
+
+def _memory_rows(plan: MemoryPlan, devices: list[str]) -> list[tuple[str, str, DeviceMemory]]:
+    """(device, run, its memory) in the report's device order, then the run's."""
+    known = list(dict.fromkeys([*devices, *(m.device for run, _ in MEMORY_RUNS
+                                           for m in getattr(plan, run))]))
+    return [(device, run, mode[device]) for device in known
+            for run, mode in ((run, plan.of(run)) for run, _ in MEMORY_RUNS) if device in mode]
+
+
+def binding(plan: MemoryPlan, capacity: dict[str, int],
+            runs: tuple[str, ...] = ("train", "pipeline")) -> Optional[tuple[str, str, int]]:
+    """The device whose peak is nearest its capacity (of those with one), over
+    ``runs``: (device, run, peak); None when no device has a capacity."""
+    found = [(m.peak / capacity[m.device], m.device, run, m.peak) for run in runs
+             for m in getattr(plan, run) if capacity.get(m.device)]
+    if not found:
+        return None
+    _, device, run, peak = max(found, key=lambda f: (f[0], f[3]))
+    return device, run, peak
+
+
+def _memory_notes(plan: Optional[MemoryPlan], devices: list[str],
+                  capacity: dict[str, int]) -> list[str]:
+    if plan is None:
+        return []
+    replicas = f" and {plan.dp} replicas" if plan.dp != 1 else ""
+    many = "es" if plan.microbatches != 1 else ""
+    notes = [
+        f"The memory plan (`docs/memory.md`): each device's bytes at their largest during a "
+        f"step of the single-process training script at a batch of {plan.batch} (training), "
+        f"of `pp_<name>.py` under {md_code(plan.schedule)} with {plan.microbatches} "
+        f"micro-batch{many}{replicas} (pipeline), and of a forward without gradients at the "
+        "same batch (inference). The parts are what is alive at the peak; the largest "
+        "contributors are the units holding the most then."]
+    found = binding(plan, capacity)
+    if found is not None:
+        device, run, peak = found
+        cap = capacity[device]
+        verdict = "within" if peak <= cap else "**over**"
+        notes.append(f"Binding: {md_code(device)}, whose {dict(MEMORY_RUNS)[run]} peak "
+                     f"{human_bytes(peak)} is {100 * peak / cap:.1f}% of its capacity "
+                     f"{human_bytes(cap)} ({verdict} it). `mpgen place SPEC --fit` finds the "
+                     "largest batch that fits every capacity.")
+    else:
+        rows = [(m.peak, d, run) for d, run, m in _memory_rows(plan, devices)
+                if run != "inference"]
+        if rows:
+            peak, device, run = max(rows, key=lambda r: r[0])
+            notes.append(f"Largest: {md_code(device)}, {dict(MEMORY_RUNS)[run]} peak "
+                         f"{human_bytes(peak)}. No capacity is stated; with one "
+                         "(`placement: {auto: {capacity: ...}}`), the build checks it and "
+                         "`mpgen place SPEC --fit` finds the largest batch that fits.")
+    return notes
+
+
+def _memory_table(plan: Optional[MemoryPlan], devices: list[str],
+                  capacity: dict[str, int]) -> Optional[Table]:
+    if plan is None:
+        return None
+    columns = ["device", "run", "peak", "reached in", *MEMORY_PARTS, "largest at the peak"]
+    if capacity:
+        columns.append("of capacity")
+    rows = []
+    for device, run, m in _memory_rows(plan, devices):
+        parts = dict(m.at_peak) if m.at_peak else {
+            "weights": m.weights, "gradients": m.gradients, "optimizer": m.optimizer,
+            "activations": m.activations}
+        row = [md_code(device), dict(MEMORY_RUNS)[run], f"**{human_bytes(m.peak)}**",
+               md_code(m.phase) if m.phase else "",
+               *(human_bytes(parts[p]) if p in parts else "" for p in MEMORY_PARTS),
+               ", ".join(f"{md_code(name)} {human_bytes(n)}" for name, n in m.largest)]
+        if capacity:
+            cap = capacity.get(device)
+            row.append(f"{100 * m.peak / cap:.1f}% of {human_bytes(cap)}" if cap else "no limit")
+        rows.append(row)
+    return Table(columns, rows)
 
 
 def _pipeline(graph: Graph) -> list[str]:

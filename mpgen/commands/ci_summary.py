@@ -518,9 +518,9 @@ def _inside(repo: Path, path: str) -> str:
 
 def _layout_moved(d: layout_diff.LayoutDiff) -> bool:
     """Whether a diff shows anything: a layer moved, added or removed, a
-    device's parameters or memory, a transfer."""
+    device's parameters, memory or memory-plan peak, a transfer."""
     return bool(d.moved or d.removed or d.added or d.transfers_removed or d.transfers_added
-                or any(c.params[0] != c.params[1] or c.memory[0] != c.memory[1]
+                or d.memory or any(c.params[0] != c.params[1] or c.memory[0] != c.memory[1]
                        for c in d.devices))
 
 

@@ -8,7 +8,8 @@ guessed (``./REV:path`` names the file). ``ci-summary`` passes a
 :class:`GitBlob` instead, which is only ever git's. Both sides
 are compiled in full; the diff lists the layer instances whose device
 changed (compressed to ranges), the parameters and estimated training memory
-of each device before and after, and the forward transfers added and
+of each device before and after, each device's memory-plan peak (training,
+pipeline, inference) where it changed, and the forward transfers added and
 removed. It starts with a warning when the bytes crossing devices per step
 at least double (and grow by at least ``TRAFFIC_FLOOR``). A ``REV:path``
 that git cannot find at the root but finds as ``REV:./path`` gets an error
@@ -29,7 +30,7 @@ from typing import Mapping, Optional
 
 from mpgen.compiler.analysis.costs import human_bytes
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
-from mpgen.compiler.ir import Costs, Graph, UnitRef, unit_labels
+from mpgen.compiler.ir import Costs, Graph, MemoryPlan, UnitRef, unit_labels
 from mpgen.commands.isolate import compile_spec  # NOTE [User code in a child]
 from mpgen.errors import ErrorList, MpgenError, Position
 from mpgen.files import reason
@@ -69,6 +70,35 @@ class DeviceChange:
     device: str
     params: tuple[int, int]  # before, after
     memory: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class MemoryChange:
+    """One device's peak in one run of the memory plan (``train``,
+    ``pipeline``, ``inference``) that differs; None: not on that side."""
+
+    device: str
+    run: str
+    before: Optional[int]
+    after: Optional[int]
+
+    def __str__(self) -> str:
+        a, b = self.before, self.after
+        shown = f"{self.device} {self.run} peak {_bytes(a)} -> {_bytes(b)}"
+        if a is None or b is None:
+            return f"{shown} ({'new' if a is None else 'gone'})"
+        if a == 0:
+            return shown
+        change = 100 * (b - a) / a
+        return f"{shown} ({change:+.0f}%)" if abs(change) >= 1 else f"{shown} ({change:+.1f}%)"
+
+
+def _bytes(n: Optional[int]) -> str:
+    return "none" if n is None else human_bytes(n)
+
+
+#: The runs of the memory plan, in the order a diff lists them.
+MEMORY_RUNS = ("train", "pipeline", "inference")
 
 
 @dataclass(frozen=True)
@@ -116,6 +146,10 @@ class LayoutDiff:
     transfers_removed: tuple[TransferKey, ...]
     transfers_added: tuple[TransferKey, ...]
     traffic: TrafficGrowth
+    #: The memory plan's per-device peaks that differ (empty: the same, or a
+    #: side without a plan), and the batches the plans are at (None: no plan).
+    memory: tuple[MemoryChange, ...] = ()
+    memory_batch: Optional[tuple[int, int]] = None
 
 
 @dataclass(frozen=True)
@@ -328,7 +362,25 @@ def diff(old: Side, new: Side) -> LayoutDiff:
         transfers_removed=tuple(t for t in old_t if t not in new_t),
         transfers_added=tuple(t for t in new_t if t not in old_t),
         traffic=_traffic(old_t, new_t),
+        memory=_memory(old.graph.memory, new.graph.memory),
+        memory_batch=(None if old.graph.memory is None or new.graph.memory is None
+                      else (old.graph.memory.batch, new.graph.memory.batch)),
     )
+
+
+def _memory(old: Optional[MemoryPlan], new: Optional[MemoryPlan]) -> tuple[MemoryChange, ...]:
+    """Each device's plan peak, per run, where it differs (devices in the new
+    side's order, then the old side's)."""
+    if old is None or new is None:
+        return ()
+    found = []
+    for run in MEMORY_RUNS:
+        before = {m.device: m.peak for m in getattr(old, run)}
+        after = {m.device: m.peak for m in getattr(new, run)}
+        found += [MemoryChange(d, run, before.get(d), after.get(d))
+                  for d in dict.fromkeys([*after, *before]) if before.get(d) != after.get(d)]
+    order = {d: i for i, d in enumerate(dict.fromkeys(c.device for c in found))}
+    return tuple(sorted(found, key=lambda c: (order[c.device], MEMORY_RUNS.index(c.run))))
 
 
 def _traffic(old: list[TransferKey], new: list[TransferKey]) -> TrafficGrowth:
@@ -419,6 +471,14 @@ def format_diff(d: LayoutDiff) -> str:
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
         lines.append("  " + "  ".join(cells).rstrip())
+    if d.memory_batch is not None:
+        a, b = d.memory_batch
+        at = f"batch {a}" if a == b else f"batch {a} -> {b}"
+        if d.memory:
+            lines += ["", f"memory plan (peak per device, {at}):"]
+            lines.extend(f"  {c}" for c in d.memory)
+        else:
+            lines += ["", f"memory plan ({at}): unchanged"]
     lines += ["", "transfers in forward:"]
     if not d.transfers_removed and not d.transfers_added:
         lines.append("  unchanged")

@@ -6,6 +6,9 @@
   meaning one device (:mod:`mpgen.testing.merge`).
 * :func:`check_split_outputs`: did splitting change the outputs, with the
   tolerances for real GPUs and their rationale (:mod:`mpgen.testing.compare`).
+* :class:`MemoryTracker`, :func:`measure_training_step`,
+  :func:`measure_forward`: per-device peak memory of a real step, measured
+  (:mod:`mpgen.testing.memory`).
 * :class:`ModelSuite`: the checks of the generated tests
   (:mod:`mpgen.testing.suite`; imported on first use, since it needs pytest).
 """
@@ -13,6 +16,7 @@
 from typing import Any
 
 from .compare import check_split_outputs
+from .memory import DevicePeak, MemoryTracker, measure_forward, measure_training_step
 from .merge import merged_devices
 from .virtual import (
     Recording,
@@ -25,6 +29,8 @@ from .virtual import (
 )
 
 __all__ = [
+    "DevicePeak",
+    "MemoryTracker",
     "ModelSuite",
     "Recording",
     "Transfer",
@@ -33,6 +39,8 @@ __all__ = [
     "VirtualTensor",
     "check_split_outputs",
     "is_virtual",
+    "measure_forward",
+    "measure_training_step",
     "merged_devices",
     "virtual_devices",
 ]

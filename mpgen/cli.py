@@ -196,9 +196,34 @@ def _parser() -> argparse.ArgumentParser:
     schema.add_argument("--markdown", action="store_true",
                         help="the reference of every key (docs/spec-reference.md) instead")
     _project_commands(sub)
+    _profile_command(sub)
     _import_command(sub)
     _test_command(sub)
     return parser
+
+
+def _profile_command(sub) -> None:
+    """``mpgen profile``: measured unit times beside the spec (docs/cli.md)."""
+    profile = sub.add_parser(
+        "profile", help="time every unit's forward and backward on this machine's devices",
+        description="Time every placement unit's forward and backward on this machine's "
+                    "devices at the training sizes (a warm-up, then the median of repeats) "
+                    "and write SPEC's <stem>.profile.yaml beside it, which "
+                    "`placement: {auto: {balance: time}}` places by and the pipeline's "
+                    "predicted times use (docs/partition.md).")
+    profile.add_argument("spec", metavar="SPEC")
+    profile.add_argument("--device", action="append", metavar="DEVICE", dest="devices",
+                         help="a device to measure (repeatable; default: the CPU and every GPU)")
+    profile.add_argument("--threads", type=lambda t: int(_positive(t, 1024, "a thread count")),
+                         help="torch's CPU threads while timing (torchrun gives each rank 1)")
+    profile.add_argument("--warmup", type=lambda t: int(_positive(t, 100, "a count")),
+                         default=2, help="untimed runs first (default 2)")
+    profile.add_argument("--repeats", type=lambda t: int(_positive(t, 1000, "a count")),
+                         default=7, help="timed runs, of which the median (default 7)")
+    profile.add_argument("--stdout", action="store_true",
+                         help="print the profile instead of writing it")
+    _compile_options(profile)
+    profile.set_defaults(device_map=None)
 
 
 def _test_command(sub) -> None:
@@ -608,6 +633,17 @@ def _run(args: argparse.Namespace) -> int:
 
         graph = isolate.compile_spec(args.spec, device_map, args.root, args.time_limit)
         _say(summary.to_json(graph) if args.format == "json" else summary.to_table(graph))
+        return Exit.OK
+    if args.command == "profile":
+        from mpgen.commands import profile as measure
+
+        target, text = measure.profile(args.spec, args.devices, args.root, args.warmup,
+                                       args.repeats, args.threads, args.time_limit)
+        if args.stdout:
+            _say(text.rstrip("\n"))
+        else:
+            measure.write_profile(target, text)
+            _say(f"wrote {escaped(str(target))}")
         return Exit.OK
     if args.command == "place":
         from mpgen.commands import place as spec_edit

@@ -221,6 +221,13 @@ def names_user_code(spec: Spec) -> bool:
         "." in op and not op.startswith(_TORCH_SPELLINGS) for op in _ops(spec))
 
 
+def _has_profile(path: str | Path) -> bool:
+    """A profile beside the spec (``mpgen profile``) shapes its files and is
+    not in its digest: such a spec is always compiled."""
+    spec = Path(path)
+    return spec.with_name(f"{spec.stem}.profile.yaml").exists()
+
+
 def _current(path: str | Path, out_dir: Path, entries: Mapping[str, manifest.Entry],
              device_map: Optional[Mapping[str, str]]) -> Optional[Built]:
     """The spec at ``path`` as its files in ``out_dir`` hold it, when the
@@ -229,7 +236,7 @@ def _current(path: str | Path, out_dir: Path, entries: Mapping[str, manifest.Ent
     is the one built is not even parsed; another text is current when its
     meaning is (NOTE [Build manifest])."""
     found = entries.get(display_path(path))
-    if found is None or found.user_code:
+    if found is None or found.user_code or _has_profile(path):
         return None
     text = spec_text(path)
     if text is None:

@@ -802,7 +802,9 @@ class UnitCost:
 
 
 #: The per-unit quantities automatic placement can balance.
-BALANCES = ("params", "memory", "flops")
+BALANCES = ("params", "memory", "flops", "time")
+#: The balances a unit's own costs give (``time`` comes from a measured Profile).
+COST_BALANCES = ("params", "memory", "flops")
 
 
 @dataclass(frozen=True)
@@ -818,7 +820,7 @@ class Costs:
 
     def of(self, balance: str) -> list[int]:
         """The per-unit quantity balanced by ``balance``."""
-        if balance not in BALANCES:
+        if balance not in COST_BALANCES:  # "time" is measured: Profile.unit_ms
             raise ValueError(f"unknown balance {balance!r}")
         return [getattr(u, balance) for u in self.units]
 
@@ -830,6 +832,49 @@ class Costs:
     def _bytes_by_value(self) -> dict[str, int]:
         # Built once (the object is frozen): a report looks up every edge.
         return dict(self.value_bytes)
+
+
+@dataclass(frozen=True)
+class UnitTime:
+    """One unit's measured milliseconds per training batch on each device
+    kind of a Profile (``kind``, forward ms, backward ms), and the unit's
+    parameters and FLOPs when measured (what says a profile is stale)."""
+
+    unit: str
+    params: int
+    flops: int
+    times: tuple[tuple[str, float, float], ...]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """``<spec stem>.profile.yaml``, what ``mpgen profile`` measured beside
+    the spec (``frontend.profile`` reads it; NOTE [Measured time] in
+    ``commands/profile.py``): each device kind's hardware, the machine's
+    devices and their kind, every unit's times, and the transfers measured."""
+
+    path: str  # as errors show it
+    kinds: tuple[tuple[str, str], ...]  # kind -> the hardware's name
+    devices: tuple[tuple[str, str], ...]  # device -> kind
+    batch: int
+    units: tuple[UnitTime, ...]
+    #: (from device, to device, bytes per millisecond)
+    transfers: tuple[tuple[str, str, float], ...] = ()
+    #: (kind, forward ms, backward ms) a stage costs whatever it computes,
+    #: taken out of every unit's times (a stage pays it once).
+    call: tuple[tuple[str, float, float], ...] = ()
+
+    def kind_of(self, device: str) -> Optional[str]:
+        """The kind measured for ``device``: its own, else the only kind
+        (a spec's cuda:0..3 on a CPU-only machine); None when unknown."""
+        found = dict(self.devices).get(device)
+        if found is None and len(self.kinds) == 1:
+            found = self.kinds[0][0]
+        return found
+
+    def unit_ms(self, kind: str) -> list[tuple[float, float]]:
+        """Every unit's (forward, backward) ms on ``kind``."""
+        return [next((f, b) for k, f, b in u.times if k == kind) for u in self.units]
 
 
 # -- memory plan ---------------------------------------------------------------
@@ -1035,6 +1080,8 @@ class Graph:
     dim_limits: tuple[tuple[str, int, str], ...] = ()
     #: Filled by placement.memory: every device's memory (NOTE [Memory plan]).
     memory: Optional[MemoryPlan] = field(default=None, compare=False, repr=False)
+    #: Read by the front end: ``<spec stem>.profile.yaml`` beside the spec, if any.
+    profile: Optional[Profile] = field(default=None, compare=False, repr=False)
 
     def node(self, name: str) -> Node:
         return self._nodes_by_name[name]

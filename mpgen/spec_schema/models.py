@@ -577,9 +577,10 @@ class AutoPlacementSpec(_Model):
 
     devices: list[Device] = Field(min_length=1, json_schema_extra={"uniqueItems": True},
                                   description="The devices, in stage order.")
-    balance: Literal["params", "memory", "flops"] = Field("params", description=(
-        "What a device's load counts: parameters, memory (the estimated training memory) or "
-        "flops."))
+    balance: Literal["params", "memory", "flops", "time"] = Field("params", description=(
+        "What a device's load counts: parameters, memory (the estimated training memory), "
+        "flops, or time: the milliseconds `mpgen profile` measured, read from "
+        "`<spec stem>.profile.yaml` beside the spec."))
     capacity: dict[Device, Annotated[Any, AfterValidator(parse_size), WithJsonSchema(SIZE_FORM)]] \
         = Field(default_factory=dict, description=(
             "The most estimated training memory a device may hold, whatever the balance: "

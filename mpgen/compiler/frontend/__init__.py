@@ -14,6 +14,7 @@ from mpgen.compiler.frontend import imports
 from mpgen.compiler.frontend.limits import check_sizes, check_structure
 from mpgen.compiler.frontend.pipeline import resolve_pipeline
 from mpgen.compiler.frontend.placement import placement_request
+from mpgen.compiler.frontend.profile import needs_profile, read_profile
 from mpgen.compiler.frontend.resolve import resolve
 from mpgen.compiler.frontend.training import resolve_train
 from mpgen.compiler.ir import Graph
@@ -22,11 +23,13 @@ from mpgen.spec_schema.load import LoadedSpec
 from mpgen.spec_schema.models import Spec
 
 
-def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> Graph:
+def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None,
+          profile: bool = True) -> Graph:
     """Layers, training settings, the placement request and the pipeline
     settings, with every mistake of the four reported together; raises
     MpgenError. ``root``: the project a dotted op may import from
-    (``frontend.imports``)."""
+    (``frontend.imports``). ``profile``: read ``<spec stem>.profile.yaml``
+    beside the spec (``frontend.profile``; ``mpgen profile`` builds without)."""
     check_structure(spec, loaded.source)  # before anything is resolved or built
     graph = resolve(spec, loaded, root)
     errors = Collector()
@@ -46,5 +49,11 @@ def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> 
                                                                        loaded.source))
     except MpgenError as exc:
         errors.extend(exc)
+    if profile:
+        try:
+            graph = dataclasses.replace(graph, profile=read_profile(loaded.path))
+            needs_profile(graph, loaded.source, loaded.path)
+        except MpgenError as exc:
+            errors.extend(exc)
     errors.raise_if_any()
     return graph

@@ -348,6 +348,8 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
              "dp": pipeline.dp, "sync_bn": pipeline.sync_bn, **_per_sample(graph)}
     fields += [(key, _literal(value)) for key, value in given.items()
                if value != STAGES_DEFAULTS[key]]
+    if graph.memory is not None and graph.memory.pipeline:
+        fields.append(("memory", train_codegen.memory_literal(graph.memory.pipeline)))
     train_codegen.facts_and_run(w, n["STAGES"], f"{RUNTIME}.Stages", fields,
                                 f"{RUNTIME}.pipeline.train")
 

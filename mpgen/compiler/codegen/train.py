@@ -263,6 +263,12 @@ def _dict_literal(values: dict) -> str:
     return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in values.items()) + "}"
 
 
+def memory_literal(devices: tuple) -> str:
+    """The plan's peaks (``ir.DeviceMemory``s) as ``{device: bytes}``: what
+    ``--memory`` prints beside the measured peak."""
+    return _dict_literal({d.device: d.peak for d in devices})
+
+
 def render_train(graph: Graph) -> str:
     """``train_<name>.py`` in black's layout (NOTE [Written in black's layout])."""
     names = file_names(graph)
@@ -356,6 +362,8 @@ def render_train(graph: Graph) -> str:
     if ties:
         fields.append(("ties", "(" + _tuple(ties) + ")"))
     fields.append(("defaults", _dict_literal(defaults(graph))))
+    if graph.memory is not None and graph.memory.train:
+        fields.append(("memory", memory_literal(graph.memory.train)))
     for key, source in (("data_kwargs", train.data), ("eval_data_kwargs", train.eval_data)):
         kwargs = _source(source)[1]
         if kwargs:

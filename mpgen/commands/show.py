@@ -1,11 +1,17 @@
-"""``mpgen show``: every layer's op, device, output shape and parameters."""
+"""``mpgen show``: every layer's op, device, output shape and parameters,
+and every device's memory plan (NOTE [Memory plan] in placement/memory.py)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from mpgen.compiler.ir import Graph, Node, TensorType, device_runs, unit_labels
+from mpgen.compiler.analysis.costs import human_bytes
+from mpgen.compiler.ir import (MEMORY_PARTS, DeviceMemory, Graph, Node, TensorType,
+                               device_runs, unit_labels)
+
+#: The ways of running the model the plan covers, in the order shown.
+MEMORY_MODES = ("train", "pipeline", "inference")
 
 
 def _runs(node: Node) -> list[tuple[str, str, int]]:
@@ -55,7 +61,54 @@ def to_json(graph: Graph) -> str:
             for t in graph.plan.transfers
         ],
     }
+    if graph.memory is not None:
+        data["memory"] = memory_json(graph)
     return json.dumps(data, indent=2)
+
+
+def _device_json(d: DeviceMemory) -> dict[str, Any]:
+    return {"weights": d.weights, "gradients": d.gradients, "optimizer": d.optimizer,
+            "activations": d.activations, "peak": d.peak, "phase": d.phase,
+            "at_peak": dict(d.at_peak), "largest": dict(d.largest)}
+
+
+def memory_json(graph: Graph) -> dict[str, Any]:
+    """The memory plan in bytes: ``train``, ``pipeline`` and ``inference``,
+    each device -> its parts, peak, the phase of the peak and what is alive then."""
+    plan = graph.memory
+    data: dict[str, Any] = {"batch": plan.batch, "schedule": plan.schedule,
+                            "microbatches": plan.microbatches, "dp": plan.dp}
+    for mode in MEMORY_MODES:
+        data[mode] = {d.device: _device_json(d) for d in getattr(plan, mode)}
+    return data
+
+
+def memory_table(graph: Graph) -> list[str]:
+    """Per mode and device: each part at its largest, and the peak."""
+    plan = graph.memory
+    if plan is None:
+        return []
+    head = ("memory", "device", "weights", "gradients", "optimizer", "activations", "peak",
+            "at")
+    table = [head]
+    for mode in MEMORY_MODES:
+        for d in getattr(plan, mode):
+            table.append((mode, d.device, *(human_bytes(n) for n in (
+                d.weights, d.gradients, d.optimizer, d.activations, d.peak)), d.phase))
+    if len(table) == 1:
+        return []
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+
+    def line(r):
+        cells = [r[0].ljust(widths[0]), r[1].ljust(widths[1])]
+        cells += [r[i].rjust(widths[i]) for i in range(2, 7)] + [r[7]]
+        return "  ".join(cells).rstrip()
+
+    note = (f"memory at batch {plan.batch}; pipeline: {plan.schedule}, "
+            f"{plan.microbatches} micro-batches, {plan.dp} replica"
+            + ("s" if plan.dp != 1 else ""))
+    return ["", note, line(head), line(tuple("-" * w for w in widths)),
+            *(line(r) for r in table[1:])]
 
 
 def to_table(graph: Graph) -> str:
@@ -86,4 +139,5 @@ def to_table(graph: Graph) -> str:
     out.append(f"transfers in forward: {len(transfers)}")
     for t in transfers:
         out.append(f"  {t.value.name} {t.type}: {t.src or 'input'} -> {t.dst}")
+    out += memory_table(graph)
     return "\n".join(out)

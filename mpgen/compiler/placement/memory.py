@@ -1,0 +1,886 @@
+"""The memory plan: every device's bytes for training, the pipeline program
+and inference, simulated once after placement (``graph.memory``).
+
+# NOTE: [Memory plan]
+# The plan does not add per-unit numbers (analysis/costs.py does that, for
+# balancing): it *runs* the step the generated code runs, on fake tensors
+# (``FakeTensorMode`` over CPU tensors: no memory is allocated, and every
+# operator takes the kernel the CPU takes, e.g. the CPU flash attention that
+# saves its output and log-sum-exp, not the T x T matrix the meta device's
+# math path saves), and counts the tensor storages alive at each operator,
+# the way a dispatch-level tracker counts a real run
+# (``torch.distributed._tools.mem_tracker``, ``mpgen.testing``):
+#
+# - what runs: the placed forward plan, section by section, each unit built
+#   as the generated model builds it (analysis/meta.py's interpreter, ties
+#   shared, a tied layer on another device fed a moved copy), a checkpointed
+#   unit through ``torch.utils.checkpoint`` (so its recompute is simulated),
+#   under autocast when ``train.amp`` is on (its casts are counted); then
+#   each loss as the training script computes it, ``backward``, the gradient
+#   clip, and the optimizer's ``step`` (the single-tensor loop for a CPU
+#   build, ``foreach`` for CUDA, as torch picks). Two steps run; the second
+#   (optimizer state present, gradients set to None before forward, as the
+#   runtime's ``zero_grad(set_to_none=True)`` does) is the one measured.
+# - where a storage lives: a factory operator's on the device of the unit
+#   running; any other operator's on the device of its first tensor input
+#   already placed; a transfer's copy on the reader's device (and its
+#   gradient back on the source's). The batch is made on the host: on a CPU
+#   build it counts on ``cpu``; on an accelerator only its copies count.
+# - parts: parameters and buffers (and AMP's casts of them) are
+#   ``weights``; a parameter's ``.grad`` ``gradients`` (from the moment it is
+#   accumulated); the optimizer's state ``optimizer``; what forward makes
+#   ``activations`` (the copies it moves between devices ``transfers``); what
+#   backward and the optimizer step make ``transient``. ``peak`` is the most
+#   bytes alive at once on the device; ``phase``, ``at_peak`` and
+#   ``largest`` (the units whose storages hold the most then) say where.
+# - pipeline: for each rank of the schedule (analysis/schedule.py's
+#   ``rank_orders``), its stages replay the rank's actions at the
+#   micro-batch size (batch / dp / microbatches): F runs the stage's section
+#   and holds its autograd graph, B runs its backward from a received
+#   gradient (the last stage: from its micro-batch's loss), then the
+#   optimizer steps. ``PipelineStage`` keeps a receive buffer per
+#   micro-batch for the activations it takes and for the gradients of those
+#   it gives, and the last stage keeps each micro-batch's output until the
+#   step ends: both are counted (``transfers``). A zero-bubble schedule's
+#   split backward (B then W) runs as one full backward at B; FSDP
+#   (``--dp-mode fsdp``) is not modelled: the plan is per replica. Keyed
+#   by the stage's device; a device holding several stages (looped, V) is
+#   one rank.
+# - inference: the forward at the batch under ``no_grad``, in eval mode.
+#
+# Left out: the CUDA context and the caching allocator's rounding and
+# fragmentation (the plan is what ``max_memory_allocated`` would see at best),
+# workspaces kernels allocate outside the dispatcher (cuBLAS, cuDNN), the
+# fp16 gradient scaler's few scalars, the data loader's prefetched batches,
+# and a user optimizer torch.optim does not know (its state is estimated as
+# costs.optimizer_state's parameter-sized copies).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from collections import defaultdict
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from mpgen.compiler.analysis import meta
+from mpgen.compiler.analysis.budget import Budget
+from mpgen.compiler.analysis.costs import human_bytes, optimizer_state
+from mpgen.compiler.analysis.schedule import BACKWARD, FORWARD, rank_orders, stage_ranks
+from mpgen.compiler.frontend.limits import active_budget
+from mpgen.compiler.ir import MEMORY_PARTS, DeviceMemory, Graph, MemoryPlan, Node
+from mpgen.compiler.placement.pipelining import checkpointed_units
+from mpgen.compiler.placement.stages import stages as pipeline_stages
+from mpgen.errors import MpgenError
+
+_META = torch.device("meta")
+_aten = torch.ops.aten
+_CASTS = {_aten._to_copy.default, _aten.clone.default, _aten.to.dtype}
+_HOST = "host"  # where the batch is made when the model is not on the CPU
+
+
+# -- counting storages -------------------------------------------------------
+
+class _Tracker(TorchDispatchMode):
+    """Counts the bytes of every tensor storage alive, by device, part and
+    unit, and each device's peak (NOTE [Memory plan])."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, list] = {}  # storage -> [device, part, unit, bytes]
+        self.total: dict[str, int] = defaultdict(int)
+        self.parts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.units: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.device = "cpu"  # the unit running: where a factory's tensor lands
+        self.unit = ""
+        self.phase = "forward"
+        self.forced: Optional[str] = None  # a transfer's destination
+        self.recording = False
+        self.peak: dict[str, tuple] = {}  # device -> (bytes, phase, parts, units)
+        self.highest: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+
+    def reset(self) -> None:
+        """Start measuring: peaks from what is alive now."""
+        self.recording = True
+        self.peak = {}
+        self.highest = defaultdict(lambda: defaultdict(int))
+        for device in list(self.total):
+            self._note(device)
+            for part, n in self.parts[device].items():
+                self.highest[device][part] = n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") is not None and torch.device(kwargs["device"]) == _META:
+            kwargs = {**kwargs, "device": torch.device("cpu")}  # meta.build's device
+        out = func(*args, **kwargs)
+        found = None
+        for a in tree_flatten((args, kwargs))[0]:
+            if isinstance(a, torch.Tensor):
+                found = self.live.get(_key(a))
+                if found is not None:
+                    break
+        if self.forced is not None:
+            device, part = self.forced, "transfers"
+        else:
+            device = found[0] if found is not None else self.device
+            part = "activations" if self.phase[:1] == "F" or self.phase == "forward" \
+                else "transient"
+            if found is not None and found[1] == "weights" and func in _CASTS:
+                part = "weights"  # AMP's cast of a weight
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.add(t, device, part)
+        return out
+
+    def add(self, t: torch.Tensor, device: str, part: str, unit: Optional[str] = None) -> None:
+        storage = t.untyped_storage()
+        key = storage._cdata
+        if key in self.live:
+            return
+        n = storage.nbytes()
+        unit = self.unit if unit is None else unit
+        self.live[key] = [device, part, unit, n]
+        weakref.finalize(storage, self._free, key)
+        self.total[device] += n
+        self.parts[device][part] += n
+        self.units[device][unit] += n
+        if self.recording:
+            if self.parts[device][part] > self.highest[device][part]:
+                self.highest[device][part] = self.parts[device][part]
+            self._note(device)
+
+    def _note(self, device: str) -> None:
+        best = self.peak.get(device)
+        if best is None or self.total[device] > best[0]:
+            self.peak[device] = (self.total[device], self.phase, dict(self.parts[device]),
+                                 self.units[device])
+            self._units_stale = device
+
+    def _free(self, key: int) -> None:
+        entry = self.live.pop(key, None)
+        if entry is None:
+            return
+        device, part, unit, n = entry
+        best = self.peak.get(device)
+        if best is not None and best[3] is self.units[device]:  # freeze the peak's units
+            self.peak[device] = best[:3] + (dict(best[3]),)
+        self.total[device] -= n
+        self.parts[device][part] -= n
+        self.units[device][unit] -= n
+
+    def retag(self, t: Optional[torch.Tensor], part: str, unit: Optional[str] = None) -> None:
+        """``t``'s storage is ``part`` (of ``unit``) from now on."""
+        if t is None:
+            return
+        entry = self.live.get(_key(t))
+        if entry is None or (entry[1] == part and unit in (None, entry[2])):
+            return
+        device, old, old_unit, n = entry
+        best = self.peak.get(device)
+        if best is not None and best[3] is self.units[device]:
+            self.peak[device] = best[:3] + (dict(best[3]),)
+        self.parts[device][old] -= n
+        self.parts[device][part] += n
+        entry[1] = part
+        if unit is not None:
+            self.units[device][old_unit] -= n
+            self.units[device][unit] += n
+            entry[2] = unit
+        if self.recording and self.parts[device][part] > self.highest[device][part]:
+            self.highest[device][part] = self.parts[device][part]
+
+    def alive(self, device: str, parts: Sequence[str]) -> int:
+        return sum(self.parts[device][p] for p in parts)
+
+    @contextlib.contextmanager
+    def on(self, device: str, unit: Optional[str] = None) -> Iterator[None]:
+        saved = self.device, self.unit
+        self.device = device
+        if unit is not None:
+            self.unit = unit
+        try:
+            yield
+        finally:
+            self.device, self.unit = saved
+
+    @contextlib.contextmanager
+    def moving(self, device: str) -> Iterator[None]:
+        saved, self.forced = self.forced, device
+        try:
+            yield
+        finally:
+            self.forced = saved
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+class _Move(torch.autograd.Function):
+    """``x.to(device)``: a copy on the reader's device whose gradient goes
+    back to the source's (the tracker files each on its device)."""
+
+    @staticmethod
+    def forward(ctx, x, tracker, src, dst):
+        ctx.tracker, ctx.src = tracker, src
+        with tracker.moving(dst):
+            return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with ctx.tracker.moving(ctx.src):
+            return grad.clone(), None, None, None
+
+
+# -- the model, built once per graph ----------------------------------------
+
+class _Model:
+    """The graph's units built on fake CPU tensors (one per instance, ties
+    shared), reused by every plan of the graph (``place --fit`` calls the
+    plan many times: only the step depends on the batch)."""
+
+    def __init__(self, graph: Graph, budget: Budget) -> None:
+        self.graph = graph
+        self.fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
+        self.fake.cache_enabled = False  # hashing each call costs more than it saves here
+        self.nodes = {n.name: n for n in graph.nodes}
+        self.blocks = {b.name: b for b in graph.blocks}
+        self.hooks = meta.Hooks(budget)
+        self.modules: dict[tuple[str, int], nn.Module] = {}
+        self.devices: dict[tuple[str, int], str] = {}
+        with self.fake, _Tracker():  # the tracker puts meta.build's tensors on the CPU
+            for node in graph.nodes:
+                if not node.op.has_module and node.op.kind is not meta.OpKind.TENSOR:
+                    continue
+                for k in range(node.instances):
+                    module = meta.build(node, {}, self.blocks, self.hooks, index=k)
+                    self.modules[node.name, k] = module
+                    self.devices[node.name, k] = node.devices[k] if node.devices else "cpu"
+            for node in graph.nodes:
+                for tie in node.ties:
+                    owner = self.modules.get((tie.owner, 0))
+                    for k in range(node.instances):
+                        module = self.modules.get((node.name, k))
+                        if owner is not None and module is not None:
+                            meta.share_parameter(module, tie.param,
+                                                 owner.get_parameter(tie.owner_param))
+        self.checkpointed = checkpointed_units(graph)
+        self.params: dict[int, tuple[nn.Parameter, str, str]] = {}  # id -> (p, device, unit)
+        self.buffers: list[tuple[torch.Tensor, str, str]] = []
+        for (name, k), module in self.modules.items():
+            unit = str(self.nodes[name].unit(k))
+            device = self.devices[name, k]
+            tensors = [module] if isinstance(module, torch.Tensor) else []
+            if isinstance(module, nn.Module):
+                for p in module.parameters():
+                    self.params.setdefault(id(p), (p, device, unit))
+                self.buffers += [(b, device, unit) for b in module.buffers()]
+            for t in tensors:
+                self.buffers.append((t, device, unit))
+
+    def register(self, tracker: _Tracker, devices: Optional[set[str]] = None) -> None:
+        """The weights, on their devices (only those on ``devices``)."""
+        for p, device, unit in self.params.values():
+            if devices is None or device in devices:
+                tracker.add(p, device, "weights", unit)
+        for b, device, unit in self.buffers:
+            if devices is None or device in devices:
+                tracker.add(b, device, "weights", unit)
+
+    def train(self, mode: bool) -> None:
+        for module in self.modules.values():
+            if isinstance(module, nn.Module):
+                module.train(mode)
+
+    # -- forward ------------------------------------------------------------
+    def run_sections(self, tracker: _Tracker, sections, env: dict[str, Any],
+                     host: str) -> None:
+        """Run ``sections`` of the forward plan over the variables in ``env``."""
+        graph = self.graph
+        names = _Names(graph, env)
+        for section in sections:
+            for t in section.transfers:
+                x = self._source(t.src_var, env)
+                if x is None:
+                    continue
+                src = t.src or host
+                if src == t.dst:
+                    env[t.dst_var] = x
+                else:
+                    env[t.dst_var] = _Move.apply(x, tracker, src, t.dst) \
+                        if x.requires_grad else self._copy(tracker, x, t.dst)
+            for step in section.steps:
+                node = self.nodes[step.node]
+                x = [env.get(v) for v in step.reads]
+                out = None
+                for k in range(step.start, step.stop):
+                    unit = node.unit(k)
+                    with tracker.on(step.device, str(unit)):
+                        out = self._run(node, k, x, dict(step.tied), env, names,
+                                        unit in self.checkpointed)
+                    if not node.pattern:
+                        x = [out, *x[1:]]
+                if node.pattern:
+                    values = meta.unpack(node, out)
+                    for e in node.elements:
+                        env[e.var] = values.get(e.name)
+                else:
+                    env[step.out_var] = out
+
+    def _copy(self, tracker: _Tracker, x: torch.Tensor, device: str) -> torch.Tensor:
+        with tracker.moving(device):
+            return x.clone()
+
+    def _source(self, var: str, env: Mapping[str, Any]) -> Optional[torch.Tensor]:
+        if var in env:
+            return env[var]
+        if var.startswith("self."):  # a tied parameter moved to its reader
+            path = var[len("self."):]
+            for (name, k), module in self.modules.items():
+                if k == 0 and path.startswith(name + ".") and isinstance(module, nn.Module):
+                    return module.get_parameter(path[len(name) + 1:])
+        return None
+
+    def _run(self, node: Node, k: int, x: list, tied: Mapping[str, str],
+             env: Mapping[str, Any], names: Mapping[str, Any], checkpoint: bool) -> Any:
+        module = self.modules.get((node.name, k))
+        swaps = {param: env[var] for param, var in tied.items() if var in env}
+
+        def call(*tensors):
+            with (torch.nn.utils.stateless._reparametrize_module(module, swaps)
+                  if swaps else contextlib.nullcontext()):
+                return meta.run(node, module, list(tensors), {}, self.hooks, env=names)
+
+        if checkpoint and node.op.has_module:
+            return torch.utils.checkpoint.checkpoint(call, *x, use_reentrant=False)
+        return call(*x)
+
+    def losses(self, tracker: _Tracker, outputs: Mapping[str, torch.Tensor],
+               targets: Sequence[Optional[torch.Tensor]]) -> Optional[torch.Tensor]:
+        """The training script's loss over ``outputs`` (by name)."""
+        train = self.graph.train
+        devices = {v: n.devices[-1] for n in self.graph.nodes for v in n.value_names}
+        parts = []
+        loss_device = devices.get(train.losses[0].output, "cpu") if train.losses else "cpu"
+        for loss, target in zip(train.losses, targets):
+            out = outputs.get(loss.output)
+            if out is None or target is None:
+                continue
+            device = devices.get(loss.output, "cpu")
+            with tracker.on(device, "loss"):
+                target = self._copy(tracker, target, device) if device != _home(target,
+                                                                                  tracker) \
+                    else target
+                fn = _loss_fn(loss)
+                if loss.flatten:
+                    value = fn(out.flatten(0, -2), target.flatten())
+                elif loss.class_dim is not None and loss.class_dim != 1:
+                    value = fn(out.movedim(loss.class_dim, 1), target)
+                else:
+                    value = fn(out, target)
+                if device != loss_device:
+                    value = _Move.apply(value, tracker, device, loss_device)
+            parts.append(value)
+        if not parts:
+            return None
+        total = parts[0]
+        for p in parts[1:]:
+            total = total + p
+        return total
+
+
+def _home(t: torch.Tensor, tracker: _Tracker) -> Optional[str]:
+    entry = tracker.live.get(_key(t))
+    return entry[0] if entry else None
+
+
+def _loss_fn(loss) -> Callable:
+    cls = getattr(nn, loss.op, None)
+    if isinstance(cls, type):
+        try:
+            return cls(**dict(loss.kwargs))
+        except Exception:
+            pass
+    return lambda out, target: out.float().mean()  # a user's loss: one scalar
+
+
+class _Names(Mapping):
+    """Value name -> tensor, read from the forward's variables (sizes read them)."""
+
+    def __init__(self, graph: Graph, env: Mapping[str, Any]) -> None:
+        self.var = ({t.name: t.var for t in graph.inputs} | {n.name: n.var for n in graph.nodes}
+                    | {e.name: e.var for n in graph.nodes for e in n.elements})
+        self.env = env
+
+    def __getitem__(self, name: str) -> Any:
+        return self.env[self.var.get(name, name)]
+
+    def __iter__(self):
+        return iter(self.var)
+
+    def __len__(self) -> int:
+        return len(self.var)
+
+
+def _model(graph: Graph, budget: Budget) -> _Model:
+    cached = _CACHE.get(id(graph))
+    if cached is not None and cached[0]() is graph:
+        return cached[1]
+    model = _Model(graph, budget)
+    _CACHE.clear()  # one graph at a time: its modules are the memory it costs
+    _CACHE[id(graph)] = (_ref(graph), model)
+    return model
+
+
+_CACHE: dict[int, tuple[Callable[[], Any], _Model]] = {}
+
+
+def _ref(graph: Graph) -> Callable[[], Any]:
+    try:
+        return weakref.ref(graph)
+    except TypeError:
+        return lambda: graph
+
+
+# -- the plan ------------------------------------------------------------------
+
+def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = None,
+         schedule: str | None = None, dp: int | None = None, budget=None) -> MemoryPlan:
+    """Every device's memory for ``graph`` (placed: ``graph.plan`` set) at
+    ``batch`` (default: the spec's ``train.batch_size``), and for its
+    pipeline program under ``schedule``, ``microbatches`` and ``dp`` (default:
+    the spec's ``pipeline:``, else the pipeline program's defaults: 1f1b,
+    as many micro-batches as stages, one replica). NOTE [Memory plan]."""
+    dims = dict(graph.dims)
+    batch = batch or dims.get("batch") or (graph.train.batch_size if graph.train else 1)
+    config = graph.pipeline
+    stage_count = len(graph.plan.sections)
+    schedule = schedule or (config.schedule if config else "1f1b")
+    microbatches = microbatches or (config.microbatches if config else max(stage_count, 1))
+    dp = dp or (config.dp if config else 1)
+    if budget is None:
+        running = active_budget()
+        budget = running if isinstance(running, Budget) else Budget()
+    model = _model(graph, budget)
+    with warnings.catch_warnings(), budget.watching():
+        warnings.simplefilter("ignore")
+        train = _train(model, {**dims, "batch": batch})
+        inference = _inference(model, {**dims, "batch": batch})
+        mb = max(batch // max(dp, 1) // max(microbatches, 1), 1)
+        try:
+            pipeline = _pipeline(model, {**dims, "batch": mb}, schedule, microbatches)
+        except ValueError:  # a layout the schedule cannot run: check_pipeline says why
+            pipeline = ()
+    return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp)
+
+
+def _devices(graph: Graph) -> list[str]:
+    return list(dict.fromkeys(s.device for s in graph.plan.sections))
+
+
+def _batch(graph: Graph, dims: Mapping[str, int]) -> tuple[list, list]:
+    """Synthetic inputs and targets (fake, on the host) at ``dims``."""
+    inputs = [_tensor(t.type, dims, t.high) for t in graph.inputs]
+    targets = []
+    for loss in graph.train.losses if graph.train else ():
+        t = loss.target_type
+        targets.append(_tensor(t, dims, loss.classes) if t is not None else None)
+    return inputs, targets
+
+
+def _tensor(t, dims: Mapping[str, int], high: Optional[int] = None) -> torch.Tensor:
+    shape = [s if s is not None else 1 for s in t.concrete(dims)]
+    dtype = meta.TORCH_DTYPES[t.dtype]
+    if dtype.is_floating_point:
+        return torch.randn(shape, dtype=dtype)
+    if dtype == torch.bool:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randint(0, max(high or 2, 1), shape, dtype=dtype)
+
+
+def _host(graph: Graph) -> str:
+    return "cpu" if "cpu" in _devices(graph) else _HOST
+
+
+def _optimizer(model: _Model, params: list[nn.Parameter]) -> Optional[torch.optim.Optimizer]:
+    train = model.graph.train
+    cls = getattr(torch.optim, train.optimizer, None)
+    if not params or not isinstance(cls, type) or train.optimizer == "LBFGS":
+        return None
+    cuda = any(d.startswith("cuda") for d in _devices(model.graph))
+    kwargs = {"lr": train.lr, **dict(train.optimizer_kwargs)}
+    for extra in ({"foreach": cuda}, {}):
+        try:
+            return cls(params, **kwargs, **extra)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
+def _autocast(graph: Graph):
+    amp = graph.train.amp if graph.train else "off"
+    if amp == "off":
+        return contextlib.nullcontext()
+    return torch.autocast("cpu", dtype=torch.bfloat16 if amp == "bf16" else torch.float16)
+
+
+def _grad_hooks(model: _Model, tracker: _Tracker, params) -> list:
+    """Each parameter's gradient is ``gradients`` from when it is accumulated."""
+    units = {id(p): unit for p, _, unit in model.params.values()}
+    return [p.register_post_accumulate_grad_hook(
+        lambda p, unit=units.get(id(p)): tracker.retag(p.grad, "gradients", unit))
+        for p in params]
+
+
+def _state(tracker: _Tracker, model: _Model, optimizer) -> None:
+    units = {id(p): unit for p, _, unit in model.params.values()}
+    for p, state in optimizer.state.items():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                tracker.retag(value, "optimizer", units.get(id(p)))
+
+
+def _warm(tracker: _Tracker, model: _Model, optimizer, params) -> None:
+    """The optimizer's state as after a first step (zero gradients, one
+    ``step``): the measured step is then the steady state's."""
+    if optimizer is not None:
+        tracker.phase, tracker.unit = "optimizer step", "optimizer"
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        _state(tracker, model, optimizer)
+    for p in params:
+        p.grad = None
+
+
+def _clip(graph: Graph, params) -> None:
+    if graph.train and graph.train.grad_clip:
+        nn.utils.clip_grad_norm_([p for p in params if p.grad is not None],
+                                 graph.train.grad_clip)
+
+
+def _train(model: _Model, dims: Mapping[str, int]) -> tuple[DeviceMemory, ...]:
+    """Two steps of the single-process training script; the second measured."""
+    graph = model.graph
+    if graph.train is None:
+        return ()
+    tracker = _Tracker()
+    host = _host(graph)
+    ended: dict[str, int] = {}
+    with model.fake, tracker:
+        model.train(True)
+        model.register(tracker)
+        params = [p for p, _, _ in model.params.values() if p.requires_grad]
+        for p in params:
+            p.grad = None
+        optimizer = _optimizer(model, params)
+        hooks = _grad_hooks(model, tracker, params)
+        try:
+            _warm(tracker, model, optimizer, params)
+            for step in (1,):
+                tracker.reset()
+                for _ in range(max(graph.train.accumulate, 1)):
+                    tracker.phase, tracker.unit = "forward", ""
+                    with tracker.on(host, "batch"):
+                        inputs, targets = _batch(graph, dims)
+                    env = {t.var: x for t, x in zip(graph.inputs, inputs)}
+                    with _autocast(graph):
+                        model.run_sections(tracker, graph.plan.sections, env, host)
+                        outputs = dict(zip(graph.outputs, (env.get(v) for v in
+                                                           graph.plan.returns)))
+                        loss = model.losses(tracker, outputs, targets)
+                    del env, inputs, outputs
+                    if step == 1:
+                        ended = {d: tracker.alive(d, ("activations", "transfers"))
+                                 for d in tracker.total}
+                    tracker.phase, tracker.unit = "backward", "backward"
+                    if loss is not None and loss.requires_grad:
+                        loss.backward()
+                    del loss, targets
+                tracker.phase, tracker.unit = "optimizer step", "optimizer"
+                _clip(graph, params)
+                if optimizer is not None:
+                    optimizer.step()
+                    _state(tracker, model, optimizer)
+            extra = _unknown_state(model, optimizer, params)
+        finally:
+            for h in hooks:
+                h.remove()
+            for p in params:
+                p.grad = None
+    return _result(tracker, _devices(graph), ended, extra)
+
+
+def _unknown_state(model: _Model, optimizer, params) -> dict[str, int]:
+    """The state of an optimizer the plan cannot run, by the costs' table."""
+    if optimizer is not None:
+        return {}
+    train = model.graph.train
+    factor = optimizer_state(train.optimizer, dict(train.optimizer_kwargs))
+    extra: dict[str, int] = defaultdict(int)
+    for p, device, _ in model.params.values():
+        if p.requires_grad:
+            extra[device] += factor * p.numel() * p.element_size()
+    return extra
+
+
+def _result(tracker: _Tracker, devices: Sequence[str], ended: Mapping[str, int],
+            extra: Mapping[str, int] = {}, inference: bool = False) -> tuple[DeviceMemory, ...]:
+    result = []
+    for device in devices:
+        total, phase, parts, units = tracker.peak.get(device, (0, "", {}, {}))
+        high = tracker.highest[device]
+        state = extra.get(device, 0)
+        at_peak = {part: parts.get(part, 0) for part in MEMORY_PARTS}
+        at_peak["optimizer"] += state
+        largest = sorted(((u, n) for u, n in units.items() if n > 0 and u),
+                         key=lambda x: (-x[1], x[0]))[:3]
+        weights = high.get("weights", 0)
+        activations = ended.get(device, 0)
+        if inference:
+            activations = total - at_peak["weights"]
+        elif not ended:  # the pipeline: its in-flight micro-batches at their most
+            activations = high.get("activations", 0)
+        result.append(DeviceMemory(
+            device, weights, high.get("gradients", 0), high.get("optimizer", 0) + state,
+            activations, total + state, phase, tuple(at_peak.items()), tuple(largest)))
+    return tuple(result)
+
+
+def _inference(model: _Model, dims: Mapping[str, int]) -> tuple[DeviceMemory, ...]:
+    """The forward at the batch, without gradients, in eval mode."""
+    graph = model.graph
+    tracker = _Tracker()
+    host = _host(graph)
+    with model.fake, tracker, torch.no_grad():
+        model.train(False)
+        model.register(tracker)
+        tracker.reset()
+        with tracker.on(host, "batch"):
+            inputs, _ = _batch(graph, dims)
+        env = {t.var: x for t, x in zip(graph.inputs, inputs)}
+        saved = model.checkpointed
+        model.checkpointed = frozenset()
+        try:
+            with _autocast(graph):
+                model.run_sections(tracker, graph.plan.sections, env, host)
+        finally:
+            model.checkpointed = saved
+            model.train(True)
+        del env, inputs
+    return _result(tracker, _devices(graph), {}, inference=True)
+
+
+# -- the pipeline program ------------------------------------------------------
+
+def _pipeline(model: _Model, dims: Mapping[str, int], schedule: str,
+              microbatches: int) -> tuple[DeviceMemory, ...]:
+    """Each rank's step under ``schedule`` at the micro-batch size ``dims``."""
+    graph = model.graph
+    if graph.train is None:
+        return ()
+    stages = pipeline_stages(graph)
+    count = len(stages)
+    devices = [s.device for s in stages]
+    distinct = list(dict.fromkeys(devices))
+    ranks = None if count == len(distinct) or schedule in ("gpipe", "1f1b") else len(distinct)
+    if schedule in ("gpipe", "1f1b") and count != len(distinct):
+        schedule_ranks = list(range(count))
+    else:
+        schedule_ranks = list(stage_ranks(schedule, count, ranks))
+    orders = rank_orders(schedule, count, microbatches, ranks)
+    shapes = _shapes(model, dims)
+    result: dict[str, DeviceMemory] = {}
+    for rank, order in enumerate(orders):
+        mine = [k for k in range(count) if schedule_ranks[k] == rank]
+        memory = _rank(model, [stages[k] for k in mine], order, shapes, dims, microbatches,
+                       count)
+        if memory.device not in result or memory.peak > result[memory.device].peak:
+            result[memory.device] = memory
+    return tuple(result[d] for d in distinct if d in result)
+
+
+def _shapes(model: _Model, dims: Mapping[str, int]) -> dict[str, tuple]:
+    """Every forward variable's (shape, dtype) at the micro-batch size."""
+    graph = model.graph
+    tracker = _Tracker()
+    shapes = {}
+    with model.fake, tracker, torch.no_grad():
+        inputs, _ = _batch(graph, dims)
+        env = {t.var: x for t, x in zip(graph.inputs, inputs)}
+        saved = model.checkpointed
+        model.checkpointed = frozenset()
+        try:
+            model.run_sections(tracker, graph.plan.sections, env, _host(graph))
+        finally:
+            model.checkpointed = saved
+        for var, x in env.items():
+            if isinstance(x, torch.Tensor):
+                shapes[var] = (tuple(x.shape), x.dtype)
+    return shapes
+
+
+def _rank(model: _Model, stages, order, shapes, dims, microbatches: int,
+          count: int) -> DeviceMemory:
+    """One rank's stages replaying ``order`` twice; the second step measured."""
+    graph = model.graph
+    device = stages[0].device
+    tracker = _Tracker()
+    ours = {s.index for s in stages}
+    with model.fake, tracker:
+        model.train(True)
+        model.register(tracker, {device})
+        params = [p for p, d, _ in model.params.values() if p.requires_grad and d == device]
+        optimizer = _optimizer(model, params)
+        hooks = _grad_hooks(model, tracker, params)
+        tracker.phase, tracker.unit = "buffers", "buffers"
+        buffers = []
+        for stage in stages:  # PipelineStage: a receive buffer per micro-batch
+            if stage.index > 0:
+                buffers += [_fresh(tracker, shapes, stage.takes, device) for _ in
+                            range(microbatches)]
+            if stage.index < count - 1:
+                buffers += [_fresh(tracker, shapes, stage.gives, device) for _ in
+                            range(microbatches)]
+        try:
+            _warm(tracker, model, optimizer, params)
+            for step in (1,):
+                tracker.reset()
+                held: dict[tuple[int, int], tuple] = {}
+                kept = []  # the last stage's outputs, until the step ends
+                for kind, k, i in order:
+                    if k not in ours:
+                        continue
+                    stage = next(s for s in stages if s.index == k)
+                    if kind == FORWARD:
+                        tracker.phase, tracker.unit = f"F{i}", ""
+                        held[k, i] = _stage_forward(model, tracker, stage, shapes, dims,
+                                                    device, count)
+                        if k == count - 1:
+                            kept.append(held[k, i][1])
+                    elif kind == BACKWARD:
+                        tracker.phase, tracker.unit = f"B{i}", "backward"
+                        takes, gives, loss = held.pop((k, i))
+                        if loss is not None:
+                            if loss.requires_grad:
+                                loss.backward()
+                        else:
+                            outs = [g for g in gives if isinstance(g, torch.Tensor)
+                                    and g.requires_grad]
+                            with tracker.moving(device):
+                                grads = [torch.ones_like(g) for g in outs]
+                            if outs:
+                                torch.autograd.backward(outs, grads)
+                        del takes, gives, loss
+                tracker.phase, tracker.unit = "optimizer step", "optimizer"
+                _clip(graph, params)
+                if optimizer is not None:
+                    optimizer.step()
+                    _state(tracker, model, optimizer)
+                del kept, held
+            extra = _unknown_state(model, optimizer, params)
+        finally:
+            for h in hooks:
+                h.remove()
+            for p in params:
+                p.grad = None
+        del buffers
+    memory = _result(tracker, [device], {}, extra)[0]
+    return memory
+
+
+def _fresh(tracker: _Tracker, shapes, variables, device: str) -> list[torch.Tensor]:
+    out = []
+    with tracker.moving(device):
+        for v in variables:
+            if v in shapes:
+                shape, dtype = shapes[v]
+                out.append(torch.empty(shape, dtype=dtype))
+    return out
+
+
+def _stage_forward(model: _Model, tracker: _Tracker, stage, shapes, dims, device: str,
+                   count: int) -> tuple:
+    """Stage ``stage``'s forward on one micro-batch: (what it took, what it
+    gives, the last stage's loss or None)."""
+    graph = model.graph
+    env: dict[str, Any] = {}
+    with tracker.moving(device):
+        for v in stage.takes:
+            if v in shapes:
+                shape, dtype = shapes[v]
+                x = torch.empty(shape, dtype=dtype)
+                if stage.index > 0 and dtype.is_floating_point:
+                    x.requires_grad_(True)
+                env[v] = x
+        if stage.index == 0:  # the micro-batch itself, made by the program
+            inputs, _ = _batch(graph, dims)
+            for t, x in zip(graph.inputs, inputs):
+                env[t.var] = x
+    takes = [env.get(v) for v in stage.takes]
+    with _autocast(graph):
+        model.run_sections(tracker, [stage.section], env, device)
+        gives = [env.get(v) for v in stage.gives]
+        loss = None
+        if stage.index == count - 1:
+            with tracker.on(device, "loss"):
+                _, targets = _batch(graph, dims)
+            outputs = dict(zip(graph.outputs, gives))
+            loss = model.losses(tracker, outputs, targets)
+    del env
+    return takes, gives, loss
+
+
+# -- capacity ------------------------------------------------------------------
+
+def capacities(graph: Graph) -> dict[str, int]:
+    """Device -> bytes it holds, as the spec states them (after --device-map)."""
+    given = dict(getattr(graph.placement, "capacity", ()) or ())
+    given.update(dict(getattr(graph, "capacity", ()) or ()))
+    mapped = dict(graph.device_map)
+    return {mapped.get(d, d): n for d, n in given.items()}
+
+
+def check_capacity(graph: Graph) -> list[MpgenError]:
+    """One error per device whose planned peak (training, and the pipeline
+    program when the spec has ``pipeline:``) exceeds its capacity."""
+    memory = graph.memory
+    limits = capacities(graph)
+    if memory is None or not limits:
+        return []
+    pos = _capacity_pos(graph)
+    errors = []
+    modes = [("training", memory.train)] + ([("pipeline", memory.pipeline)]
+                                           if graph.pipeline else [])
+    for device, limit in limits.items():
+        for mode, devices in modes:
+            need = {d.device: d for d in devices}.get(device)
+            if need is None or need.peak <= limit:
+                continue
+            parts = sorted(((p, n) for p, n in need.at_peak if n), key=lambda x: -x[1])[:3]
+            errors.append(MpgenError(pos, (
+                f"{device} needs {human_bytes(need.peak)} for {mode} ({need.phase}) but its "
+                f"capacity is {human_bytes(limit)}: "
+                + ", ".join(f"{p} {human_bytes(n)}" for p, n in parts)
+                + ("; largest: " + ", ".join(f"{u} {human_bytes(n)}" for u, n in need.largest)
+                   if need.largest else "")
+                + "; lower train.batch_size, add pipeline micro-batches, checkpoint, or "
+                  "place less on it")))
+            break
+    return errors
+
+
+def _capacity_pos(graph: Graph):
+    request = graph.placement
+    pos = getattr(request, "pos", None)
+    if pos is None:
+        pos = getattr(graph, "capacity_pos", None) or graph.pos
+    return pos

@@ -41,6 +41,7 @@ rounding (512-byte blocks), cuBLAS/cuDNN workspaces and the CUDA context.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
@@ -72,12 +73,15 @@ _MOVES = ("aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from
 class DevicePeak:
     """One device's measured peak: the largest number of bytes of storages
     alive at once, where the step was then (``phase``) and what was alive
-    (``at_peak``: part -> bytes, summing to ``peak``)."""
+    (``at_peak``: part -> bytes, summing to ``peak``); ``largest``: each
+    part at its largest during the window (as the plan's ``weights``,
+    ``gradients``, ``optimizer`` and ``activations``)."""
 
     device: str
     peak: int
     phase: str
     at_peak: dict[str, int] = field(default_factory=dict)
+    largest: dict[str, int] = field(default_factory=dict)
 
 
 class _Storage:
@@ -117,6 +121,7 @@ class MemoryTracker(TorchDispatchMode):
         self._live: dict[int, _Storage] = {}
         self._current: dict[str, dict[str, int]] = {}  # device -> part -> bytes
         self._peaks: dict[str, DevicePeak] = {}
+        self._largest: dict[str, dict[str, int]] = {}  # device -> part -> most bytes
         self._phase = "forward"
         self._optimizers: list[torch.optim.Optimizer] = []
         self._hooks: list[Any] = []
@@ -282,7 +287,13 @@ class MemoryTracker(TorchDispatchMode):
             if parts is not None:
                 parts[info.part] -= info.nbytes
                 parts[part] += info.nbytes
+                self._grew(info.device, part, parts)
             info.part = part
+
+    def _grew(self, device: str, part: str, parts: dict[str, int]) -> None:
+        largest = self._largest.setdefault(device, dict.fromkeys(MEMORY_PARTS, 0))
+        if parts[part] > largest[part]:
+            largest[part] = parts[part]
 
     def _add(self, info: _Storage, delta: int, phase: str | None = None) -> None:
         parts = self._current.get(info.device)
@@ -290,6 +301,7 @@ class MemoryTracker(TorchDispatchMode):
             parts = self._current[info.device] = dict.fromkeys(MEMORY_PARTS, 0)
         parts[info.part] += delta
         if delta > 0:
+            self._grew(info.device, info.part, parts)
             total = sum(parts.values())
             best = self._peaks.get(info.device)
             if best is None or total > best.peak:
@@ -305,7 +317,9 @@ class MemoryTracker(TorchDispatchMode):
     @property
     def peaks(self) -> dict[str, DevicePeak]:
         """Device -> its peak so far (devices in order: cuda:0, cuda:1, ..., cpu)."""
-        return dict(sorted(self._peaks.items(), key=lambda kv: _device_order(kv[0])))
+        peaks = {device: dataclasses.replace(peak, largest=dict(self._largest[device]))
+                 for device, peak in self._peaks.items()}
+        return dict(sorted(peaks.items(), key=lambda kv: _device_order(kv[0])))
 
     @property
     def peak_bytes(self) -> dict[str, int]:
@@ -323,7 +337,8 @@ class MemoryTracker(TorchDispatchMode):
         return {device: dict(parts) for device, parts in self._current.items()}
 
     def reset_peak(self) -> None:
-        """Start the peaks again from what is alive now."""
+        """Start the peaks (and each part's largest) again from what is alive now."""
+        self._largest = {device: dict(parts) for device, parts in self._current.items()}
         self._peaks = {device: DevicePeak(device, sum(parts.values()), self._phase, dict(parts))
                        for device, parts in self._current.items()}
 

@@ -43,6 +43,7 @@ import pytest
 import torch
 
 from mpgen.testing._models import Models, build_seeded
+from mpgen.testing.memory import DevicePeak, measure_training_step
 from mpgen.testing._torch_compat import full_float32_on_gpu
 from mpgen.testing.compare import check_split_outputs
 from mpgen.testing.merge import merged_devices
@@ -56,6 +57,31 @@ _MODELS = pytest.StashKey[Models]()
 
 def _as_tuple(outputs: Any) -> tuple[torch.Tensor, ...]:
     return outputs if isinstance(outputs, tuple) else (outputs,)
+
+
+class _Defaults:
+    """The training script's flags at their defaults (``args.lr``), for its
+    optimizer and schedule."""
+
+    def __init__(self, training: Any) -> None:
+        self._training = training
+
+    def __getattr__(self, flag: str) -> Any:
+        return self._training.default(flag)
+
+
+def _memory_line(device: str, planned: int, parts: dict[str, int],
+                 got: Optional[DevicePeak]) -> str:
+    """One device's planned and measured peaks, each with its parts."""
+    def mib(n: int) -> str:
+        return f"{n / 2**20:.2f} MiB"
+
+    plan = ", ".join(f"{p} {mib(b)}" for p, b in parts.items() if b)
+    if got is None:
+        return f"{device}: measured nothing, planned {mib(planned)} [{plan}]"
+    measured = ", ".join(f"{p} {mib(b)}" for p, b in got.at_peak.items() if b)
+    return (f"{device}: measured {mib(got.peak)} in {got.phase} [{measured}], "
+            f"planned {mib(planned)} [{plan}]: {got.peak / planned:.2f}x")
 
 
 class ModelSuite:
@@ -94,6 +120,16 @@ class ModelSuite:
     #: The models and virtual devices of the class's tests, while they run
     #: under pytest (None otherwise: every build is fresh).
     _models: Optional[Models] = None
+    #: The build's memory plan of one training step at ``memory_batch``
+    #: samples: device -> (peak bytes, {part: bytes alive at the peak})
+    #: (None: the suite states no plan).
+    memory_plan: Optional[dict[str, tuple[int, dict[str, int]]]] = None
+    memory_batch: int = 0
+    #: The training script's facts (``train_<name>.TRAINING``): the batch,
+    #: the loss and the optimizer of the step measured.
+    training: Any = None
+    #: How far a measured peak may be from the plan's: ±10%.
+    memory_tolerance: float = 0.10
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:
         """Small inputs on the CPU, the same on every call."""
@@ -256,6 +292,61 @@ class ModelSuite:
             if x.requires_grad:
                 assert x.grad is not None, f"input {k} got no gradient"
                 assert x.grad.device == x.device, f"input {k}: gradient on another device"
+
+    def test_a_training_step_peaks_as_planned(self, virtual):
+        """Each device's peak over a steady-state training step of the
+        training script's batch, loss and optimizer (measured on virtual
+        devices, :func:`~mpgen.testing.measure_training_step`) is within
+        ``memory_tolerance`` of the plan's."""
+        if self.memory_plan is None:
+            pytest.skip("this suite states no memory plan")
+        if virtual is None:
+            pytest.skip("peaks are measured on virtual devices (bench/gpu_memory.py: on GPUs)")
+        peaks = self.measure_training_step()
+        wrong = []
+        for device, (planned, parts) in self.memory_plan.items():
+            got = peaks.get(device)
+            measured = got.peak if got is not None else 0
+            if abs(measured - planned) > self.memory_tolerance * planned:
+                wrong.append(_memory_line(device, planned, parts, got))
+        assert not wrong, (
+            f"measured peaks off the plan's by more than {self.memory_tolerance:.0%} "
+            f"(batch {self.memory_batch}):\n" + "\n".join(wrong)
+        )
+
+    def measure_training_step(self) -> dict[str, DevicePeak]:
+        """Each device's peak over the training script's step at
+        ``memory_batch`` samples, on the model as built: its batch (seeded),
+        loss and optimizer (``self.training``), the gradients to None first."""
+        training = self.training
+        assert training is not None, "memory_plan needs the training script's facts (training)"
+        model = self.build()
+        model.train()
+        args = _Defaults(training)
+        optimizer = training.optimizer(model, args) if training.optimizer is not None else None
+        loss_fns = training.losses()
+        torch.manual_seed(0)
+        inputs, targets = training.make_batch(self.memory_batch)
+
+        def loss_and_gradients() -> torch.Tensor:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=True)
+            loss, _ = training.forward_loss(model, loss_fns, inputs, targets)
+            if optimizer is not None:
+                loss.backward()
+            return loss
+
+        def step() -> None:
+            if optimizer is None:
+                loss_and_gradients()
+            elif training.closure:
+                optimizer.step(loss_and_gradients)
+            else:
+                loss_and_gradients()
+                optimizer.step()
+
+        batch = [t for t in (*inputs, *targets) if isinstance(t, torch.Tensor)]
+        return measure_training_step(step, model, optimizer, extra=batch)
 
     def run_eval(self, weights: Optional[dict] = None) -> tuple[dict, list[torch.Tensor]]:
         """Build the model in eval mode, load ``weights`` if given, run

@@ -66,6 +66,10 @@ def test_the_cpu_peak_equals_torchs_mem_tracker(make, shape, optimizer):
     if ours.phase == "optimizer step":
         assert ours.at_peak["gradients"] == params
         assert ours.at_peak["optimizer"] == state
+    # Each part at its largest in the step: every gradient alive after backward.
+    assert ours.largest["gradients"] == params and ours.largest["optimizer"] == state
+    assert ours.largest["weights"] == params + buffers
+    assert ours.peak <= sum(ours.largest.values())
 
 
 def test_activations_are_what_autograd_saves_until_backward_frees_them():

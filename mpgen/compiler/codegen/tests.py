@@ -21,7 +21,8 @@ from mpgen.compiler.codegen.common import (
     optimizer_call,
 )
 from mpgen.compiler.codegen.format import fits, layout_header
-from mpgen.compiler.ir import Graph, Transfer
+from mpgen.compiler.ir import Graph, MemoryPlan, Transfer
+from mpgen.compiler.analysis.schedule import BACKWARD_FACTOR
 from mpgen.compiler.placement.stages import stages
 
 
@@ -43,6 +44,9 @@ class ModelFacts:
     input_vars: list[str]
     optimizer: str  # an expression of ``model``
     modules: tuple[str, ...]  # user modules of the optimizer (and losses) to import
+    train_module: str  # train_<name>: the step the memory test measures
+    memory_batch: int  # the batch of the memory plan the test checks (0: no plan)
+    memory_plan: dict[str, tuple[int, dict[str, int]]]  # device -> (peak, part -> bytes)
 
 
 def model_facts(graph: Graph) -> ModelFacts:
@@ -69,7 +73,8 @@ def model_facts(graph: Graph) -> ModelFacts:
         transfers.append(
             (str(t.value), t.src or "cpu", t.dst, t.type.nbytes(micro) if known else None)
         )
-    reserved = GLOBALS | {graph.name, "self", "ModelSuite"}
+    memory_batch, memory_plan = memory_facts(graph)
+    reserved = GLOBALS | {graph.name, "self", "ModelSuite", names_of_train(graph)}
     sizes = {name: str(size) for name, size in dims.items()}
     input_lines, input_vars = input_code(graph, Namespace(reserved), sizes)
     names = file_names(graph)
@@ -88,7 +93,51 @@ def model_facts(graph: Graph) -> ModelFacts:
         input_vars=input_vars,
         optimizer=optimizer_call(graph.train, graph.train.lr),
         modules=tuple(m for m in graph.train.modules if m == graph.train.optimizer_module),
+        train_module=names_of_train(graph),
+        memory_batch=memory_batch,
+        memory_plan=memory_plan,
     )
+
+
+def names_of_train(graph: Graph) -> str:
+    """The training script's module: the memory test imports its facts."""
+    return file_names(graph)["train"][: -len(".py")]
+
+
+#: The most FLOPs (forward and backward) of the step the generated memory
+#: test measures on virtual devices, which run on the CPU: where the spec's
+#: batch needs more, the test checks the plan at the largest batch that
+#: needs no more (at least 1; docs/testing.md).
+MEMORY_TEST_FLOPS = 5e9
+
+
+def memory_batch(graph: Graph) -> int:
+    """The batch of the memory test's step: the plan's (the spec's), or a
+    smaller one whose step takes at most :data:`MEMORY_TEST_FLOPS`."""
+    batch = graph.memory.batch
+    costs = graph.costs
+    trained = dict(costs.dims).get("batch") if costs else None
+    if not trained:
+        return batch
+    flops = sum(u.flops for u in costs.units) * (1 + BACKWARD_FACTOR) / trained
+    if flops * batch <= MEMORY_TEST_FLOPS:
+        return batch
+    return max(1, min(batch, int(MEMORY_TEST_FLOPS // flops)))
+
+
+def memory_facts(graph: Graph) -> tuple[int, dict[str, tuple[int, dict[str, int]]]]:
+    """The memory plan's training peaks the test checks, and their batch
+    (0 and none without a plan, or with no parameters to train)."""
+    if graph.memory is None or not graph.memory.train or not graph.total_params:
+        return 0, {}
+    memory: MemoryPlan = graph.memory
+    batch = memory_batch(graph)
+    if batch != memory.batch:
+        from mpgen.compiler.placement.memory import plan
+
+        memory = plan(graph, batch=batch)
+    return memory.batch, {d.device: (d.peak, {p: b for p, b in d.at_peak if b})
+                          for d in memory.train}
 
 
 def _transfers_in_order(graph: Graph) -> list[Transfer]:
@@ -141,7 +190,7 @@ def render_test(graph: Graph) -> str:
     # Class attributes, at 4 columns.
     literals = {
         name: collection_code(name, getattr(facts, name), 4)
-        for name in ("devices", "placement", "output_shapes", "transfers")
+        for name in ("devices", "placement", "output_shapes", "transfers", "memory_plan")
     }
     literals["total_params"] = f"{facts.total_params:_}"
     return (

@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.compiler.frontend.profile import FORMAT, profile_path
@@ -145,21 +145,76 @@ def imported(folder: Path, module: str) -> Iterator[object]:
         forget()
 
 
-def time_program(folder: Path, module: str, device: str, warmup: int, repeats: int
-                 ) -> tuple[list[tuple[float, float]], tuple[float, float]]:
-    """Each stage's median forward and backward ms of the pipeline program
-    ``module`` in ``folder`` on ``device`` over the whole training batch
-    (NOTE [Measured time]), and those of a stage that does nothing."""
+@dataclass
+class Program:
+    """A pipeline program's stage modules on one device with a training
+    batch, ready to time (:func:`load_program`)."""
+
+    modules: list
+    inputs: tuple
+    loss_of: Callable
+    autocast: Callable
+    sync: Callable
+    #: What times it: wall time, as the pipeline's busy time is measured
+    #: (a benchmark on one CPU thread may take the thread's CPU time).
+    clock: Callable[[], float] = time.perf_counter
+
+    def run(self) -> list[tuple[float, float]]:
+        """One forward and backward of every stage, chained as the pipeline
+        runs them (NOTE [Measured time]): each stage's seconds."""
+        import torch
+
+        count = len(self.modules)
+        given, made, x, times = [], [], self.inputs, []
+        for k, module in enumerate(self.modules):
+            if k:  # received: a leaf that needs a gradient where the sent tensor did
+                x = tuple(t.detach().contiguous().requires_grad_(t.requires_grad) for t in x)
+            self.sync()
+            began = self.clock()
+            with self.autocast():
+                out = module(*x)
+            out = tuple(t.contiguous() for t in (out if isinstance(out, tuple) else (out,)))
+            self.sync()
+            times.append([self.clock() - began, 0.0])
+            given.append(x)
+            made.append(out)
+            x = out
+        grads: list = []
+        for k in reversed(range(count)):
+            self.sync()
+            began = self.clock()
+            if k == count - 1:
+                with self.autocast():
+                    loss = self.loss_of(made[k])
+                loss.backward()
+            else:
+                pairs = [(o, g) for o, g in zip(made[k], grads)
+                         if o.requires_grad and g is not None]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            self.sync()
+            times[k][1] = self.clock() - began
+            grads = [t.grad if t.requires_grad else None for t in given[k]]
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
+        return [(f, b) for f, b in times]
+
+
+def load_program(folder: Path, module: str, device: str,
+                 clock: Callable[[], float] = time.perf_counter) -> Program:
+    """The pipeline program ``module`` of ``folder``: its stages built on
+    ``device`` (seeded), and its first synthetic training batch there. It
+    keeps working after its modules are forgotten (:func:`imported`)."""
     import torch
 
     with imported(folder, module) as program:
         stages = program.STAGES
         training = stages.training
-        runtime = sys.modules["mpgen_runtime.data"]
+        data = sys.modules["mpgen_runtime.data"]
         loop = importlib.import_module("mpgen_runtime.loop")
         flags = importlib.import_module("mpgen_runtime.flags")
         args = flags.parser(training, stages).parse_args([])
-        batch = next(runtime.batches(runtime.training_data(training, args), training, args, 0))
+        batch = next(data.batches(data.training_data(training, args), training, args, 0))
         target = torch.device(device)
         n = len(training.inputs)
         inputs = tuple(x.to(target) for x in batch[:n])
@@ -167,26 +222,20 @@ def time_program(folder: Path, module: str, device: str, warmup: int, repeats: i
         torch.manual_seed(0)
         modules = [stage().to(target) for stage in stages.stages]
         loss_fns = training.losses()
-        index = torch.arange(args.batch_size)
+    index = torch.arange(args.batch_size)
 
-        def autocast():
-            return loop.autocast(target.type, args.amp)
+    def sync() -> None:
+        if target.type == "cuda":
+            torch.cuda.synchronize(target)
 
-        def sync() -> None:
-            if target.type == "cuda":
-                torch.cuda.synchronize(target)
-
-        def loss_of(outputs: tuple) -> object:
-            return stages.loss(outputs, index, targets, loss_fns, 1)
-
-        found = _timed(modules, inputs, loss_of, autocast, sync, warmup, repeats)
-        nothing = _timed([_nothing().to(target)], (torch.ones(8, device=target),),
-                         lambda outputs: outputs[0].sum(), autocast, sync, warmup, repeats)
-    return found, nothing[0]
+    return Program(modules, inputs,
+                   lambda outputs: stages.loss(outputs, index, targets, loss_fns, 1),
+                   lambda: loop.autocast(target.type, args.amp), sync, clock)
 
 
-def _nothing() -> object:
-    """A stage that does nothing but pass its input on (what a call costs)."""
+def nothing_program(device: str, like: Program) -> Program:
+    """A one-stage program that does nothing but pass a tensor on: what
+    calling a stage costs (NOTE [Measured time])."""
     import torch
     from torch import nn
 
@@ -198,54 +247,26 @@ def _nothing() -> object:
         def forward(self, x):
             return (x * self.scale,)
 
-    return Nothing()
+    target = torch.device(device)
+    return Program([Nothing().to(target)], (torch.ones(8, device=target),),
+                   lambda outputs: outputs[0].sum(), like.autocast, like.sync, like.clock)
 
 
-def _timed(modules, inputs: tuple, loss_of, autocast, sync, warmup: int, repeats: int
-           ) -> list[tuple[float, float]]:
-    """Each module's median (forward, backward) ms, chained as stages."""
-    import torch
-
-    count = len(modules)
-    forward: list[list[float]] = [[] for _ in modules]
-    backward: list[list[float]] = [[] for _ in modules]
+def medians(programs: Sequence[Program], warmup: int, repeats: int
+            ) -> list[list[tuple[float, float]]]:
+    """Each program's per-stage median (forward, backward) ms, the programs
+    taking turns in every repeat (a drift of the machine's speed meets
+    them all alike)."""
+    runs: list[list] = [[] for _ in programs]
     for repeat in range(warmup + repeats):
-        given, made, x = [], [], inputs
-        for k, module in enumerate(modules):
-            if k:  # received: a leaf that needs a gradient where the sent tensor did
-                x = tuple(t.detach().contiguous().requires_grad_(t.requires_grad) for t in x)
-            sync()
-            began = time.perf_counter()
-            with autocast():
-                out = module(*x)
-            out = tuple(t.contiguous() for t in (out if isinstance(out, tuple) else (out,)))
-            sync()
+        for found, program in zip(runs, programs):
+            times = program.run()
             if repeat >= warmup:
-                forward[k].append(time.perf_counter() - began)
-            given.append(x)
-            made.append(out)
-            x = out
-        grads: list = []
-        for k in reversed(range(count)):
-            sync()
-            began = time.perf_counter()
-            if k == count - 1:
-                with autocast():
-                    loss = loss_of(made[k])
-                loss.backward()
-            else:
-                pairs = [(o, g) for o, g in zip(made[k], grads)
-                         if o.requires_grad and g is not None]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-            sync()
-            if repeat >= warmup:
-                backward[k].append(time.perf_counter() - began)
-            grads = [t.grad if t.requires_grad else None for t in given[k]]
-        for module in modules:
-            module.zero_grad(set_to_none=True)
-    return [(statistics.median(f) * 1000, statistics.median(b) * 1000)
-            for f, b in zip(forward, backward)]
+                found.append(times)
+    return [[(statistics.median(r[k][0] for r in found) * 1000,
+              statistics.median(r[k][1] for r in found) * 1000)
+             for k in range(len(program.modules))]
+            for found, program in zip(runs, programs)]
 
 
 def machine_devices() -> list[str]:
@@ -304,15 +325,27 @@ def transfer_rates(devices: Sequence[str], repeats: int) -> list[tuple[str, str,
 
 
 def profile(path: str | Path, devices: Optional[Sequence[str]] = None,
-            root: str | Path | None = None, warmup: int = 2, repeats: int = 5,
+            root: str | Path | None = None, warmup: int = 2, repeats: int = 7,
             threads: Optional[int] = None,
-            time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> tuple[Path, str]:
+            time_limit: Optional[float] = DEFAULT_TIME_LIMIT,
+            clock: Callable[[], float] = time.perf_counter) -> tuple[Path, str]:
     """Measure the spec's units on ``devices`` (default: every device of
-    this machine) and return the profile's path and text (not written)."""
+    this machine) with ``threads`` CPU threads (default: torch's) and
+    return the profile's path and text (not written)."""
     import torch
 
+    before = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
+    try:
+        return _profile(path, devices, root, warmup, repeats, time_limit, clock)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _profile(path, devices, root, warmup, repeats, time_limit, clock) -> tuple[Path, str]:
+    import torch
+
     loaded = load_file(path)
     graph = compile_loaded(loaded, root, time_limit, place=False)
     units = graph.costs.units
@@ -330,8 +363,11 @@ def profile(path: str | Path, devices: Optional[Sequence[str]] = None,
     with tempfile.TemporaryDirectory(prefix="mpgen-profile-") as tmp:
         module = write_program(split, Path(tmp))
         for name, members in kinds.items():
-            stages, call = time_program(Path(tmp), module, members[0], warmup, repeats)
-            measured.append(Measured(members[0], name, tuple(members), tuple(stages), call))
+            program = load_program(Path(tmp), module, members[0], clock)
+            stages, call = medians([program, nothing_program(members[0], program)],
+                                   warmup, repeats)
+            measured.append(Measured(members[0], name, tuple(members), tuple(stages),
+                                     call[0]))
     batch = dict(graph.costs.dims).get("batch", 0)
     moves = transfer_rates(devices, repeats) if len(devices) > 1 else []
     text = format_profile(display_path(path), graph, measured, moves, batch,

@@ -876,6 +876,24 @@ class Profile:
         """Every unit's (forward, backward) ms on ``kind``."""
         return [next((f, b) for k, f, b in u.times if k == kind) for u in self.units]
 
+    def stale(self, costs: "Costs") -> Optional[str]:
+        """Why this profile does not time the units of ``costs`` (a clause),
+        or None when it does: the same units in order, each with the
+        parameters and FLOPs it was measured with (a changed layer, size or
+        batch changes them)."""
+        mine = [(u.name, u.params, u.flops) for u in costs.units]
+        theirs = [(u.unit, u.params, u.flops) for u in self.units]
+        if len(mine) != len(theirs):
+            return (f"it times {len(theirs)} units and the spec has {len(mine)}: the model "
+                    "changed since it was measured")
+        for (name, params, flops), (other, p, f) in zip(mine, theirs):
+            if name != other:
+                return f"it times unit {other!r} where the spec has {name!r}"
+            if (params, flops) != (p, f):
+                return (f"unit {name!r} has {params} parameters and {flops} FLOPs, and was "
+                        f"measured with {p} and {f}: the model or its sizes changed")
+        return None
+
 
 # -- memory plan ---------------------------------------------------------------
 
@@ -920,6 +938,16 @@ class MemoryPlan:
     def of(self, mode: str) -> dict[str, DeviceMemory]:
         """Device -> its memory in ``mode``: train, pipeline or inference."""
         return {d.device: d for d in getattr(self, mode)}
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """The most bytes a device may hold (the spec's top-level ``capacity:``,
+    or ``placement.auto.capacity``), checked against the plan's peaks."""
+
+    device: str  # as the spec names it, before --device-map
+    bytes: int
+    pos: Position  # where it is written
 
 
 # -- placement -----------------------------------------------------------------
@@ -1080,6 +1108,8 @@ class Graph:
     dim_limits: tuple[tuple[str, int, str], ...] = ()
     #: Filled by placement.memory: every device's memory (NOTE [Memory plan]).
     memory: Optional[MemoryPlan] = field(default=None, compare=False, repr=False)
+    #: The spec's top-level ``capacity:`` (auto placement's are in its request).
+    capacity: tuple[Capacity, ...] = ()
     #: Read by the front end: ``<spec stem>.profile.yaml`` beside the spec, if any.
     profile: Optional[Profile] = field(default=None, compare=False, repr=False)
 

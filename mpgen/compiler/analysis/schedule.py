@@ -135,6 +135,9 @@ class Pipeline:
     backward: tuple[Any, ...]
     transfers: tuple[Any, ...] = ()  # empty: no transfers
     devices: tuple[str, ...] = ()
+    #: The hardware each stage's times were measured on (the spec's profile,
+    #: ``mpgen profile``); empty: the cost model's FLOPs at a nominal speed.
+    measured_on: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         k = len(self.forward)
@@ -578,9 +581,11 @@ def predict(batch: Pipeline, microbatches: int, schedule: str = GPIPE,
 def stage_times(graph: Graph, flops_per_second: float = DEFAULT_FLOPS_PER_SECOND,
                 bytes_per_second: float = DEFAULT_LINK_BYTES_PER_SECOND,
                 backward_factor: float = BACKWARD_FACTOR,
-                plan: Optional[ForwardPlan] = None) -> Pipeline:
-    """The whole batch's stage times of a compiled spec, from its cost model
-    (``analysis.costs``: FLOPs and cut bytes at the training sizes).
+                plan: Optional[ForwardPlan] = None, measured: bool = True) -> Pipeline:
+    """The whole batch's stage times of a compiled spec: measured, from the
+    profile beside the spec when it has a current one that names every
+    stage's device kind (``measured``; :func:`measured_times`), else from its
+    cost model (``analysis.costs``: FLOPs and cut bytes at the training sizes).
 
     The stages are the device runs of the layout in forward order: consecutive
     units on one device form one stage (a device that holds two runs counts
@@ -608,9 +613,44 @@ def stage_times(graph: Graph, flops_per_second: float = DEFAULT_FLOPS_PER_SECOND
     runs = device_runs(devices)
     if plan is not None and [d for _, _, d in runs] != [s.device for s in plan.sections]:
         raise ValueError("the plan's sections are not runs of units in order")
+    found = measured_times(graph, runs, speeds, bytes_per_second) if measured else None
+    if found is not None:
+        return found
     forward = tuple(sum(u.flops for u in costs.units[start:stop])
                     / (flops_per_second * speeds.get(device, 1.0))
                     for start, stop, device in runs)
     return Pipeline(forward, tuple(backward_factor * f for f in forward),
                     tuple(costs.cuts[stop - 1] / bytes_per_second for _, stop, _ in runs[:-1]),
                     tuple(device for _, _, device in runs))
+
+
+def measured_times(graph: Graph, runs: Sequence[tuple[int, int, str]],
+                   speeds: dict[str, float], bytes_per_second: float) -> Optional[Pipeline]:
+    """The stage times the profile beside the spec gives (NOTE [Measured
+    time] in commands/profile.py): each stage's units' forward and backward
+    ms on its device's kind, plus one stage call, divided by its ``speed``;
+    a transfer at the rate measured between the two devices, else at
+    ``bytes_per_second``. None without a current profile or where a stage's
+    device has no measured kind."""
+    profile, costs = graph.profile, graph.costs
+    if profile is None or costs is None or profile.stale(costs) is not None:
+        return None
+    kinds = [profile.kind_of(device) for _, _, device in runs]
+    if any(kind is None for kind in kinds):
+        return None
+    call = {kind: (f, b) for kind, f, b in profile.call}
+    rates = {(a, b): rate for a, b, rate in profile.transfers}
+    forward, backward = [], []
+    for (start, stop, device), kind in zip(runs, kinds):
+        times = profile.unit_ms(kind)[start:stop]
+        speed = speeds.get(device, 1.0) * 1000  # ms -> s
+        forward.append((call.get(kind, (0.0, 0.0))[0] + sum(f for f, _ in times)) / speed)
+        backward.append((call.get(kind, (0.0, 0.0))[1] + sum(b for _, b in times)) / speed)
+    transfers = []
+    for (_, stop, device), (_, _, after) in zip(runs, runs[1:]):
+        rate = rates.get((device, after))
+        cut = costs.cuts[stop - 1]
+        transfers.append(cut / (rate * 1000) if rate else cut / bytes_per_second)
+    names = dict(profile.kinds)
+    return Pipeline(tuple(forward), tuple(backward), tuple(transfers),
+                    tuple(device for _, _, device in runs), tuple(names[k] for k in kinds))

@@ -5,8 +5,8 @@ The file is untrusted input like the spec: read through ``files.read_regular``
 (a regular file, at most :data:`MAX_BYTES`), parsed by the spec's own YAML
 loader (safe, no aliases or tags, bounded depth), and every field checked,
 each mistake at its ``FILE:LINE:COL``. Whether its units are the spec's (a
-stale profile) is checked against the cost model by :func:`stale`, once the
-units are known.
+stale profile) is checked against the cost model by ``Profile.stale``, once
+the units are known.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import math
 from pathlib import Path
 from typing import Any, Optional
 
-from mpgen.compiler.ir import Costs, Profile, UnitTime
+from mpgen.compiler.ir import Profile, UnitTime
 from mpgen.errors import Collector, MpgenError, Position, did_you_mean, shown
 from mpgen.files import FileTooLarge, read_regular, reason
 from mpgen.spec_schema.load import load_text
@@ -163,24 +163,6 @@ class _Reader:
 
 def _where(path: tuple) -> str:
     return ".".join(str(p) for p in path) or "the profile"
-
-
-def stale(profile: Profile, costs: Costs) -> Optional[str]:
-    """Why ``profile`` does not time the units of ``costs`` (a clause), or
-    None when it does: the same units in order, each with the parameters and
-    FLOPs it was measured with (a changed layer, size or batch changes them)."""
-    mine = [(u.name, u.params, u.flops) for u in costs.units]
-    theirs = [(u.unit, u.params, u.flops) for u in profile.units]
-    if len(mine) != len(theirs):
-        return (f"it times {len(theirs)} units and the spec has {len(mine)}: the model "
-                "changed since it was measured")
-    for (name, params, flops), (other, p, f) in zip(mine, theirs):
-        if name != other:
-            return f"it times unit {other!r} where the spec has {name!r}"
-        if (params, flops) != (p, f):
-            return (f"unit {name!r} has {params} parameters and {flops} FLOPs, and was measured "
-                    f"with {p} and {f}: the model or its sizes changed")
-    return None
 
 
 def needs_profile(graph, source, spec_path: str | Path) -> None:

@@ -23,7 +23,6 @@ import dataclasses
 from typing import Mapping, Optional
 
 from mpgen.compiler.analysis.costs import human_bytes
-from mpgen.compiler.frontend.profile import stale
 from mpgen.compiler.ir import AutoChoice, AutoPlacement, Costs, Graph, Layout, Profile
 from mpgen.compiler.placement.partition import PartitionError, partition
 from mpgen.compiler.placement.transfers import assign
@@ -74,7 +73,7 @@ def measured_loads(costs: Costs, request: AutoPlacement,
     if profile is None:  # the front end refuses this first; a graph made by hand
         raise MpgenError(request.pos, "placement.auto.balance: 'time' needs a profile "
                                       "(`mpgen profile SPEC`)")
-    why = stale(profile, costs)
+    why = profile.stale(costs)
     if why is not None:
         raise MpgenError(request.pos, f"placement.auto.balance: 'time': {profile.path} is "
                                       f"stale ({why}); rerun `mpgen profile`")

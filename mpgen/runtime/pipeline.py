@@ -757,6 +757,10 @@ class Pipelined:
             m,
         )
         self.rates["schedule"] = f"--schedule {args.schedule} with {m} micro-batches"
+        self.rates["source"] = timeline.source(stages.measured_on, self.device)
+        self.rates["busy"] = timeline.predicted_busy(
+            stages.costs, grid.ranks, self.part * args.accumulate
+        )
         if predicted is not None:
             self.rates["predicted"] = predicted[1]
         else:

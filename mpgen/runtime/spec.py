@@ -98,6 +98,9 @@ class Stages:
     #: the simulator's inputs for the predicted bubble (empty: not predicted).
     costs: tuple[tuple[float, float], ...] = ()
     transfers: tuple[float, ...] = ()
+    #: The hardware each stage's costs were measured on (``mpgen profile``;
+    #: empty: the cost model's FLOPs at a nominal speed).
+    measured_on: tuple[str, ...] = ()
     #: Training FLOPs of one sample (forward + backward, the cost model's
     #: matmuls and convolutions), for MFU (0: unknown).
     flops: float = 0.0

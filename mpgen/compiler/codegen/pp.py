@@ -68,7 +68,7 @@ _LOSS_PARAMS = ("outputs", "index", "targets", "loss_fns", "microbatches")
 #: compiler does not import: tests/runtime keeps the two equal); a field at
 #: its default is not written.
 STAGES_DEFAULTS = {"schedule": "1f1b", "microbatches": 2, "dp": 1, "sync_bn": False, "costs": (),
-                   "transfers": (), "flops": 0.0}
+                   "transfers": (), "flops": 0.0, "measured_on": ()}
 #: Significant digits of the per-sample costs (the same on every rebuild).
 COST_DIGITS = 4
 
@@ -384,6 +384,8 @@ def _per_sample(graph: Graph) -> dict[str, object]:
                                for f, b in zip(times.forward, times.backward))
         if any(times.transfers):
             found["transfers"] = tuple(per_sample(t) for t in times.transfers)
+        if times.measured_on:  # from the spec's profile (NOTE [Measured time])
+            found["measured_on"] = times.measured_on
     flops = sum(u.flops for u in graph.costs.units) * (1 + schedules.BACKWARD_FACTOR)
     if flops:
         found["flops"] = per_sample(flops)

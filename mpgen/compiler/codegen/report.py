@@ -324,7 +324,8 @@ def _how(kind: str, choice, device_map) -> list[str]:
     else:
         auto, split = choice.request, choice.split
         word = {"params": "parameters", "memory": "estimated training memory",
-                "flops": "forward FLOPs"}[auto.balance]
+                "flops": "forward FLOPs",
+                "time": "milliseconds measured by `mpgen profile`"}[auto.balance]
         devices = ", ".join(md_code(d) for d in auto.devices)
         paragraphs.append(
             f"**Automatic** (`placement: auto`): balance **{auto.balance}** ({word}) over "
@@ -366,6 +367,8 @@ def _balance_amount(balance: str, value: float) -> str:
         return f"{count(value)} parameters"
     if balance == "memory":
         return f"{human_bytes(value)} ({count(value)} bytes)"
+    if balance == "time":
+        return f"{value:.2f} ms"
     return f"{flops_text(value)} ({count(value)} FLOPs)"
 
 

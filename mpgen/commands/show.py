@@ -105,7 +105,8 @@ def memory_table(graph: Graph) -> list[str]:
         return "  ".join(cells).rstrip()
 
     note = (f"memory at batch {plan.batch}; pipeline: {plan.schedule}, "
-            f"{plan.microbatches} micro-batches, {plan.dp} replica"
+            f"{plan.microbatches} micro-batch{'es' if plan.microbatches != 1 else ''}, "
+            f"{plan.dp} replica"
             + ("s" if plan.dp != 1 else ""))
     return ["", note, line(head), line(tuple("-" * w for w in widths)),
             *(line(r) for r in table[1:])]

@@ -963,6 +963,12 @@ class Spec(_Model):
             "The model's output(s): layer or element names, returned as a tuple in this order "
             "when there are several. Default: the last layer."))
     placement: Optional[PlacementSpec] = Field(default=None, description="The device layout.")
+    # mpgen extension: the memory each device has, checked against the memory plan.
+    capacity: dict[Device, Annotated[Any, AfterValidator(parse_size), WithJsonSchema(SIZE_FORM)]] \
+        = Field(default_factory=dict, description=(
+            "The memory each device has: `{cuda:0: 24GiB, cuda:1: 12GiB}`. A build whose memory "
+            "plan needs more on a device (training, and the pipeline program with `pipeline:`) "
+            "is an error naming the device, its need and what takes the most (docs/memory.md)."))
     pipeline: Annotated[
         Optional[PipelineSpec],
         _mapping_of("the pipeline settings", "{microbatches: 4, schedule: 1f1b}"),

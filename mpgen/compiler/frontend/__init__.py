@@ -13,7 +13,7 @@ from typing import Optional
 from mpgen.compiler.frontend import imports
 from mpgen.compiler.frontend.limits import check_sizes, check_structure
 from mpgen.compiler.frontend.pipeline import resolve_pipeline
-from mpgen.compiler.frontend.placement import placement_request
+from mpgen.compiler.frontend.placement import capacities, placement_request
 from mpgen.compiler.frontend.profile import needs_profile, read_profile
 from mpgen.compiler.frontend.resolve import resolve
 from mpgen.compiler.frontend.training import resolve_train
@@ -47,6 +47,7 @@ def lower(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None,
     try:
         graph = dataclasses.replace(graph, placement=placement_request(spec.placement,
                                                                        loaded.source))
+        graph = dataclasses.replace(graph, capacity=capacities(spec.capacity, loaded.source))
     except MpgenError as exc:
         errors.extend(exc)
     if profile:

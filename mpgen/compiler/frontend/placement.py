@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from mpgen.compiler.ir import AutoPlacement, ExplicitPlacement, PlacementEntry, PlacementRequest
+from mpgen.compiler.ir import (AutoPlacement, Capacity, ExplicitPlacement, PlacementEntry,
+                               PlacementRequest)
 from mpgen.errors import Collector
 from mpgen.spec_schema.load import SourceMap
 from mpgen.spec_schema.models import PlacementSpec
@@ -39,3 +40,9 @@ def placement_request(spec: Optional[PlacementSpec], source: SourceMap) -> Place
         speed=tuple((d, float(s)) for d, s in auto.speed.items()),
         pos=source.key(("placement",)),
     )
+
+
+def capacities(given: Optional[dict], source: SourceMap) -> tuple[Capacity, ...]:
+    """The top-level ``capacity:``: device -> bytes, each with its key's position."""
+    return tuple(Capacity(device, int(size), source.key(("capacity", device)))
+                 for device, size in (given or {}).items())

@@ -135,6 +135,14 @@ class _Tracker(TorchDispatchMode):
                 else "transient"
             if found is not None and found[1] == "weights" and func in _CASTS:
                 part = "weights"  # AMP's cast of a weight
+        first = args[0] if args else None
+        if isinstance(out, (list, tuple)) and isinstance(first, (list, tuple)) \
+                and len(first) == len(out):  # a foreach op: each output beside its input
+            for x, t in zip(first, out):
+                entry = self.live.get(_key(x)) if isinstance(x, torch.Tensor) else None
+                if isinstance(t, torch.Tensor):
+                    self.add(t, entry[0] if entry and self.forced is None else device, part)
+            return out
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self.add(t, device, part)
@@ -841,46 +849,47 @@ def _stage_forward(model: _Model, tracker: _Tracker, stage, shapes, dims, device
 
 # -- capacity ------------------------------------------------------------------
 
-def capacities(graph: Graph) -> dict[str, int]:
-    """Device -> bytes it holds, as the spec states them (after --device-map)."""
-    given = dict(getattr(graph.placement, "capacity", ()) or ())
-    given.update(dict(getattr(graph, "capacity", ()) or ()))
+def capacities(graph: Graph) -> dict[str, tuple[int, Any]]:
+    """Device (after --device-map) -> (bytes it holds, where that is written):
+    the spec's ``capacity:`` and ``placement.auto.capacity``. A device that
+    --device-map makes of several of the spec's is not checked: their
+    capacities are not its own."""
+    request = graph.placement
+    given = {c.device: (c.bytes, c.pos) for c in graph.capacity}
+    for device, n in getattr(request, "capacity", ()) or ():
+        given.setdefault(device, (n, request.pos))
     mapped = dict(graph.device_map)
-    return {mapped.get(d, d): n for d, n in given.items()}
+    targets: dict[str, list[str]] = defaultdict(list)
+    for device in {*given, *mapped}:
+        targets[mapped.get(device, device)].append(device)
+    return {mapped.get(d, d): limit for d, limit in given.items()
+            if len(targets[mapped.get(d, d)]) == 1}
 
 
 def check_capacity(graph: Graph) -> list[MpgenError]:
     """One error per device whose planned peak (training, and the pipeline
-    program when the spec has ``pipeline:``) exceeds its capacity."""
+    program when the spec has ``pipeline:``) exceeds its capacity, at the
+    key that states the capacity."""
     memory = graph.memory
     limits = capacities(graph)
     if memory is None or not limits:
         return []
-    pos = _capacity_pos(graph)
     errors = []
-    modes = [("training", memory.train)] + ([("pipeline", memory.pipeline)]
+    modes = [("training", memory.train)] + ([("the pipeline program", memory.pipeline)]
                                            if graph.pipeline else [])
-    for device, limit in limits.items():
+    for device, (limit, pos) in sorted(limits.items()):
         for mode, devices in modes:
             need = {d.device: d for d in devices}.get(device)
             if need is None or need.peak <= limit:
                 continue
             parts = sorted(((p, n) for p, n in need.at_peak if n), key=lambda x: -x[1])[:3]
+            largest = ", ".join(f"{u} {human_bytes(n)}" for u, n in need.largest)
             errors.append(MpgenError(pos, (
-                f"{device} needs {human_bytes(need.peak)} for {mode} ({need.phase}) but its "
-                f"capacity is {human_bytes(limit)}: "
+                f"{device} needs {human_bytes(need.peak)} for {mode} (its peak, in "
+                f"{need.phase}) but its capacity is {human_bytes(limit)}: "
                 + ", ".join(f"{p} {human_bytes(n)}" for p, n in parts)
-                + ("; largest: " + ", ".join(f"{u} {human_bytes(n)}" for u, n in need.largest)
-                   if need.largest else "")
-                + "; lower train.batch_size, add pipeline micro-batches, checkpoint, or "
-                  "place less on it")))
+                + (f"; the units holding the most: {largest}" if largest else "")
+                + "; lower train.batch_size, add micro-batches or checkpoint, or place less "
+                  "on it (docs/memory.md)")))
             break
     return errors
-
-
-def _capacity_pos(graph: Graph):
-    request = graph.placement
-    pos = getattr(request, "pos", None)
-    if pos is None:
-        pos = getattr(graph, "capacity_pos", None) or graph.pos
-    return pos

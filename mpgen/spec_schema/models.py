@@ -46,6 +46,7 @@ from pydantic import (
     ValidationInfo,
     WithJsonSchema,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic_core import PydanticCustomError, core_schema
@@ -992,6 +993,15 @@ class Spec(_Model):
             "library."))
 
     _one_output = field_validator("outputs", mode="before")(_one_or_many)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_capacity(self, handler):
+        # No capacity: is no key, so the digest of a spec without one is what
+        # it was before the key existed (NOTE [Spec digest]).
+        data = handler(self)
+        if isinstance(data, dict) and not data.get("capacity"):
+            data.pop("capacity", None)
+        return data
 
 
 #: Field names per model, for did-you-mean suggestions on unknown keys.

@@ -42,7 +42,8 @@ from helpers import mpgen, mpgen_process
 
 ROOT = Path(__file__).resolve().parent.parent
 CASES_DIR = ROOT / "tests" / "errors"
-CASES = sorted(p.stem for p in CASES_DIR.glob("*.yaml"))
+# A profile beside a case (<case>.profile.yaml, `mpgen profile`) is read by it, not a case.
+CASES = sorted(p.stem for p in CASES_DIR.glob("*.yaml") if not p.name.endswith(".profile.yaml"))
 UPDATE = os.environ.get("MPGEN_UPDATE_EXPECTED") == "1"
 REGENERATE = "MPGEN_UPDATE_EXPECTED=1 .venv/bin/python -m pytest tests/test_errors.py"
 
@@ -52,7 +53,7 @@ XFAIL: dict[str, str] = {}
 
 #: One line of a report: a position in a fixture (or a CLI flag), a message.
 _LINE = re.compile(
-    r"^(tests/errors/[\w/]+\.yaml(:\d+:\d+)?: |--device-map: |\.\.\. and \d+ more errors$"
+    r"^(tests/errors/[\w/.]+\.yaml(:\d+:\d+)?: |--device-map: |\.\.\. and \d+ more errors$"
     r"|\.\.\. too many errors; stopping$)"
 )
 

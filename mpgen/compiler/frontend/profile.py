@@ -110,8 +110,8 @@ class _Reader:
         devices = {}
         for device, kind in self.mapping(top["devices"], ("devices",)).items():
             if kind not in kinds:
-                self.fail(("devices", device), f"device {shown(device)}'s kind {shown(kind)} is "
-                                               f"not one of kinds{did_you_mean(str(kind), kinds)}")
+                self.fail(("devices", device), f"devices.{device}: the kind {shown(kind)} is not "
+                                               f"one of kinds{did_you_mean(str(kind), kinds)}")
             devices[str(device)] = str(kind)
         call = []
         for kind, pair in self.mapping(top["call"], ("call",), tuple(kinds)).items():

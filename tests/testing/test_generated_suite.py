@@ -24,6 +24,7 @@ def test_the_seed_examples_test_file_is_a_short_manifest(tmp_path):
     facts = {t.id for n in suite.body if isinstance(n, ast.Assign) for t in n.targets}
     assert facts == {
         "model", "devices", "placement", "total_params", "output_shapes", "transfers",
+        "memory_batch", "memory_plan", "training",
     }
     methods = [n.name for n in suite.body if isinstance(n, ast.FunctionDef)]
     assert methods == ["make_inputs", "make_optimizer"]

@@ -160,6 +160,13 @@ def _parser() -> argparse.ArgumentParser:
     place.add_argument("--write", action="store_true",
                        help="rewrite the spec's placement block in place (other lines unchanged)")
     place.add_argument("--device-map", metavar="MAP", help="rename devices after choosing")
+    place.add_argument("--fit", action="store_true",
+                       help="find the largest train.batch_size (and pipeline micro-batch count) "
+                            "whose memory plan fits every device's capacity; with --write, "
+                            "write them into the spec")
+    place.add_argument("--capacity", metavar="MAP",
+                       help="with --fit: device capacities, such as cuda:0=24GiB,cuda:1=40GiB "
+                            "(devices after --device-map; they replace the spec's)")
     _compile_options(place)
     diff = sub.add_parser("diff", help="compare the layouts of two specs",
                           description="Compare two layouts. Each side is a spec path or "
@@ -645,6 +652,8 @@ def _run(args: argparse.Namespace) -> int:
             measure.write_profile(target, text)
             _say(f"wrote {escaped(str(target))}")
         return Exit.OK
+    if args.command == "place" and (args.fit or args.capacity):
+        return _fit(args, device_map)
     if args.command == "place":
         from mpgen.commands import place as spec_edit
 
@@ -664,6 +673,23 @@ def _run(args: argparse.Namespace) -> int:
         _say(layout_diff.format_diff(layout_diff.diff(old, new)).rstrip("\n"))
         return Exit.OK
     raise AssertionError(args.command)
+
+
+def _fit(args: argparse.Namespace, device_map: dict[str, str]) -> int:
+    """``mpgen place --fit``: the largest batch that fits, printed or written."""
+    from mpgen.commands import place as spec_edit
+
+    if not args.fit:
+        raise MpgenError(None, "mpgen place: --capacity is for --fit (mpgen place SPEC --fit "
+                               "--capacity ...)")
+    capacity = spec_edit.parse_capacity(args.capacity) if args.capacity else None
+    found = spec_edit.fit(args.spec, device_map, capacity, args.root, args.time_limit)
+    for line in spec_edit.fit_lines(found):
+        _say(escaped(line))
+    if args.write:
+        changed = spec_edit.write_fit(args.spec, found)
+        _say(f"{'rewrote' if changed else 'unchanged'}: {escaped(args.spec)}")
+    return Exit.OK
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -42,14 +42,16 @@ import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import yaml
 
-from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
+from mpgen.compiler.analysis.costs import human_bytes
+from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT, MAX_ELEMENTS, MAX_TRAIN_SIZE
 from mpgen.compiler.ir import (
     ExplicitPlacement,
     Graph,
+    MemoryPlan,
     PlacementEntry,
     UnitRange,
     device_runs,
@@ -197,6 +199,23 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
     new_text = rewrite_text(text, placed, str(path))
     if new_text == text:
         return False
+
+    def check(graph: Graph) -> None:
+        got = [(n.name, n.devices) for n in graph.nodes]
+        want = [(n.name, n.devices) for n in placed.graph.nodes]
+        if got != want:  # pragma: no cover - a bug in mpgen, never a user mistake
+            raise MpgenError(Position(str(path), 1, 1), "internal error: the rewritten placement "
+                             "does not reproduce the layout; the spec was not changed")
+
+    _replace_spec(path, new_text, placed.root, placed.time_limit, check)
+    return True
+
+
+def _replace_spec(path: str | Path, new_text: str, root, time_limit,
+                  check: Callable[[Graph], None]) -> None:
+    """Replace the spec ``path`` by ``new_text`` once it compiles and passes
+    ``check``: through a symbolic link, keeping the file's mode, in one rename
+    in its own folder; a read-only spec or folder is an :class:`MpgenError`."""
     target = Path(os.path.realpath(path))
     try:
         mode = target.stat()
@@ -213,12 +232,7 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
             f.write(new_text)
             f.flush()
             os.fsync(f.fileno())
-        graph = compile_spec(tmp, root=placed.root, time_limit=placed.time_limit)
-        got = [(n.name, n.devices) for n in graph.nodes]
-        want = [(n.name, n.devices) for n in placed.graph.nodes]
-        if got != want:  # pragma: no cover - a bug in mpgen, never a user mistake
-            raise MpgenError(Position(str(path), 1, 1), "internal error: the rewritten placement "
-                             "does not reproduce the layout; the spec was not changed")
+        check(compile_spec(tmp, root=root, time_limit=time_limit))
         os.chmod(tmp, stat.S_IMODE(mode.st_mode))
         with contextlib.suppress(OSError):  # only root may give a file away
             os.chown(tmp, mode.st_uid, mode.st_gid)
@@ -230,6 +244,434 @@ def write_placement(path: str | Path, placed: Placed) -> bool:
     finally:
         if tmp is not None and os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+# -- the largest batch that fits ----------------------------------------------
+
+# NOTE: [The largest batch that fits]
+# ``mpgen place --fit`` looks for the largest ``train.batch_size`` at which
+# every device's memory-plan peak (placement/memory.py: the training script's,
+# and the pipeline program's when the spec has ``pipeline:``) is within its
+# capacity. The layout is the spec's as compiled; only the batch (and the
+# pipeline's micro-batch count) varies, through ``memory.plan(graph,
+# batch=..., microbatches=...)``, which reuses the work that does not depend
+# on the batch. A batch is a candidate only where the programs run it: a
+# multiple of ``pipeline.dp`` (the replicas share it equally), with a
+# micro-batch count that divides a replica's part (``pp_<name>.py`` refuses
+# another) and is at least the spec's ``microbatches`` (and the number of
+# stages under 1F1B, as the program's own default is); of those the smallest
+# that fits, as the program would choose, so that ``microbatches:`` changes
+# only where the spec's own count no longer fits (or no longer divides).
+# The search doubles from the smallest candidate until a batch fails, then
+# bisects between the last that fitted and the first that failed: the plan
+# grows with the batch (activations, the batch itself, transients) and
+# nothing shrinks, so the boundary is one. The answer is then checked the
+# way it will be used: the spec rewritten with it is compiled (its shapes at
+# that batch, an automatic placement chosen again, the build's own capacity
+# check) and its own plan must fit; where it does not (an automatic layout
+# chosen differently at that batch), the bisection goes on below it over
+# compiled specs. The next candidate above the answer is shown failing, with
+# its device and need, so the answer's margin is visible.
+
+#: The runs of the memory plan a capacity bounds (inference runs no step).
+FIT_RUNS = ("train", "pipeline")
+
+
+@dataclass(frozen=True)
+class Need:
+    """One device's peak in one run, at one batch, against its capacity."""
+
+    device: str
+    run: str
+    peak: int
+    capacity: int
+    largest: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.capacity
+
+    def __str__(self) -> str:
+        return (f"{self.device} needs {self.peak:,} bytes ({human_bytes(self.peak)}, its "
+                f"{self.run} peak) of its {self.capacity:,} ({human_bytes(self.capacity)}): "
+                f"{100 * self.peak / self.capacity:.1f}%")
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What ``mpgen place --fit`` found (NOTE [The largest batch that fits])."""
+
+    graph: Graph  # the spec as it is
+    batch: int  # the answer
+    microbatches: Optional[int]  # the pipeline's at the answer (None: no ``pipeline:``)
+    plan: MemoryPlan  # at the answer
+    need: Need  # the binding device at the answer (the highest share of its capacity)
+    #: The next candidate batch and the device it fails on (or the spec's
+    #: first build error there); None: the answer is the largest batch a spec may state.
+    over: Optional[tuple[int, "Need | str"]]
+    capacity: tuple[tuple[str, int], ...]
+    root: str | Path | None = None
+    time_limit: Optional[float] = DEFAULT_TIME_LIMIT
+
+    @property
+    def before(self) -> tuple[int, Optional[int]]:
+        """The spec's batch and micro-batch count."""
+        pipeline = self.graph.pipeline
+        return dict(self.graph.dims)["batch"], pipeline.microbatches if pipeline else None
+
+
+def parse_capacity(text: str) -> dict[str, int]:
+    """``--capacity cuda:0=24GiB,cuda:1=40GiB`` -> device -> bytes; raises
+    :class:`MpgenError` naming the bad item."""
+    from mpgen.spec_schema.models import check_device, parse_size
+
+    found: dict[str, int] = {}
+    for item in text.split(","):
+        device, sep, size = (part.strip() for part in item.partition("="))
+        if not sep or not device or not size:
+            raise MpgenError(None, f"--capacity: {item.strip()!r} is not DEVICE=SIZE (such as "
+                             "cuda:0=24GiB)")
+        if device in found:
+            raise MpgenError(None, f"--capacity: {device} is given twice")
+        try:
+            check_device(device)
+            found[device] = parse_size(size)
+        except ValueError as exc:  # pydantic's errors are ValueErrors
+            message = exc.message() if callable(getattr(exc, "message", None)) else str(exc)
+            raise MpgenError(None, f"--capacity: {message}") from None
+    return found
+
+
+def spec_capacity(graph: Graph) -> dict[str, int]:
+    """The capacities the spec states, by the build's devices (after
+    ``--device-map``), as the build checks them."""
+    from mpgen.compiler.placement.memory import capacities
+
+    return capacities(graph)
+
+
+def fit(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
+        capacity: Optional[Mapping[str, int]] = None, root: str | Path | None = None,
+        time_limit: Optional[float] = DEFAULT_TIME_LIMIT) -> Fit:
+    """The largest batch (and micro-batch count) whose memory plan fits every
+    capacity: the spec's, with ``capacity`` (device -> bytes, after
+    ``device_map``) replacing it device by device. Raises
+    :class:`MpgenError`: no capacity, no batch dim, or not even the smallest
+    batch fits (one line naming the device and its need)."""
+    graph = compile_spec(path, device_map, root, time_limit)
+    caps = {**spec_capacity(graph), **(capacity or {})}
+    if not caps:
+        raise MpgenError(None, "mpgen place --fit: no device has a capacity: give one with "
+                         "--capacity cuda:0=24GiB,... or in the spec (placement: {auto: "
+                         "{capacity: {cuda:0: 24GiB}}})")
+    used = list(graph.devices)
+    unknown = [d for d in caps if d not in used]
+    if unknown:
+        raise MpgenError(None, f"mpgen place --fit: --capacity names {', '.join(unknown)}, not "
+                         f"a device of this build (it uses {', '.join(used)}"
+                         f"{' after --device-map' if graph.device_map else ''})")
+    if "batch" not in dict(graph.dims):
+        raise MpgenError(None, "mpgen place --fit: no input has a 'batch' dim, so "
+                         "train.batch_size changes no memory")
+    search = _Search(graph, caps)
+    if not search.fits(search.step):
+        need = search.need(search.step)
+        raise MpgenError(None, f"mpgen place --fit: not even a batch of {search.step} fits: "
+                         f"{need}{_largest(need)}")
+    good, bad = search.step, None
+    while bad is None:
+        if good * 2 > search.most:
+            if search.fits(search.most):
+                good = search.most
+                break
+            bad = search.most
+        elif search.fits(good * 2):
+            good *= 2
+        else:
+            bad = good * 2
+    good = search.bisect(good, bad)
+    good, built, above = _verified(path, graph, search, good, root, time_limit)
+    compiled = built.graph
+    return Fit(graph, good, compiled.pipeline.microbatches if compiled.pipeline else None,
+               compiled.memory, built.detail, above and (above[0], above[1].detail),
+               tuple(caps.items()), root, time_limit)
+
+
+def _largest(need: Need) -> str:
+    if not need.largest:
+        return ""
+    return "; largest: " + ", ".join(f"{name} {human_bytes(n)}" for name, n in need.largest)
+
+
+def fit_lines(found: Fit) -> list[str]:
+    """What ``mpgen place --fit`` prints: the answer, the binding device at
+    it and at the next batch, and each device's peaks."""
+    batch, count = found.before
+    spec = found.graph.spec_path
+    answer = f"train.batch_size {found.batch}"
+    if found.microbatches is not None:
+        answer += f", pipeline.microbatches {found.microbatches}"
+    was = f"batch_size {batch}" + (f", microbatches {count}" if count is not None else "")
+    lines = [f"# {spec}: the largest batch that fits: {answer} (the spec: {was})",
+             f"binding at batch {found.batch}: {found.need}{_largest(found.need)}"]
+    if found.over is not None:
+        above, need = found.over
+        lines.append(f"at batch {above}: {need} (does not fit)" if isinstance(need, Need) else
+                     f"at batch {above}: the spec does not build: {need}")
+    else:
+        lines.append(f"no larger batch: {found.batch} is the largest a spec may state")
+    caps = dict(found.capacity)
+    for run in FIT_RUNS:
+        for m in getattr(found.plan, run):
+            if run == "pipeline" and found.microbatches is None:
+                continue
+            cap = caps.get(m.device)
+            limit = f" of {human_bytes(cap)}" if cap else " (no capacity)"
+            lines.append(f"  {m.device} {run} peak {human_bytes(m.peak)}{limit}")
+    return lines
+
+
+class _Search:
+    """The candidate batches of one compiled spec and their plans, cached."""
+
+    def __init__(self, graph: Graph, capacity: Mapping[str, int]) -> None:
+        self.graph, self.capacity = graph, dict(capacity)
+        pipeline = graph.pipeline
+        self.dp = pipeline.dp if pipeline else 1
+        self.step = self.dp
+        self.runs = FIT_RUNS if pipeline else FIT_RUNS[:1]
+        self.stages = len(graph.spec_plan.sections) if graph.spec_plan else 1
+        dims = dict(graph.dims)
+        per_sample = [t.type.numel({**dims, "batch": 1}) for t in graph.inputs
+                      if t.type.batch_dim is not None]
+        most = min([MAX_TRAIN_SIZE, *(MAX_ELEMENTS // max(n, 1) for n in per_sample)])
+        self.most = max(self.step, most - most % self.step)
+        self._plans: dict[tuple[int, Optional[int]], MemoryPlan] = {}
+
+    def _plan(self, batch: int, microbatches: Optional[int]) -> MemoryPlan:
+        from mpgen.compiler.placement import memory
+
+        key = (batch, microbatches)
+        if key not in self._plans:
+            pipeline = self.graph.pipeline
+            schedule = None
+            if (pipeline is not None and pipeline.schedule == "1f1b"
+                    and batch // self.dp < self.stages):
+                schedule = "gpipe"  # what pp_<name>.py runs then, by its own default
+            self._plans[key] = memory.plan(self.graph, batch=batch, microbatches=microbatches,
+                                           schedule=schedule)
+        return self._plans[key]
+
+    def candidates(self, batch: int) -> list[Optional[int]]:
+        """The micro-batch counts ``pp_<name>.py`` accepts at ``batch``, the
+        smallest first (None: no pipeline)."""
+        pipeline = self.graph.pipeline
+        if pipeline is None:
+            return [None]
+        part = batch // self.dp
+        least = max(pipeline.microbatches, self.stages if pipeline.schedule == "1f1b" else 1)
+        counts = [m for m in range(min(least, part), part + 1) if part % m == 0]
+        return counts[:_MOST_COUNTS]
+
+    def needs(self, plan: MemoryPlan) -> list[Need]:
+        return [Need(m.device, run, m.peak, self.capacity[m.device], m.largest)
+                for run in self.runs for m in getattr(plan, run) if m.device in self.capacity]
+
+    def microbatches(self, batch: int) -> Optional[int]:
+        """The smallest count that fits at ``batch`` (else the smallest)."""
+        counts = self.candidates(batch)
+        for m in counts:
+            needs = self.needs(self._plan(batch, m))
+            if all(n.fits for n in needs):
+                return m
+            if not all(n.fits for n in needs if n.run == "train"):
+                break  # the pipeline's count does not rescue the training script
+        return counts[0]
+
+    def plan(self, batch: int) -> MemoryPlan:
+        return self._plan(batch, self.microbatches(batch))
+
+    def fits(self, batch: int) -> bool:
+        return all(n.fits for n in self.needs(self.plan(batch)))
+
+    def need(self, batch: int) -> Need:
+        """The device nearest (or furthest over) its capacity at ``batch``."""
+        return _binding(self.needs(self.plan(batch)))
+
+    def bisect(self, good: int, bad: Optional[int]) -> int:
+        """The largest candidate in [good, bad) that fits, ``good`` fitting."""
+        if bad is None:
+            return good
+        lo, hi = good // self.step, bad // self.step  # in steps: lo fits, hi does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if self.fits(mid * self.step) else (lo, mid)
+        return lo * self.step
+
+
+#: Micro-batch counts tried at one batch, at most (the smallest divisors).
+_MOST_COUNTS = 8
+
+
+@dataclass(frozen=True)
+class _Built:
+    """The spec rewritten at one batch, compiled: whether its own plan fits,
+    and the binding device (or, where it does not build, the first error)."""
+
+    fits: bool
+    graph: Optional[Graph]
+    detail: "Need | str"
+
+
+def _verified(path, graph: Graph, search: _Search, batch: int, root,
+              time_limit) -> tuple[int, _Built, tuple[int, _Built] | None]:
+    """The largest batch whose rewritten spec compiles and whose own plan
+    fits, searched from ``batch`` (the plan's answer on the spec's layout),
+    with what it is at that batch and at the next (NOTE [The largest batch
+    that fits])."""
+    text = read_spec(path)
+    built: dict[int, _Built] = {}
+
+    def truth(b: int) -> _Built:
+        if b not in built:
+            written = fit_text(text, graph, b, search.microbatches(b), str(path))
+            try:
+                compiled = _compiled(path, written, root, time_limit)
+            except MpgenError as exc:
+                built[b] = _Built(False, None, str(exc).splitlines()[0])
+            else:
+                again = _Search(compiled, search.capacity)
+                needs = again.needs(compiled.memory) if compiled.memory is not None else []
+                built[b] = _Built(bool(needs) and all(n.fits for n in needs), compiled,
+                                  _binding(needs) if needs else "no memory plan")
+        return built[b]
+
+    step = search.step
+    if truth(batch).fits:  # then upwards while the next fits (a layout chosen anew may)
+        lo, hi = batch // step, None
+        while hi is None:
+            if (lo + 1) * step > search.most:
+                return lo * step, truth(lo * step), None
+            if not truth((lo + 1) * step).fits:
+                hi = lo + 1
+            elif lo * 2 * step <= search.most and truth(lo * 2 * step).fits:
+                lo *= 2
+            else:
+                lo, hi = lo + 1, min(lo * 2, search.most // step + 1)
+    else:
+        lo, hi = 0, batch // step
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if truth(mid * step).fits else (lo, mid)
+    if lo == 0:
+        failed = truth(step).detail
+        raise MpgenError(None, f"mpgen place --fit: the spec at a batch of {step} does not fit: "
+                         f"{failed}{_largest(failed) if isinstance(failed, Need) else ''}")
+    return lo * step, truth(lo * step), (hi * step, truth(hi * step))
+
+
+def _binding(needs: Sequence[Need]) -> Need:
+    """The device nearest (or furthest over) its capacity."""
+    return max(needs, key=lambda n: (n.peak / n.capacity, n.peak))
+
+
+def _compiled(path, text: str, root, time_limit) -> Graph:
+    """``text`` compiled as the spec ``path`` would be, from a copy beside it."""
+    target = Path(os.path.realpath(path))
+    try:  # beside it: its folder and project are the spec's
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:100]}.", suffix=".fit.yaml",
+                                   dir=target.parent)
+    except OSError:  # a read-only folder: a copy elsewhere, its modules from the spec's folder
+        with tempfile.TemporaryDirectory(prefix="mpgen-fit-") as folder:
+            copy = Path(folder) / target.name
+            copy.write_text(text, encoding="utf-8")
+            return compile_spec(copy, root=root if root is not None else target.parent,
+                                time_limit=time_limit)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        return compile_spec(tmp, root=root, time_limit=time_limit)
+    finally:
+        os.unlink(tmp)
+
+
+def fit_text(text: str, graph: Graph, batch: int, microbatches: Optional[int],
+             name: str = "spec.yaml") -> str:
+    """``text`` with the batch (``train.dims.batch`` where the spec sizes it
+    there, else ``train.batch_size``) and ``pipeline.microbatches`` set; every
+    other byte kept."""
+    root = _root_mapping(text, name)
+    edits: list[tuple[int, int, str]] = []
+    train = _child(root, "train")
+    where = next((v for v in (_child(_child(train, "dims"), "batch"),
+                              _child(train, "batch_size")) if v is not None), None)
+    if where is not None:
+        edits.append((where.start_mark.index, where.end_mark.index, str(batch)))
+    elif isinstance(train, yaml.MappingNode) and (train.value or train.flow_style):
+        edits.append(_added_key(text, train, "batch_size", batch))
+    elif train is None:
+        newline = "\r\n" if "\r\n" in text else "\n"
+        sep = "" if not text or text.endswith("\n") else newline
+        indent = _indent(text, None)
+        edits.append((len(text), len(text),
+                      f"{sep}{newline}train:{newline}{indent}batch_size: {batch}{newline}"))
+    else:
+        raise MpgenError(_pos(name, train), "train: cannot add batch_size here; write "
+                         f"train: {{batch_size: {batch}}}")
+    count = _child(_child(root, "pipeline"), "microbatches")
+    if microbatches is not None and count is not None and count.value != str(microbatches):
+        edits.append((count.start_mark.index, count.end_mark.index, str(microbatches)))
+    for start, end, new in sorted(edits, reverse=True):
+        text = text[:start] + new + text[end:]
+    return text
+
+
+def _root_mapping(text: str, name: str):
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+    except yaml.YAMLError as exc:  # compile_spec has read it: not expected
+        raise MpgenError(Position(name, 1, 1), f"invalid YAML: {exc}") from None
+    if not isinstance(root, yaml.MappingNode):
+        raise MpgenError(Position(name, 1, 1), "spec is not a mapping")
+    return root
+
+
+def _child(node, key: str):
+    """The value node of ``key`` in the mapping ``node`` (None: none)."""
+    if not isinstance(node, yaml.MappingNode):
+        return None
+    return next((v for k, v in node.value
+                 if isinstance(k, yaml.ScalarNode) and k.value == key), None)
+
+
+def _added_key(text: str, mapping, key: str, value: int) -> tuple[int, int, str]:
+    """An edit adding ``key: value`` to ``mapping``: after its last entry, in
+    its style (a line at its keys' column, or ``, key: value`` before a flow
+    mapping's ``}``)."""
+    if mapping.flow_style:
+        end = mapping.end_mark.index - 1  # the closing brace
+        return end, end, f"{', ' if mapping.value else ''}{key}: {value}"
+    newline = "\r\n" if "\r\n" in text else "\n"
+    column = mapping.value[0][0].start_mark.column
+    at = _line_end(text, _content_end(mapping))
+    return at, at, f"{newline}{' ' * column}{key}: {value}"
+
+
+def write_fit(path: str | Path, found: Fit) -> bool:
+    """Write ``found``'s batch (and micro-batch count) into the spec ``path``:
+    False when it already says them. As :func:`write_placement`: every other
+    byte kept, checked by compiling it, replaced in one rename."""
+    text = read_spec(path)
+    new_text = fit_text(text, found.graph, found.batch, found.microbatches, str(path))
+    if new_text == text:
+        return False
+
+    def check(graph: Graph) -> None:
+        if dict(graph.dims).get("batch") != found.batch:  # pragma: no cover - a bug in mpgen
+            raise MpgenError(Position(str(path), 1, 1), "internal error: the rewritten spec "
+                             "does not train at the batch found; the spec was not changed")
+
+    _replace_spec(path, new_text, found.root, found.time_limit, check)
     return True
 
 

@@ -1,0 +1,356 @@
+"""The memory plan (placement/memory.py) against real training steps measured
+independently: each spec is built, its generated model and training script
+run one steady-state step on real CPU tensors (and on virtual CUDA devices)
+under mpgen.testing's MemoryTracker, and the plan's peak must be within 10%
+of the measured one (NOTE [Memory plan]; docs/memory.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.optim import optimizer as torch_optimizer
+
+from mpgen.compiler.analysis.schedule import BACKWARD, FORWARD, stage_order
+from mpgen.compiler.placement import memory
+from mpgen.testing import VirtualTensor, virtual_devices
+from mpgen.testing.memory import MemoryTracker, measure_training_step
+from tests.helpers import EXAMPLES, build_to, import_generated, mpgen, write_spec
+
+CNN = """\
+mpgen: 1
+name: {name}
+inputs:
+  images: [batch, 3, 16, 16]
+layers:
+  conv1: {{op: Conv2d, args: [3, 16, 3], padding: 1}}
+  bn1: {{op: BatchNorm2d, args: [16]}}
+  relu1: {{op: ReLU}}
+  pool: {{op: MaxPool2d, args: [2]}}
+  conv2: {{op: Conv2d, args: [16, 32, 3], padding: 1}}
+  bn2: {{op: BatchNorm2d, args: [32]}}
+  relu2: {{op: ReLU}}
+  gap: {{op: AdaptiveAvgPool2d, args: [1]}}
+  flat: {{op: torch.flatten, start_dim: 1}}
+  fc: {{op: Linear, args: [32, 10]}}
+placement:
+  conv1: cuda:0
+  conv2: cuda:1
+train:
+  loss: CrossEntropyLoss
+  optimizer: {{op: SGD, lr: 0.1, momentum: 0.9}}
+  batch_size: 16
+"""
+
+GPT = """\
+mpgen: 1
+name: {name}
+inputs:
+  idx: {{shape: [batch, seq], dtype: int64}}
+blocks:
+  Block:
+    params: [dim, heads]
+    layers:
+      ln_1: {{op: LayerNorm, args: [$dim]}}
+      attn: {{op: MultiheadAttention, args: [$dim, $heads], batch_first: true,
+             in: [ln_1, ln_1, ln_1], output: 0}}
+      res1: {{op: torch.add, in: [x, attn]}}
+      ln_2: {{op: LayerNorm, args: [$dim]}}
+      fc: {{op: Linear, args: [$dim, "=4 * $dim"]}}
+      gelu: {{op: GELU}}
+      proj: {{op: Linear, args: ["=4 * $dim", $dim]}}
+      res2: {{op: torch.add, in: [res1, proj]}}
+layers:
+  wte: {{op: Embedding, args: [97, 48], in: idx}}
+  h: {{op: Block, args: [48, 4], repeat: 3, checkpoint: {checkpoint}}}
+  ln_f: {{op: LayerNorm, args: [48]}}
+  lm_head: {{op: Linear, args: [48, 97], bias: false{tie}}}
+placement:
+  wte: cuda:0
+  h.2: cuda:1
+train:
+  loss: {{op: CrossEntropyLoss, class_dim: -1}}
+  optimizer: {{op: AdamW, lr: 1.0e-3, weight_decay: 0.1}}
+  grad_clip: 1.0
+  batch_size: 8
+  dims: {{seq: 24}}
+"""
+
+TWO_HEADS = """\
+mpgen: 1
+name: {name}
+inputs:
+  x: [batch, 64]
+layers:
+  trunk: {{op: Linear, args: [64, 256]}}
+  act: {{op: GELU}}
+  cls: {{op: Linear, args: [256, 7], in: act}}
+  reg_hidden: {{op: Linear, args: [256, 32], in: act}}
+  reg: {{op: Linear, args: [32, 1]}}
+outputs: [cls, reg]
+placement:
+  trunk: cuda:0
+  cls: cuda:1
+  reg_hidden: cuda:2
+train:
+  loss:
+    cls: CrossEntropyLoss
+    reg: MSELoss
+  optimizer: {{op: Adam, lr: 1.0e-3}}
+  batch_size: 32
+"""
+
+MLP = """\
+mpgen: 1
+name: {name}
+inputs:
+  x: [batch, 64]
+layers:
+  fc1: {{op: Linear, args: [64, 512]}}
+  act1: {{op: ReLU}}
+  fc2: {{op: Linear, args: [512, 512]}}
+  act2: {{op: ReLU}}
+  fc3: {{op: Linear, args: [512, 10]}}
+placement:
+  fc1: cuda:0
+  fc2: cuda:1
+pipeline: {{microbatches: 4, schedule: {schedule}{checkpoint}}}
+train:
+  loss: CrossEntropyLoss
+  optimizer: {{op: Adam, lr: 1.0e-3}}
+  batch_size: 32
+"""
+
+ALL_ON_CPU = {f"cuda:{k}": "cpu" for k in range(4)}
+
+
+def _built(tmp_path: Path, text: str, name: str, device_map=None):
+    """(the placed graph, its generated training script's TRAINING)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    spec = write_spec(tmp_path, text.format(name=name), f"{name.lower()}.yaml")
+    out = tmp_path / "out"
+    result = build_to(spec, out, device_map)
+    train = next(out.glob("train_*.py"))
+    return result.graph, import_generated(train).TRAINING
+
+
+def _measured(training, devices: int = 0) -> dict[str, int]:
+    """Each device's measured peak of a steady-state step of the training
+    script's own functions (on ``devices`` virtual CUDA devices, or the CPU)."""
+    def run():
+        torch.manual_seed(0)
+        model = training.model()
+        defaults = dict(training.defaults)
+        args = argparse.Namespace(lr=defaults.pop("lr", 0.01), **defaults)
+        optimizer = training.optimizer(model, args)
+        losses = training.losses()
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            inputs, targets = training.make_batch(defaults["batch_size"])
+            loss, _ = training.forward_loss(model, losses, inputs, targets)
+            loss.backward()
+            if defaults.get("grad_clip"):
+                nn.utils.clip_grad_norm_(model.parameters(), defaults["grad_clip"])
+            optimizer.step()
+
+        return {d: p.peak for d, p in measure_training_step(step, model, optimizer).items()}
+
+    if not devices:
+        return run()
+    # On a GPU torch's optimizers take their foreach form (one temporary per
+    # parameter, all at once), as the plan does for a CUDA build; a virtual
+    # device's tensor is a subclass, which torch's default does not trust
+    # with it, so it is named here as a real CUDA tensor would be.
+    supported = torch_optimizer._foreach_supported_types
+    supported.append(VirtualTensor)
+    try:
+        with virtual_devices(cuda=devices):
+            return run()
+    finally:
+        supported.remove(VirtualTensor)
+
+
+def _close(planned: dict[str, int], measured: dict[str, int]) -> dict[str, float]:
+    ratios = {d: planned[d] / measured[d] for d in planned}
+    assert all(0.9 <= r <= 1.1 for r in ratios.values()), (ratios, planned, measured)
+    return ratios
+
+
+def _peaks(graph, mode: str = "train") -> dict[str, int]:
+    return {d.device: d.peak for d in getattr(graph.memory, mode)}
+
+
+# -- one device: the CPU -------------------------------------------------------
+
+def test_a_cnn_with_batchnorm_and_sgd_momentum_on_the_cpu(tmp_path):
+    graph, training = _built(tmp_path, CNN, "PlanCnn", ALL_ON_CPU)
+    _close(_peaks(graph), _measured(training))
+    cpu = graph.memory.of("train")["cpu"]
+    # SGD with momentum keeps one buffer per parameter (BatchNorm's buffers are not trained).
+    params = sum(p.numel() * 4 for p in training.model().parameters())
+    assert cpu.optimizer == params and cpu.gradients == params
+    assert cpu.weights > params  # and the running statistics
+
+
+@pytest.mark.parametrize("tie", [", tie: {{weight: wte.weight}}", ""], ids=["tied", "untied"])
+def test_a_small_gpt_with_adamw_and_grad_clip_on_the_cpu(tmp_path, tie):
+    graph, training = _built(tmp_path, GPT.replace("{tie}", tie).replace("{checkpoint}", "false"),
+                             "PlanGpt", ALL_ON_CPU)
+    _close(_peaks(graph), _measured(training))
+    cpu = graph.memory.of("train")["cpu"]
+    steps = 4 * len(list(training.model().parameters()))  # each parameter's step count
+    assert cpu.optimizer == 2 * cpu.gradients + steps  # exp_avg, exp_avg_sq
+
+
+def test_a_model_with_two_outputs_and_adam_on_the_cpu(tmp_path):
+    graph, training = _built(tmp_path, TWO_HEADS, "PlanHeads", ALL_ON_CPU)
+    _close(_peaks(graph), _measured(training))
+
+
+def test_checkpointed_blocks_keep_less_and_still_match(tmp_path):
+    plain, training = _built(tmp_path / "a", GPT.replace("{tie}", "").replace(
+        "{checkpoint}", "false"), "PlanGptPlain", ALL_ON_CPU)
+    graph, training = _built(tmp_path / "b", GPT.replace("{tie}", "").replace(
+        "{checkpoint}", "true"), "PlanGptCkpt", ALL_ON_CPU)
+    _close(_peaks(graph), _measured(training))
+    assert graph.memory.of("train")["cpu"].activations < \
+        plain.memory.of("train")["cpu"].activations
+
+
+# -- several devices: virtual CUDA devices -----------------------------------------
+
+@pytest.mark.parametrize("text, name, devices", [
+    (CNN, "PlanCnnTwo", 2),
+    (GPT.replace("{tie}", ", tie: {{weight: wte.weight}}").replace("{checkpoint}", "false"),
+     "PlanGptTwo", 2),
+])
+def test_each_device_of_a_placed_model(tmp_path, text, name, devices):
+    graph, training = _built(tmp_path, text, name)
+    measured = _measured(training, devices)
+    planned = _peaks(graph)
+    assert sorted(planned) == [f"cuda:{k}" for k in range(devices)]
+    _close(planned, {d: measured[d] for d in planned})
+
+
+@pytest.mark.slow
+def test_each_of_three_devices_of_a_model_with_two_heads(tmp_path):
+    graph, training = _built(tmp_path, TWO_HEADS, "PlanHeadsThree")
+    measured = _measured(training, 3)
+    planned = _peaks(graph)
+    _close(planned, {d: measured[d] for d in planned})
+
+
+# -- the pipeline program ------------------------------------------------------
+
+def _pipeline_measured(graph, schedule: str, checkpoint: bool) -> dict[str, int]:
+    """Each stage's peak over a steady-state step of ``schedule``, replayed on
+    real CPU tensors with plain torch (nn.Linear stages of MLP, as
+    pp_<name>.py splits it): each micro-batch's graph held from its F to its
+    B, PipelineStage's receive buffers (one per micro-batch for activations
+    in, one for gradients of activations out), the last stage's outputs kept
+    until the step ends."""
+    torch.manual_seed(0)
+    layers = [[nn.Linear(64, 512), nn.ReLU()], [nn.Linear(512, 512), nn.ReLU(),
+                                                nn.Linear(512, 10)]]
+    m, batch, peaks = 4, 32, {}
+    for k, device in enumerate(("cuda:0", "cuda:1")):
+        stage = nn.Sequential(*layers[k])
+        optimizer = torch.optim.Adam(stage.parameters(), lr=1e-3, foreach=True)  # as on a GPU
+        mb = batch // m
+        x = torch.randn(batch, 64)
+        y = torch.randint(0, 10, (batch,))
+
+        def forward(i):
+            if k == 0:
+                inputs = x[i * mb:(i + 1) * mb]
+            else:
+                inputs = received[i].detach().requires_grad_(True)
+            run = (lambda t: torch.utils.checkpoint.checkpoint(stage, t, use_reentrant=False)) \
+                if checkpoint else stage
+            return inputs, run(inputs)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            held, kept = {}, []
+            for kind, i in stage_order(schedule, k, 2, m):
+                if kind == FORWARD:
+                    held[i] = forward(i)
+                    if k == 1:
+                        kept.append(held[i][1])
+                elif kind == BACKWARD:
+                    inputs, out = held.pop(i)
+                    if k == 1:
+                        nn.functional.cross_entropy(out, y[i * mb:(i + 1) * mb]).backward()
+                    else:
+                        out.backward(grads[i])
+            optimizer.step()
+
+        received = [torch.empty(mb, 512) for _ in range(m)] if k == 1 else []
+        grads = [torch.empty(mb, 512) for _ in range(m)] if k == 0 else []
+        step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker = MemoryTracker()
+        tracker.track(stage, optimizer, *received, *grads)
+        with tracker:
+            step()
+        peaks[device] = tracker.peaks["cpu"].peak
+    return peaks
+
+
+@pytest.mark.parametrize("schedule, checkpoint", [
+    ("gpipe", False), ("1f1b", False), ("gpipe", True), ("1f1b", True)])
+def test_each_stage_of_the_pipeline_program(tmp_path, schedule, checkpoint):
+    extra = ", checkpoint: [cuda:0, cuda:1]" if checkpoint else ""
+    text = MLP.replace("{schedule}", schedule).replace("{checkpoint}", extra)
+    spec = write_spec(tmp_path, text.format(name="PlanPipe"), "pipe.yaml")
+    graph = build_to(spec, tmp_path / "out").graph
+    assert (graph.memory.schedule, graph.memory.microbatches) == (schedule, 4)
+    _close(_peaks(graph, "pipeline"), _pipeline_measured(graph, schedule, checkpoint))
+
+
+def test_gpipe_holds_more_micro_batches_than_1f1b_on_the_first_stage(tmp_path):
+    spec = write_spec(tmp_path, MLP.replace("{schedule}", "gpipe").replace(
+        "{checkpoint}", "").format(name="PlanPipe"), "pipe.yaml")
+    graph = build_to(spec, tmp_path / "out").graph
+    gpipe = memory.plan(graph, schedule="gpipe", microbatches=8)
+    one_f_one_b = memory.plan(graph, schedule="1f1b", microbatches=8)
+    assert gpipe.of("pipeline")["cuda:0"].activations > \
+        one_f_one_b.of("pipeline")["cuda:0"].activations
+
+
+# -- the plan's interface ------------------------------------------------------
+
+def test_a_larger_batch_needs_more_and_inference_needs_less(tmp_path):
+    graph, _ = _built(tmp_path, CNN, "PlanCnnSizes", ALL_ON_CPU)
+    small, large = memory.plan(graph, batch=4), memory.plan(graph, batch=64)
+    assert large.of("train")["cpu"].peak > small.of("train")["cpu"].peak
+    assert (small.batch, large.batch) == (4, 64)
+    for plan in (small, large):
+        assert plan.of("inference")["cpu"].peak < plan.of("train")["cpu"].peak
+        assert plan.of("inference")["cpu"].gradients == 0
+
+
+def test_show_prints_the_plan_in_bytes(tmp_path):
+    spec = write_spec(tmp_path, TWO_HEADS.format(name="Shown"), "shown.yaml")
+    ran = mpgen("show", str(spec), "--format", "json", "--device-map", "cpu")
+    assert ran.returncode == 0, ran.stderr
+    plan = json.loads(ran.stdout)["memory"]
+    for mode in ("train", "pipeline", "inference"):
+        cpu = plan[mode]["cpu"]
+        assert {"weights", "gradients", "optimizer", "activations", "peak"} <= set(cpu)
+        assert cpu["peak"] >= cpu["weights"] > 0
+        assert sum(cpu["at_peak"].values()) == cpu["peak"]
+    table = mpgen("show", str(spec))
+    assert "train      cuda:0" in table.stdout and "inference  cuda:2" in table.stdout
+
+
+def test_a_capacity_with_room_builds(tmp_path):
+    text = TWO_HEADS + "capacity: {{cuda:0: 1GiB, cuda:1: 1GiB, cuda:2: 1GiB}}\n"
+    spec = write_spec(tmp_path, text.format(name="Roomy"), "roomy.yaml")
+    assert mpgen("show", str(spec)).returncode == 0
+    assert memory.check_capacity(build_to(spec, tmp_path / "out").graph) == []

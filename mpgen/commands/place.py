@@ -347,7 +347,7 @@ def spec_capacity(graph: Graph) -> dict[str, int]:
     ``--device-map``), as the build checks them."""
     from mpgen.compiler.placement.memory import capacities
 
-    return capacities(graph)
+    return {device: size for device, (size, _) in capacities(graph).items()}
 
 
 def fit(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
@@ -362,8 +362,7 @@ def fit(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
     caps = {**spec_capacity(graph), **(capacity or {})}
     if not caps:
         raise MpgenError(None, "mpgen place --fit: no device has a capacity: give one with "
-                         "--capacity cuda:0=24GiB,... or in the spec (placement: {auto: "
-                         "{capacity: {cuda:0: 24GiB}}})")
+                         "--capacity cuda:0=24GiB,... or in the spec (capacity: {cuda:0: 24GiB})")
     used = list(graph.devices)
     unknown = [d for d in caps if d not in used]
     if unknown:
@@ -534,7 +533,7 @@ def _verified(path, graph: Graph, search: _Search, batch: int, root,
 
     def truth(b: int) -> _Built:
         if b not in built:
-            written = fit_text(text, graph, b, search.microbatches(b), str(path))
+            written = fit_text(text, b, search.microbatches(b), str(path))
             try:
                 compiled = _compiled(path, written, root, time_limit)
             except MpgenError as exc:
@@ -595,7 +594,7 @@ def _compiled(path, text: str, root, time_limit) -> Graph:
         os.unlink(tmp)
 
 
-def fit_text(text: str, graph: Graph, batch: int, microbatches: Optional[int],
+def fit_text(text: str, batch: int, microbatches: Optional[int],
              name: str = "spec.yaml") -> str:
     """``text`` with the batch (``train.dims.batch`` where the spec sizes it
     there, else ``train.batch_size``) and ``pipeline.microbatches`` set; every
@@ -662,7 +661,7 @@ def write_fit(path: str | Path, found: Fit) -> bool:
     False when it already says them. As :func:`write_placement`: every other
     byte kept, checked by compiling it, replaced in one rename."""
     text = read_spec(path)
-    new_text = fit_text(text, found.graph, found.batch, found.microbatches, str(path))
+    new_text = fit_text(text, found.batch, found.microbatches, str(path))
     if new_text == text:
         return False
 

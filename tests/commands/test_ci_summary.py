@@ -11,6 +11,7 @@ hold. In every case the summary must show the layer that moves.
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import textwrap
@@ -203,3 +204,16 @@ def test_the_base_follows_a_link_inside_its_tree_and_names_odd_files(repo):
     text = summary(repo)
     assert "| `a spec.yaml` | changed |" in text and "  layer2: cuda:1 -> cuda:2" in text
     assert "| `linked.yaml` | changed |" in text and "  layer2: cuda:1 -> cuda:3" in text
+
+
+def test_a_batch_change_shows_each_device_s_memory_plan(repo):
+    text = spec_text("Model") + "train:\n  batch_size: 4\n"
+    write_spec(repo, text, "model.yaml")
+    git(repo, "checkout", "-q", "main")
+    commit_all(repo, "main trains at 4")
+    git(repo, "checkout", "-q", "-B", "pr")
+    write_spec(repo, text.replace("batch_size: 4", "batch_size: 256"), "model.yaml")
+    shown = summary(repo)
+    assert "| `model.yaml` | changed |" in shown
+    assert "memory plan (peak per device, batch 4 -> 256):" in shown
+    assert re.search(r"^  cuda:1 train peak .* -> .* \(\+\d+%\)$", shown, re.M)

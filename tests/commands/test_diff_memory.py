@@ -4,10 +4,11 @@ only where it changed."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
-from helpers import write_spec
+from helpers import mpgen, write_spec
 from mpgen.commands import ci_summary
 from mpgen.commands.diff import MemoryChange, Side, diff, format_diff
 from mpgen.compiler.driver import compile_spec
@@ -87,3 +88,28 @@ def test_a_side_without_a_plan_shows_no_memory_plan(graph):
 ])
 def test_a_change_reads_as_one_line(before, after, shown):
     assert str(MemoryChange("cuda:2", "train", before, after)) == shown
+
+
+# -- with the plan the build makes ---------------------------------------------
+
+def test_a_larger_batch_shows_every_device_s_peaks_growing(tmp_path):
+    old = write_spec(tmp_path, SPEC, "old.yaml")
+    new = write_spec(tmp_path, SPEC.replace("batch_size: 4", "batch_size: 64"), "new.yaml")
+    ran = mpgen("diff", str(old), str(new))
+    assert ran.returncode == 0, ran.stderr
+    section = ran.stdout.split("memory plan (peak per device, batch 4 -> 64):\n")[1]
+    lines = section.split("\n\n")[0].splitlines()
+    assert [line.split(" peak ")[0].strip() for line in lines] == [
+        f"{d} {run}" for d in ("cuda:0", "cuda:1") for run in ("train", "pipeline", "inference")]
+    assert all(re.search(r" -> .* \(\+\d+%\)$", line) for line in lines)
+
+
+def test_a_moved_layer_changes_the_peaks_of_both_devices_only(tmp_path):
+    old = write_spec(tmp_path, SPEC, "old.yaml")
+    new = write_spec(tmp_path, SPEC.replace("h.2: cuda:1", "h.3: cuda:1"), "new.yaml")
+    ran = mpgen("diff", str(old), str(new))
+    assert ran.returncode == 0, ran.stderr
+    assert "memory plan (peak per device, batch 4):" in ran.stdout
+    grew = re.findall(r"^  cuda:0 train peak .* \(\+\d+%\)$", ran.stdout, re.M)
+    shrank = re.findall(r"^  cuda:1 train peak .* \(-\d+%\)$", ran.stdout, re.M)
+    assert grew and shrank

@@ -10,7 +10,7 @@ import pytest
 from helpers import write_spec
 from mpgen.compiler.analysis.costs import human_bytes
 from mpgen.compiler.codegen.report import binding, render_report
-from mpgen.compiler.driver import compile_spec
+from mpgen.compiler.driver import compile_spec, generate
 from mpgen.compiler.ir import MEMORY_PARTS, DeviceMemory, MemoryPlan
 
 SPEC = """\
@@ -125,3 +125,18 @@ def test_rendered_the_same_every_time_and_absent_without_a_plan(graph):
     placed = dataclasses.replace(graph, memory=plan())
     assert render_report(placed) == render_report(dataclasses.replace(graph, memory=plan()))
     assert "## Memory plan" not in render_report(dataclasses.replace(graph, memory=None))
+
+
+def test_a_build_reports_its_own_plan_the_same_every_time(tmp_path):
+    spec = write_spec(tmp_path, SPEC % "    capacity: {cuda:0: 400KiB, cuda:1: 640KiB}")
+    first = generate(spec).files["tiny.placement.md"]
+    again = generate(spec).files["tiny.placement.md"]
+    assert first == again
+    made = compile_spec(spec).memory
+    rows = memory_rows(first)
+    assert [(r["device"], r["run"], r["peak"]) for r in rows] == [
+        (f"`{m.device}`", name, f"**{human_bytes(m.peak)}**")
+        for device in ("cuda:0", "cuda:1")
+        for run, name in (("train", "training"), ("pipeline", "pipeline"),
+                          ("inference", "inference"))
+        for m in getattr(made, run) if m.device == device]

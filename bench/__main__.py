@@ -6,7 +6,9 @@ Sections, in the page's order: ``build`` (build and check cost against
 ``import torch``), ``overhead`` (generated against hand-written modules, the
 virtual devices, the generated test suites), ``placement`` (heaviest device
 against the optimum for mpgen, greedy first-fit and Accelerate), ``pipeline``
-(the schedule simulator against torchgpipe's published speedups) and ``gpu``
+(the schedule simulator against torchgpipe's published speedups), ``memory``
+(the memory plan against peaks measured per device, per component, for the
+training step and the pipeline program) and ``gpu``
 (generated against torchvision and Hugging Face on a GPU; where none is
 visible the section says so). Each table is printed as soon as it is
 measured, and the page is written at the end with exactly the printed text:
@@ -27,7 +29,7 @@ from bench.common import ROOT, machine_lines
 
 PAGE = ROOT / "docs" / "benchmarks.md"
 PARTIAL = ROOT / "build" / "benchmarks.md"
-SECTIONS = ("build", "overhead", "placement", "pipeline", "gpu")
+SECTIONS = ("build", "overhead", "placement", "pipeline", "memory", "gpu")
 
 
 def _build(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
@@ -54,6 +56,12 @@ def _pipeline(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
     pipeline_sim.section(emit)
 
 
+def _memory(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
+    from bench import memory_plan
+
+    memory_plan.section(quick, emit)
+
+
 def _gpu(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
     from bench import gpu_models
 
@@ -61,7 +69,7 @@ def _gpu(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
 
 
 RUNNERS = {"build": _build, "overhead": _overhead, "placement": _placement,
-           "pipeline": _pipeline, "gpu": _gpu}
+           "pipeline": _pipeline, "memory": _memory, "gpu": _gpu}
 
 
 def _sections(text: str) -> list[str]:

@@ -168,7 +168,10 @@ def section(quick: bool, emit: Callable[[str], None], pipeline: bool = True) -> 
          "measured (the bytes of live tensor storages per device, at its peak over a "
          "steady-state step: `mpgen.testing.measure_training_step`; the pipeline's, "
          "`pp_<name>.py --memory` under torchrun on the CPU), over the build's memory plan "
-         "(`memory.train`, `memory.pipeline`). 1.00 is exact; the goal is 0.90-1.10.\n")
+         "(`memory.train`, `memory.pipeline`). 1.00 is exact; the goal is 0.90-1.10. "
+         "On GPUs, `bench/gpu_memory.py` compares the same plans with "
+         "`torch.cuda.max_memory_allocated` (`prepare` here, `measure` where the GPUs are: "
+         "its docstring).\n")
     peaks, parts, pipes = [], [], []
     with tempfile.TemporaryDirectory(prefix="mpgen-memory-") as tmp:
         folder = Path(tmp)

@@ -6,7 +6,9 @@ Sections, in the page's order: ``build`` (build and check cost against
 ``import torch``), ``overhead`` (generated against hand-written modules, the
 virtual devices, the generated test suites), ``placement`` (heaviest device
 against the optimum for mpgen, greedy first-fit and Accelerate), ``pipeline``
-(the schedule simulator against torchgpipe's published speedups), ``memory``
+(the schedule simulator against torchgpipe's published speedups), ``stages``
+(``balance: time`` against every contiguous split measured, predicted
+against measured stage times on this CPU), ``memory``
 (the memory plan against peaks measured per device, per component, for the
 training step and the pipeline program) and ``gpu``
 (generated against torchvision and Hugging Face on a GPU; where none is
@@ -29,7 +31,7 @@ from bench.common import ROOT, machine_lines
 
 PAGE = ROOT / "docs" / "benchmarks.md"
 PARTIAL = ROOT / "build" / "benchmarks.md"
-SECTIONS = ("build", "overhead", "placement", "pipeline", "memory", "gpu")
+SECTIONS = ("build", "overhead", "placement", "pipeline", "stages", "memory", "gpu")
 
 
 def _build(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
@@ -56,6 +58,12 @@ def _pipeline(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
     pipeline_sim.section(emit)
 
 
+def _stages(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
+    from bench import stage_times
+
+    stage_times.section(quick, max(rounds, 5), emit)
+
+
 def _memory(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
     from bench import memory_plan
 
@@ -69,7 +77,7 @@ def _gpu(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
 
 
 RUNNERS = {"build": _build, "overhead": _overhead, "placement": _placement,
-           "pipeline": _pipeline, "memory": _memory, "gpu": _gpu}
+           "pipeline": _pipeline, "stages": _stages, "memory": _memory, "gpu": _gpu}
 
 
 def _sections(text: str) -> list[str]:

@@ -107,3 +107,25 @@ def test_the_summary_says_why_a_bubble_is_not_predicted(tmp_path, capsys):
     assert line.split("; ")[1] == ("no predicted bubble for --schedule gpipe with 2 "
                                   "micro-batches: the build's cost model gave no time for "
                                   "these stages")
+
+
+def test_predicted_busy_sums_each_ranks_stages_over_the_steps_samples():
+    costs = ((1.0, 2.0), (0.5, 1.0), (2.0, 4.0))
+    assert timeline.predicted_busy(costs, [0, 1, 0], 4) == [36.0, 6.0]
+    assert timeline.predicted_busy((), [0, 1], 4) is None  # no time for these stages
+    assert timeline.predicted_busy(costs, [0, 1], 4) is None
+
+
+def test_the_prediction_names_its_source_and_other_hardware():
+    import torch
+
+    cpu = torch.device("cpu")
+    here = timeline.hardware(cpu)
+    assert here.endswith(f"({torch.get_num_threads()} thread"
+                         f"{'s' if torch.get_num_threads() != 1 else ''})")
+    assert timeline.source((), cpu) == "the cost model"
+    assert timeline.source((here, here), cpu) == "the profile (measured on this hardware)"
+    other = timeline.source((here, "Some Other CPU (64 threads)"), cpu)
+    assert other.startswith("the profile, measured on other hardware (Some Other CPU "
+                            "(64 threads); this run: ")
+    assert "rerun mpgen profile here" in other

@@ -149,14 +149,19 @@ def _step_peaks(folder: Path, entry: dict) -> dict[str, int]:
 
 def _pipeline_peaks(folder: Path, entry: dict, schedule: str) -> dict[str, int]:
     script = next(p.name for p in folder.glob("pp_*.py"))
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-            str(entry["stages"]), script, "--steps", "2", "--memory", "--schedule", schedule,
-            "--microbatches", str(MICROBATCHES), "--log-dir", "runs"]
+    logs = folder / f"ranks_{schedule}"  # each rank's own output: lines never interleave
+    shutil.rmtree(logs, ignore_errors=True)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(logs),
+            "--redirects", "3", "--nproc-per-node", str(entry["stages"]), script, "--steps", "2",
+            "--memory", "--schedule", schedule, "--microbatches", str(MICROBATCHES),
+            "--log-dir", "runs"]
     done = subprocess.run(argv, cwd=folder, capture_output=True, text=True, timeout=600)
+    printed = "".join(p.read_text() for p in sorted(logs.glob("**/stdout.log")))
     if done.returncode:
-        raise RuntimeError((done.stdout + done.stderr)[-2000:])
+        errors = "".join(p.read_text() for p in sorted(logs.glob("**/stderr.log")))
+        raise RuntimeError((printed + errors)[-2000:])
     # On CUDA the rank's device is cuda:LOCAL_RANK, the stage's device in the spec.
-    return {m["device"]: int(m["bytes"]) for m in map(LINE.match, done.stdout.splitlines()) if m}
+    return {m["device"]: int(m["bytes"]) for m in map(LINE.match, printed.splitlines()) if m}
 
 
 def measure(out: Path) -> int:
@@ -196,7 +201,7 @@ def measure(out: Path) -> int:
                     notes.append(f"{name} {schedule}: {error}"[:300])
                     continue
                 for k, (device, planned) in enumerate(planned_peaks.items()):
-                    measured = got.get(f"cuda:{k}", 0)
+                    measured = got.get(device, 0)
                     rows.append([name, schedule, device, _mib(planned), _mib(measured),
                                  _r(measured, planned), _r(measured - base[f"cuda:{k}"], planned)])
         elif "pipeline" in entry:

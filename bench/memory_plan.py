@@ -118,15 +118,19 @@ def _pipeline_run(out: Path, graph, schedule: str) -> dict[str, tuple[int, str]]
     from mpgen.compiler.placement.stages import stages
 
     count = len(stages(graph))
-    argv = [PYTHON, "-m", "torch.distributed.run", "--nproc-per-node", str(count),
-            file_names(graph)["pp"], "--steps", "2", "--memory", "--schedule", schedule,
-            "--microbatches", str(MICROBATCHES), "--log-dir", str(out / "runs")]
+    logs = out / f"ranks_{schedule}"  # each rank's own output: lines never interleave
+    argv = [PYTHON, "-m", "torch.distributed.run", "--log-dir", str(logs), "--redirects", "3",
+            "--nproc-per-node", str(count), file_names(graph)["pp"], "--steps", "2", "--memory",
+            "--schedule", schedule, "--microbatches", str(MICROBATCHES),
+            "--log-dir", str(out / "runs")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(argv, cwd=out, capture_output=True, text=True, env=env)
+    printed = "".join(p.read_text() for p in sorted(logs.glob("**/stdout.log")))
     if done.returncode:
-        raise RuntimeError(f"{' '.join(argv)} failed:\n{(done.stdout + done.stderr)[-3000:]}")
+        errors = "".join(p.read_text() for p in sorted(logs.glob("**/stderr.log")))
+        raise RuntimeError(f"{' '.join(argv)} failed:\n{(printed + errors)[-3000:]}")
     found = {}
-    for line in done.stdout.splitlines():
+    for line in printed.splitlines():
         match = LINE.match(line)
         if match:
             found[match["device"]] = (int(match["bytes"]), match["phase"] or "")

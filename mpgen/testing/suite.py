@@ -100,7 +100,11 @@ class ModelSuite:
     * the outputs equal those of the same code merged onto one device
       (:func:`~mpgen.testing.check_split_outputs`): bit for bit on virtual
       devices; on real GPUs within a reduction-order tolerance, and within
-      a loose tolerance of the CPU.
+      a loose tolerance of the CPU;
+    * where the suite states a ``memory_plan``: each device's peak over a
+      steady-state step of the training script's (``training``) batch, loss
+      and optimizer, measured on virtual devices, is within
+      ``memory_tolerance`` of the plan's.
     """
 
     #: The generated model class.

@@ -105,6 +105,7 @@ class _Tracker(TorchDispatchMode):
         self.recording = False
         self.peak: dict[str, tuple] = {}  # device -> (bytes, phase, parts, units)
         self.highest: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.first: Optional[_FirstBackward] = None
 
     def reset(self) -> None:
         """Start measuring: peaks from what is alive now."""
@@ -164,6 +165,8 @@ class _Tracker(TorchDispatchMode):
             if self.parts[device][part] > self.highest[device][part]:
                 self.highest[device][part] = self.parts[device][part]
             self._note(device)
+        if self.first is not None:
+            self.first.see(self.total[device])
 
     def _note(self, device: str) -> None:
         best = self.peak.get(device)
@@ -230,6 +233,20 @@ class _Tracker(TorchDispatchMode):
 
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
+
+
+class _FirstBackward:
+    """A backward measured with every gradient already there (a later
+    micro-batch's, which adds each new gradient into it) also gives the first
+    micro-batch's, which keeps each new gradient as the gradient: at any
+    moment, the bytes above its start are the later one's plus the gradients
+    made so far, which the later one added in place (NOTE [Memory plan])."""
+
+    def __init__(self, begin: int) -> None:
+        self.begin, self.done, self.peak = begin, 0, 0
+
+    def see(self, total: int) -> None:
+        self.peak = max(self.peak, total - self.begin + self.done)
 
 
 class _Move(torch.autograd.Function):
@@ -326,6 +343,7 @@ class _Model:
                     env[t.dst_var] = _Move.apply(x, tracker, src, t.dst) \
                         if x.requires_grad else self._copy(tracker, x, t.dst)
             for step in section.steps:
+                self.hooks.budget.check()
                 node = self.nodes[step.node]
                 x = [env.get(v) for v in step.reads]
                 out = None
@@ -478,13 +496,15 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
         running = active_budget()
         budget = running if isinstance(running, Budget) else Budget()
     model = _model(graph, budget)
-    with warnings.catch_warnings(), budget.watching():
+    # The budget is checked between units and steps, never inside an operator:
+    # an exception raised from inside a fake tensor's kernel can abort the process.
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         train = _train(model, {**dims, "batch": batch})
         inference = _inference(model, {**dims, "batch": batch})
         mb = max(batch // max(dp, 1) // max(microbatches, 1), 1)
         try:
-            pipeline = _pipeline(model, {**dims, "batch": mb}, schedule, microbatches)
+            pipeline = _pipeline(model, {**dims, "batch": mb}, schedule, microbatches, budget)
         except ValueError:  # a layout the schedule cannot run: check_pipeline says why
             pipeline = ()
     return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp)
@@ -690,8 +710,10 @@ def _inference(model: _Model, dims: Mapping[str, int]) -> tuple[DeviceMemory, ..
 # -- the pipeline program ------------------------------------------------------
 
 def _pipeline(model: _Model, dims: Mapping[str, int], schedule: str,
-              microbatches: int) -> tuple[DeviceMemory, ...]:
-    """Each rank's step under ``schedule`` at the micro-batch size ``dims``."""
+              microbatches: int, budget: Budget) -> tuple[DeviceMemory, ...]:
+    """Each rank's step under ``schedule`` at the micro-batch size ``dims``:
+    each stage's forward and backward measured once, then its rank's order
+    replayed over those numbers (NOTE [Memory plan])."""
     graph = model.graph
     if graph.train is None:
         return ()
@@ -699,152 +721,231 @@ def _pipeline(model: _Model, dims: Mapping[str, int], schedule: str,
     count = len(stages)
     devices = [s.device for s in stages]
     distinct = list(dict.fromkeys(devices))
-    ranks = None if count == len(distinct) or schedule in ("gpipe", "1f1b") else len(distinct)
-    if schedule in ("gpipe", "1f1b") and count != len(distinct):
-        schedule_ranks = list(range(count))
+    if schedule in ("gpipe", "1f1b"):
+        placed, ranks = list(range(count)), None
     else:
-        schedule_ranks = list(stage_ranks(schedule, count, ranks))
+        ranks = len(distinct) if schedule not in ("zbv", "dualpipev") else None
+        placed = list(stage_ranks(schedule, count, ranks))
     orders = rank_orders(schedule, count, microbatches, ranks)
-    shapes = _shapes(model, dims)
+    shapes: dict[str, tuple] = {}
+    profiles = []
+    for stage in stages:  # in order: a stage's gives are the next one's takes
+        budget.check()
+        profiles.append(_profile(model, stage, shapes, dims, count))
     result: dict[str, DeviceMemory] = {}
     for rank, order in enumerate(orders):
-        mine = [k for k in range(count) if schedule_ranks[k] == rank]
-        memory = _rank(model, [stages[k] for k in mine], order, shapes, dims, microbatches,
-                       count)
+        budget.check()
+        mine = [k for k in range(count) if placed[k] == rank]
+        memory = _replay(model, [stages[k] for k in mine], {k: profiles[k] for k in mine},
+                         order, microbatches)
         if memory.device not in result or memory.peak > result[memory.device].peak:
             result[memory.device] = memory
     return tuple(result[d] for d in distinct if d in result)
 
 
-def _shapes(model: _Model, dims: Mapping[str, int]) -> dict[str, tuple]:
-    """Every forward variable's (shape, dtype) at the micro-batch size."""
-    graph = model.graph
-    tracker = _Tracker()
-    shapes = {}
-    with model.fake, tracker, torch.no_grad():
-        inputs, _ = _batch(graph, dims)
-        env = {t.var: x for t, x in zip(graph.inputs, inputs)}
-        saved = model.checkpointed
-        model.checkpointed = frozenset()
-        try:
-            model.run_sections(tracker, graph.plan.sections, env, _host(graph))
-        finally:
-            model.checkpointed = saved
-        for var, x in env.items():
-            if isinstance(x, torch.Tensor):
-                shapes[var] = (tuple(x.shape), x.dtype)
-    return shapes
+@dataclasses.dataclass
+class _Profile:
+    """One stage's forward and backward on one micro-batch, in bytes: what F
+    holds until its B (``held``), F's and B's highest point above where they
+    start, what B leaves (``after``: negative, it frees what F held), the
+    receive buffers PipelineStage keeps, and the last stage's output kept
+    until the step ends."""
+
+    held: int
+    forward_peak: int
+    backward_peak: int  # a later micro-batch's: the gradients are there
+    first_backward_peak: int  # the first micro-batch's: it makes them
+    after: int
+    buffers: int
+    kept: int
+    gradients: int
 
 
-def _rank(model: _Model, stages, order, shapes, dims, microbatches: int,
-          count: int) -> DeviceMemory:
-    """One rank's stages replaying ``order`` twice; the second step measured."""
+def _stage_units(model: _Model, stage) -> list[tuple[str, int]]:
+    return [(step.node, k) for step in stage.section.steps for k in range(step.start, step.stop)]
+
+
+def _stage_params(model: _Model, stages) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """The parameters (tied ones too: each stage has its own copy) and
+    buffers of ``stages``' units."""
+    params: dict[int, nn.Parameter] = {}
+    buffers: dict[int, torch.Tensor] = {}
+    for stage in stages:
+        for key in _stage_units(model, stage):
+            module = model.modules.get(key)
+            if isinstance(module, nn.Module):
+                params.update((id(p), p) for p in module.parameters())
+                buffers.update((id(b), b) for b in module.buffers())
+            elif isinstance(module, torch.Tensor):
+                buffers[id(module)] = module
+    return list(params.values()), list(buffers.values())
+
+
+def _profile(model: _Model, stage, shapes: dict, dims: Mapping[str, int],
+             count: int) -> _Profile:
     graph = model.graph
-    device = stages[0].device
+    device = stage.device
     tracker = _Tracker()
-    ours = {s.index for s in stages}
+    params, buffers = _stage_params(model, [stage])
+    trained = [p for p in params if p.requires_grad]
     with model.fake, tracker:
         model.train(True)
-        model.register(tracker, {device})
-        params = [p for p, d, _ in model.params.values() if p.requires_grad and d == device]
+        for t in [*params, *buffers]:
+            tracker.add(t, device, "weights")
+        for p in trained:  # as after an earlier micro-batch's backward
+            p.grad = torch.zeros_like(p)
+        tracker.phase, tracker.unit = "F", ""
+        env: dict[str, Any] = {}
+        with tracker.moving(device):
+            for v in stage.takes:
+                if v in shapes:
+                    shape, dtype = shapes[v]
+                    x = torch.empty(shape, dtype=dtype)
+                    if dtype.is_floating_point:
+                        x.requires_grad_(True)
+                    env[v] = x
+            if stage.index == 0:  # the micro-batch itself
+                inputs, _ = _batch(graph, dims)
+                env |= {t.var: x for t, x in zip(graph.inputs, inputs)}
+        takes = [env.get(v) for v in stage.takes]
+        buffers_bytes = _bytes(takes) if stage.index > 0 else 0
+        start = tracker.total[device]
+        tracker.reset()
+        with _autocast(graph):
+            model.run_sections(tracker, [stage.section], env, device)
+            gives = [env.get(v) for v in stage.gives]
+            loss = None
+            if stage.index == count - 1:
+                with tracker.on(device, "loss"):
+                    _, targets = _batch(graph, dims)
+                loss = model.losses(tracker, dict(zip(graph.outputs, gives)), targets)
+                del targets
+        del env
+        shapes.update((v, (tuple(g.shape), g.dtype)) for v, g in zip(stage.gives, gives)
+                      if isinstance(g, torch.Tensor))
+        x = inputs = None
+        kept = _bytes(gives) if stage.index == count - 1 else 0
+        grads_in = _bytes(gives) if stage.index < count - 1 else 0
+        forward_peak = tracker.peak.get(device, (start,))[0] - start
+        held = tracker.total[device] - start
+        begin = tracker.total[device]
+        tracker.phase, tracker.unit = "B", "backward"
+        tracker.reset()
+        first = tracker.first = _FirstBackward(begin)
+
+        def made(p: torch.Tensor) -> None:
+            first.done += p.grad.untyped_storage().nbytes()
+            first.see(tracker.total[device])
+
+        hooks = [p.register_post_accumulate_grad_hook(made) for p in trained]
+        if loss is not None:
+            if loss.requires_grad:
+                loss.backward()
+        else:
+            outs = [g for g in gives if isinstance(g, torch.Tensor) and g.requires_grad]
+            with tracker.moving(device):
+                grads = [torch.ones_like(g) for g in outs]
+            if outs:
+                torch.autograd.backward(outs, grads)
+            del grads, outs
+        backward_peak = tracker.peak.get(device, (begin,))[0] - begin
+        tracker.first = None
+        for h in hooks:
+            h.remove()
+        del takes, gives, loss
+        after = tracker.total[device] - begin
+        for p in trained:
+            p.grad = None
+    return _Profile(held, forward_peak, backward_peak, first.peak, after,
+                    buffers_bytes + grads_in, kept, _bytes(trained))
+
+
+def _bytes(tensors) -> int:
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            seen[_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def _replay(model: _Model, stages, profiles: Mapping[int, _Profile], order,
+            microbatches: int) -> DeviceMemory:
+    """A rank's step: its stages' actions in ``order`` over their profiles,
+    then the optimizer's step over its parameters."""
+    device = stages[0].device
+    params, buffers = _stage_params(model, stages)
+    trained = [p for p in params if p.requires_grad]
+    weights = _bytes([*params, *buffers])
+    gradients = _bytes(trained)
+    state, step_peak = _optimizer_step(model, trained, device)
+    base = {"weights": weights, "optimizer": state,
+            "transfers": sum(p.buffers for p in profiles.values()) * microbatches,
+            "gradients": 0, "activations": 0}
+    best = (sum(base.values()), "F0", dict(base), 0)
+    highest_activations = 0
+    graded: set[int] = set()  # the stages whose gradients exist
+    for kind, k, i in order:
+        profile = profiles.get(k)
+        if profile is None:
+            continue
+        now = sum(base.values())
+        if kind == FORWARD:
+            if now + profile.forward_peak > best[0]:
+                best = (now + profile.forward_peak, f"F{i}", dict(base), profile.forward_peak)
+            base["activations"] += profile.held
+        elif kind == BACKWARD:
+            rise = profile.backward_peak if k in graded else profile.first_backward_peak
+            if now + rise > best[0]:
+                best = (now + rise, f"B{i}", dict(base), rise)
+            if k not in graded:
+                graded.add(k)
+                base["gradients"] += profile.gradients
+            base["activations"] += profile.after + profile.kept
+        highest_activations = max(highest_activations, base["activations"])
+    base["gradients"] = gradients
+    now = sum(base.values())
+    if now + step_peak > best[0]:
+        best = (now + step_peak, "optimizer step", dict(base), step_peak)
+    total, phase, parts, transient = best
+    at_peak = {part: parts.get(part, 0) for part in MEMORY_PARTS}
+    at_peak["transient"] = transient
+    units = []
+    for stage in stages:
+        for key in _stage_units(model, stage):
+            module = model.modules.get(key)
+            if isinstance(module, nn.Module):
+                n = sum(p.numel() * p.element_size() for p in module.parameters())
+                units.append((str(model.nodes[key[0]].unit(key[1])), n))
+    largest = tuple(sorted((u for u in units if u[1]), key=lambda x: (-x[1], x[0]))[:3])
+    return DeviceMemory(device, weights, gradients, state, max(highest_activations, 0), total,
+                        phase, tuple(at_peak.items()), largest)
+
+
+def _optimizer_step(model: _Model, params: list[nn.Parameter], device: str) -> tuple[int, int]:
+    """(the optimizer's state, its step's highest point above the state) for
+    ``params``, their gradients present."""
+    tracker = _Tracker()
+    with model.fake, tracker:
         optimizer = _optimizer(model, params)
-        hooks = _grad_hooks(model, tracker, params)
-        tracker.phase, tracker.unit = "buffers", "buffers"
-        buffers = []
-        for stage in stages:  # PipelineStage: a receive buffer per micro-batch
-            if stage.index > 0:
-                buffers += [_fresh(tracker, shapes, stage.takes, device) for _ in
-                            range(microbatches)]
-            if stage.index < count - 1:
-                buffers += [_fresh(tracker, shapes, stage.gives, device) for _ in
-                            range(microbatches)]
-        try:
-            _warm(tracker, model, optimizer, params)
-            for step in (1,):
-                tracker.reset()
-                held: dict[tuple[int, int], tuple] = {}
-                kept = []  # the last stage's outputs, until the step ends
-                for kind, k, i in order:
-                    if k not in ours:
-                        continue
-                    stage = next(s for s in stages if s.index == k)
-                    if kind == FORWARD:
-                        tracker.phase, tracker.unit = f"F{i}", ""
-                        held[k, i] = _stage_forward(model, tracker, stage, shapes, dims,
-                                                    device, count)
-                        if k == count - 1:
-                            kept.append(held[k, i][1])
-                    elif kind == BACKWARD:
-                        tracker.phase, tracker.unit = f"B{i}", "backward"
-                        takes, gives, loss = held.pop((k, i))
-                        if loss is not None:
-                            if loss.requires_grad:
-                                loss.backward()
-                        else:
-                            outs = [g for g in gives if isinstance(g, torch.Tensor)
-                                    and g.requires_grad]
-                            with tracker.moving(device):
-                                grads = [torch.ones_like(g) for g in outs]
-                            if outs:
-                                torch.autograd.backward(outs, grads)
-                        del takes, gives, loss
-                tracker.phase, tracker.unit = "optimizer step", "optimizer"
-                _clip(graph, params)
-                if optimizer is not None:
-                    optimizer.step()
-                    _state(tracker, model, optimizer)
-                del kept, held
-            extra = _unknown_state(model, optimizer, params)
-        finally:
-            for h in hooks:
-                h.remove()
-            for p in params:
-                p.grad = None
-        del buffers
-    memory = _result(tracker, [device], {}, extra)[0]
-    return memory
-
-
-def _fresh(tracker: _Tracker, shapes, variables, device: str) -> list[torch.Tensor]:
-    out = []
-    with tracker.moving(device):
-        for v in variables:
-            if v in shapes:
-                shape, dtype = shapes[v]
-                out.append(torch.empty(shape, dtype=dtype))
-    return out
-
-
-def _stage_forward(model: _Model, tracker: _Tracker, stage, shapes, dims, device: str,
-                   count: int) -> tuple:
-    """Stage ``stage``'s forward on one micro-batch: (what it took, what it
-    gives, the last stage's loss or None)."""
-    graph = model.graph
-    env: dict[str, Any] = {}
-    with tracker.moving(device):
-        for v in stage.takes:
-            if v in shapes:
-                shape, dtype = shapes[v]
-                x = torch.empty(shape, dtype=dtype)
-                if stage.index > 0 and dtype.is_floating_point:
-                    x.requires_grad_(True)
-                env[v] = x
-        if stage.index == 0:  # the micro-batch itself, made by the program
-            inputs, _ = _batch(graph, dims)
-            for t, x in zip(graph.inputs, inputs):
-                env[t.var] = x
-    takes = [env.get(v) for v in stage.takes]
-    with _autocast(graph):
-        model.run_sections(tracker, [stage.section], env, device)
-        gives = [env.get(v) for v in stage.gives]
-        loss = None
-        if stage.index == count - 1:
-            with tracker.on(device, "loss"):
-                _, targets = _batch(graph, dims)
-            outputs = dict(zip(graph.outputs, gives))
-            loss = model.losses(tracker, outputs, targets)
-    del env
-    return takes, gives, loss
+        if optimizer is None:
+            train = model.graph.train
+            factor = optimizer_state(train.optimizer, dict(train.optimizer_kwargs))
+            return factor * _bytes(params), 0
+        for p in params:
+            tracker.add(p, device, "weights")
+        _warm(tracker, model, optimizer, params)
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        tracker.phase = "optimizer step"
+        begin = tracker.total[device]
+        state = tracker.parts[device]["optimizer"]
+        tracker.reset()
+        optimizer.step()
+        peak = tracker.peak.get(device, (begin,))[0] - begin
+        for p in params:
+            p.grad = None
+        optimizer.state.clear()
+    return state, peak
 
 
 # -- capacity ------------------------------------------------------------------

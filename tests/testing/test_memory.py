@@ -49,6 +49,7 @@ def test_the_cpu_peak_equals_torchs_mem_tracker(make, shape, optimizer):
     x, y = torch.randn(shape), torch.randint(0, 10, (shape[0],))
     step = _step(model, opt, x, y)
     ours = measure_training_step(step, model, opt, extra=(x, y))["cpu"]
+    assert opt.param_groups[0].get("foreach", None) is None  # the CPU's default, untouched
     opt.zero_grad(set_to_none=True)
     theirs = MemTracker()
     theirs.track_external(model, opt, x, y)
@@ -116,6 +117,8 @@ def test_per_device_peaks_on_virtual_devices():
         vd.reset_peak()
         peaks = measure_training_step(step, model, opt, extra=(x, y))
         expected = vd.peak_bytes  # the virtual devices' own count of the same storages
+    # Adam's default resolved as on CUDA: the foreach kernels (the CPU's: a loop).
+    assert opt.param_groups[0]["foreach"] is True
     assert [d for d in peaks if d != "cpu"] == ["cuda:0", "cuda:1"]
     assert {d: peaks[d].peak for d in ("cuda:0", "cuda:1")} == expected
     # cuda:0 holds ~50x the weights of cuda:1, and with Adam the weights,

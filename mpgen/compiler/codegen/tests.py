@@ -133,6 +133,18 @@ def memory_facts(graph: Graph) -> tuple[int, dict[str, tuple[int, dict[str, int]
                           for d in memory.train}
 
 
+def _transfers_in_order(graph: Graph) -> list[Transfer]:
+    """The transfers forward makes, in order: the plan's; micro-batched, each
+    stage's once per micro-batch, in the order of the wavefront (at tick t,
+    stage k runs micro-batch t - k, later stages first)."""
+    if graph.pipeline is None:
+        return list(graph.plan.transfers)
+    sections = [s.section for s in stages(graph)]
+    m, k = graph.pipeline.microbatches, len(sections)
+    return [t for tick in range(m + k - 1) for stage in reversed(range(k))
+            if 0 <= tick - stage < m for t in sections[stage].transfers]
+
+
 def value_code(value: object) -> str:
     """A fact (tuples, lists, dicts of strings, ints and None) as Python
     source in black's spelling, on one line."""

@@ -262,16 +262,18 @@ def _replace_spec(path: str | Path, new_text: str, root, time_limit,
 # stages under 1F1B, as the program's own default is); of those the smallest
 # that fits, as the program would choose, so that ``microbatches:`` changes
 # only where the spec's own count no longer fits (or no longer divides).
-# The search doubles from the smallest candidate until a batch fails, then
-# bisects between the last that fitted and the first that failed: the plan
-# grows with the batch (activations, the batch itself, transients) and
-# nothing shrinks, so the boundary is one. The answer is then checked the
-# way it will be used: the spec rewritten with it is compiled (its shapes at
-# that batch, an automatic placement chosen again, the build's own capacity
-# check) and its own plan must fit; where it does not (an automatic layout
-# chosen differently at that batch), the bisection goes on below it over
-# compiled specs. The next candidate above the answer is shown failing, with
-# its device and need, so the answer's margin is visible.
+# The search starts at the spec's batch and doubles until a batch fails (or
+# halves until one fits), then bisects between the last that fitted and the
+# first that failed: the plan grows with the batch (activations, the batch
+# itself, transients) and nothing shrinks, so the boundary is one. The
+# answer is then checked the way it will be used: the spec rewritten with
+# it is compiled (its shapes at that batch, an automatic placement chosen
+# again, the build's own capacity check) and its own plan must fit, and so
+# must not the spec rewritten with the next candidate. Where the two
+# disagree (an automatic layout chosen differently at that batch), the
+# search goes on over compiled specs, down or up. The next candidate's
+# binding device and need (or its build error) are shown, so the answer's
+# margin is visible.
 
 #: The runs of the memory plan a capacity bounds (inference runs no step).
 FIT_RUNS = ("train", "pipeline")
@@ -373,11 +375,15 @@ def fit(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
         raise MpgenError(None, "mpgen place --fit: no input has a 'batch' dim, so "
                          "train.batch_size changes no memory")
     search = _Search(graph, caps)
-    if not search.fits(search.step):
-        need = search.need(search.step)
-        raise MpgenError(None, f"mpgen place --fit: not even a batch of {search.step} fits: "
-                         f"{need}{_largest(need)}")
-    good, bad = search.step, None
+    # from the spec's batch: doubling up while it fits, else halving down until it does
+    step = search.step
+    good, bad = max(step, min(dict(graph.dims)["batch"], search.most) // step * step), None
+    while not search.fits(good):
+        if good == step:
+            need = search.need(step)
+            raise MpgenError(None, f"mpgen place --fit: not even a batch of {step} fits: "
+                             f"{need}{_largest(need)}")
+        good, bad = max(step, good // 2 // step * step), good
     while bad is None:
         if good * 2 > search.most:
             if search.fits(search.most):
@@ -462,15 +468,22 @@ class _Search:
         return self._plans[key]
 
     def candidates(self, batch: int) -> list[Optional[int]]:
-        """The micro-batch counts ``pp_<name>.py`` accepts at ``batch``, the
-        smallest first (None: no pipeline)."""
+        """The micro-batch counts ``pp_<name>.py`` accepts at ``batch`` that
+        are tried, the smallest first: the smallest, then the first at or
+        above twice the one before, :data:`_MOST_COUNTS` at most (None: no
+        pipeline)."""
         pipeline = self.graph.pipeline
         if pipeline is None:
             return [None]
         part = batch // self.dp
         least = max(pipeline.microbatches, self.stages if pipeline.schedule == "1f1b" else 1)
-        counts = [m for m in range(min(least, part), part + 1) if part % m == 0]
-        return counts[:_MOST_COUNTS]
+        counts: list[Optional[int]] = []
+        for m in range(min(least, part), part + 1):
+            if part % m == 0 and (not counts or m >= 2 * counts[-1]):
+                counts.append(m)
+                if len(counts) == _MOST_COUNTS:
+                    break
+        return counts
 
     def needs(self, plan: MemoryPlan) -> list[Need]:
         return [Need(m.device, run, m.peak, self.capacity[m.device], m.largest)
@@ -508,8 +521,9 @@ class _Search:
         return lo * self.step
 
 
-#: Micro-batch counts tried at one batch, at most (the smallest divisors).
-_MOST_COUNTS = 8
+#: Micro-batch counts tried at one batch, at most: more micro-batches hold
+#: fewer samples each in flight, with diminishing returns.
+_MOST_COUNTS = 3
 
 
 @dataclass(frozen=True)

@@ -87,7 +87,8 @@ def compile_loaded(loaded: LoadedSpec, root: str | Path | None = None,
         graph = costs.measure_graph(graph, budget)
         if not place:
             return graph
-        with budget.task(graph.pos, f"placement of model {graph.name!r}", "too much work"):
+        with budget.task(graph.pos, f"placement of model {graph.name!r}",
+                         "the spec asks for too much work to build in that time"):
             placed = placement.place(graph, None)
     return placed
 
@@ -97,10 +98,11 @@ def split_spec(loaded: LoadedSpec, starts: Sequence[str]) -> LoadedSpec:
     unit first) beginning a stage of its own on ``cuda:K``, as one
     micro-batch of the whole batch: the stages a profile or a benchmark
     times. The path stays the spec's (its modules and data resolve as
-    there)."""
+    there); its capacities go (they name the spec's devices, not these)."""
     import yaml
 
     data = dict(loaded.data)
+    data.pop("capacity", None)
     data["placement"] = {label: f"cuda:{k}" for k, label in enumerate(starts)}
     data["pipeline"] = {"microbatches": 1, "schedule": "gpipe"}
     return load_text(yaml.safe_dump(data, sort_keys=False), loaded.path)
@@ -346,15 +348,15 @@ def profile(path: str | Path, devices: Optional[Sequence[str]] = None,
 def _profile(path, devices, root, warmup, repeats, time_limit, clock) -> tuple[Path, str]:
     import torch
 
-    loaded = load_file(path)
-    graph = compile_loaded(loaded, root, time_limit, place=False)
-    units = graph.costs.units
     devices = list(devices or machine_devices())
     known = machine_devices()
     for device in devices:
         if device not in known:
             raise MpgenError(Position(str(path)), f"profile: no device {device!r} on this "
                                                   f"machine ({', '.join(known)})")
+    loaded = load_file(path)
+    graph = compile_loaded(loaded, root, time_limit, place=False)
+    units = graph.costs.units
     kinds: dict[str, list[str]] = {}
     for device in devices:
         kinds.setdefault(device_name(device), []).append(device)

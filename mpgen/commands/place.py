@@ -64,6 +64,7 @@ from mpgen.compiler.placement.explicit import place_explicit
 from mpgen.errors import MpgenError, Position
 from mpgen.files import reason
 from mpgen.spec_schema.load import read_spec
+from mpgen.spec_schema.models import TrainSpec
 
 
 @dataclass(frozen=True)
@@ -314,12 +315,8 @@ class Fit:
     capacity: tuple[tuple[str, int], ...]
     root: str | Path | None = None
     time_limit: Optional[float] = DEFAULT_TIME_LIMIT
-
-    @property
-    def before(self) -> tuple[int, Optional[int]]:
-        """The spec's batch and micro-batch count."""
-        pipeline = self.graph.pipeline
-        return dict(self.graph.dims)["batch"], pipeline.microbatches if pipeline else None
+    spec: str = ""  # as given
+    before: tuple[int, Optional[int]] = (0, None)  # the spec's batch and micro-batch count
 
 
 def parse_capacity(text: str) -> dict[str, int]:
@@ -360,7 +357,12 @@ def fit(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
     ``device_map``) replacing it device by device. Raises
     :class:`MpgenError`: no capacity, no batch dim, or not even the smallest
     batch fits (one line naming the device and its need)."""
-    graph = compile_spec(path, device_map, root, time_limit)
+    try:
+        graph = compile_spec(path, device_map, root, time_limit)
+        before = (dict(graph.dims).get("batch"),
+                  graph.pipeline.microbatches if graph.pipeline else None)
+    except MpgenError as exc:  # its own batch over its own capacity, say: from a smaller one
+        graph, before = _smaller(path, device_map, root, time_limit, exc)
     caps = {**spec_capacity(graph), **(capacity or {})}
     if not caps:
         raise MpgenError(None, "mpgen place --fit: no device has a capacity: give one with "
@@ -395,11 +397,11 @@ def fit(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
         else:
             bad = good * 2
     good = search.bisect(good, bad)
-    good, built, above = _verified(path, graph, search, good, root, time_limit)
+    good, built, above = _verified(path, graph, search, good, device_map, root, time_limit)
     compiled = built.graph
     return Fit(graph, good, compiled.pipeline.microbatches if compiled.pipeline else None,
                compiled.memory, built.detail, above and (above[0], above[1].detail),
-               tuple(caps.items()), root, time_limit)
+               tuple(caps.items()), root, time_limit, str(path), before)
 
 
 def _largest(need: Need) -> str:
@@ -412,7 +414,7 @@ def fit_lines(found: Fit) -> list[str]:
     """What ``mpgen place --fit`` prints: the answer, the binding device at
     it and at the next batch, and each device's peaks."""
     batch, count = found.before
-    spec = found.graph.spec_path
+    spec = found.spec
     answer = f"train.batch_size {found.batch}"
     if found.microbatches is not None:
         answer += f", pipeline.microbatches {found.microbatches}"
@@ -536,7 +538,7 @@ class _Built:
     detail: "Need | str"
 
 
-def _verified(path, graph: Graph, search: _Search, batch: int, root,
+def _verified(path, graph: Graph, search: _Search, batch: int, device_map, root,
               time_limit) -> tuple[int, _Built, tuple[int, _Built] | None]:
     """The largest batch whose rewritten spec compiles and whose own plan
     fits, searched from ``batch`` (the plan's answer on the spec's layout),
@@ -549,7 +551,7 @@ def _verified(path, graph: Graph, search: _Search, batch: int, root,
         if b not in built:
             written = fit_text(text, b, search.microbatches(b), str(path))
             try:
-                compiled = _compiled(path, written, root, time_limit)
+                compiled = _compiled(path, written, device_map, root, time_limit)
             except MpgenError as exc:
                 built[b] = _Built(False, None, str(exc).splitlines()[0])
             else:
@@ -580,7 +582,8 @@ def _verified(path, graph: Graph, search: _Search, batch: int, root,
         failed = truth(step).detail
         raise MpgenError(None, f"mpgen place --fit: the spec at a batch of {step} does not fit: "
                          f"{failed}{_largest(failed) if isinstance(failed, Need) else ''}")
-    return lo * step, truth(lo * step), (hi * step, truth(hi * step))
+    above = None if hi * step > search.most else (hi * step, truth(hi * step))
+    return lo * step, truth(lo * step), above
 
 
 def _binding(needs: Sequence[Need]) -> Need:
@@ -588,7 +591,29 @@ def _binding(needs: Sequence[Need]) -> Need:
     return max(needs, key=lambda n: (n.peak / n.capacity, n.peak))
 
 
-def _compiled(path, text: str, root, time_limit) -> Graph:
+def _smaller(path, device_map, root, time_limit,
+             error: MpgenError) -> tuple[Graph, tuple[int, Optional[int]]]:
+    """The spec compiled at the smallest batch its pipeline takes (``dp``
+    times ``microbatches``, as it states them), where it does not compile at
+    its own (its plan over its capacity), and the batch and micro-batch count
+    it states; raises ``error`` where it does not compile at that batch either."""
+    text = read_spec(path)
+    root_node = _root_mapping(text, str(path))
+    train = _child(root_node, "train")
+    pipeline = _child(root_node, "pipeline")
+    stated = [_child(_child(train, "dims"), "batch"), _child(train, "batch_size"),
+              _child(pipeline, "dp"), _child(pipeline, "microbatches")]
+    batch, size, dp, count = (int(n.value) if isinstance(n, yaml.ScalarNode)
+                              and n.value.isdigit() else None for n in stated)
+    try:
+        graph = _compiled(path, fit_text(text, (dp or 1) * (count or 1), None, str(path)),
+                          device_map, root, time_limit)
+    except MpgenError:
+        raise error from None
+    return graph, (batch or size or TrainSpec.model_fields["batch_size"].default, count)
+
+
+def _compiled(path, text: str, device_map, root, time_limit) -> Graph:
     """``text`` compiled as the spec ``path`` would be, from a copy beside it."""
     target = Path(os.path.realpath(path))
     try:  # beside it: its folder and project are the spec's
@@ -598,12 +623,13 @@ def _compiled(path, text: str, root, time_limit) -> Graph:
         with tempfile.TemporaryDirectory(prefix="mpgen-fit-") as folder:
             copy = Path(folder) / target.name
             copy.write_text(text, encoding="utf-8")
-            return compile_spec(copy, root=root if root is not None else target.parent,
+            return compile_spec(copy, device_map,
+                                root=root if root is not None else target.parent,
                                 time_limit=time_limit)
     try:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
-        return compile_spec(tmp, root=root, time_limit=time_limit)
+        return compile_spec(tmp, device_map, root=root, time_limit=time_limit)
     finally:
         os.unlink(tmp)
 

@@ -9,6 +9,7 @@ from helpers import build_to, mpgen, write_spec
 from mpgen.commands.place import fit, write_fit
 from mpgen.compiler.driver import compile_spec
 from mpgen.compiler.placement.memory import plan
+from mpgen.errors import MpgenError
 from run_generated import train_one_step
 
 PLAIN = """\
@@ -161,3 +162,24 @@ def test_no_capacity_or_an_unknown_device_is_a_usage_error(tmp_path, args, messa
     assert ran.returncode == 2
     [line] = ran.stderr.splitlines()
     assert line.startswith(message)
+
+
+def test_a_spec_over_its_own_capacity_gets_a_batch_that_builds(tmp_path):
+    over = PLAIN.replace("batch_size: 8", "batch_size: 4096") + (
+        "capacity: {cuda:0: 300KiB, cuda:1: 250KiB}\n")
+    spec = write_spec(tmp_path, over)
+    with pytest.raises(MpgenError, match="needs .* but its capacity is"):
+        compile_spec(spec)  # the build refuses it
+    found = fit(spec)
+    assert found.before == (4096, None)
+    assert 8 < found.batch < 4096
+    write_fit(spec, found)
+    assert dict(compile_spec(spec).dims)["batch"] == found.batch  # it builds now
+
+
+def test_device_map_renames_the_devices_capacities_name(tmp_path):
+    spec = write_spec(tmp_path, PLAIN)
+    plain = fit(spec, capacity={"cuda:0": 300 * KIB, "cuda:1": 250 * KIB})
+    mapped = fit(spec, {"cuda:1": "cuda:2"}, capacity={"cuda:0": 300 * KIB, "cuda:2": 250 * KIB})
+    assert mapped.batch == plain.batch
+    assert mapped.need.device == {"cuda:1": "cuda:2"}.get(plain.need.device, plain.need.device)

@@ -14,7 +14,7 @@ from typing import Iterable, Mapping, Optional, Sequence
 from mpgen.compiler import frontend, placement
 from mpgen.compiler.analysis import costs, shapes, targets
 from mpgen.compiler.analysis.budget import Budget
-from mpgen.compiler.codegen import common, model, pp, report, tests, train
+from mpgen.compiler.codegen import common, model, pp, predict, report, tests, train
 from mpgen.compiler.codegen.format import check_source
 from mpgen.compiler.frontend.eager_torch import eager_torch
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
@@ -72,6 +72,7 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
         names["train"]: train.render_train,
         names["test"]: tests.render_test,
         names["pp"]: pp.render_pp,
+        names["predict"]: predict.render_predict,
         names["report"]: report.render_report,
     }
     files = {}

@@ -42,6 +42,7 @@ def file_names(graph: Graph) -> dict[str, str]:
         "train": f"{train_stem}.py",
         "test": f"{test_stem}.py",
         "pp": f"{pp_stem}.py",
+        "predict": f"predict_{stem}.py",
         "report": f"{stem}.placement.md",
     }
 

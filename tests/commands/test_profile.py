@@ -178,3 +178,16 @@ def test_mpgen_profile_writes_every_unit_and_device_and_the_build_reads_it(tmp_p
     assert graph.layout.auto.split.bottleneck > 0
     ran = mpgen("profile", str(path), "--device", "cuda:99")
     assert ran.returncode == 2 and "no device 'cuda:99' on this machine" in ran.stderr
+
+
+def test_check_sees_a_changed_profile(tmp_path):
+    """The profile is not in the spec's digest: a spec with one is always
+    compiled, so a new profile makes the generated files not current."""
+    path, out = spec(tmp_path), tmp_path / "out"
+    hand_profile(path, [1, 1, 1, 1, 1, 1, 30])
+    assert mpgen("build", str(path), "-o", str(out)).returncode == 0
+    hand_profile(path, [30, 1, 1, 1, 1, 1, 1])
+    ran = mpgen("check", str(path), "-o", str(out))
+    assert ran.returncode == 1 and "not current" in ran.stderr
+    changed = [line for line in ran.stdout.splitlines() if line.startswith(("-  ", "+  "))]
+    assert any("costs=" in line for line in changed), ran.stdout  # the stage times moved

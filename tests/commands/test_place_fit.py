@@ -115,7 +115,7 @@ def test_the_cli_prints_the_binding_device_and_writes_the_spec(tmp_path):
     ran = mpgen("place", str(spec), "--fit", "--capacity", "cuda:0=300KiB,cuda:1=250KiB")
     assert ran.returncode == 0, ran.stderr
     lines = ran.stdout.splitlines()
-    assert lines[0].startswith(f"# spec.yaml: the largest batch that fits: train.batch_size ")
+    assert lines[0].startswith(f"# {spec}: the largest batch that fits: train.batch_size ")
     assert lines[0].endswith("(the spec: batch_size 8)")
     assert lines[1].startswith("binding at batch ") and " needs " in lines[1]
     assert "(does not fit)" in lines[2]

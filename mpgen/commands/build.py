@@ -185,11 +185,13 @@ def compiled(result: Generated, device_map: Optional[Mapping[str, str]],
     user_code = any(_user_nodes(graph)) or bool(graph.train and graph.train.modules)
     entry = manifest.entry(graph.spec_path, _key(graph.spec_hash, device_map), result.files,
                            _summary(graph), source, graph.spec_hash, user_code)
+    from mpgen.compiler.analysis.schedule import profile_notes
     from mpgen.compiler.codegen.pp import batch_norm_notes
 
     notes = tuple(path_notes([result], out_dir)) if out_dir is not None else ()
-    return Built(result.spec_path, result.files, entry, result,
-                 notes + tuple(batch_norm_notes(graph)), False, (graph.name, graph.pos))
+    notes += tuple(batch_norm_notes(graph)) + tuple(profile_notes(graph))
+    return Built(result.spec_path, result.files, entry, result, notes, False,
+                 (graph.name, graph.pos))
 
 
 #: How a spec names torch's own functions: a dotted op with another prefix is

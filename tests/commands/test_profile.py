@@ -191,3 +191,14 @@ def test_check_sees_a_changed_profile(tmp_path):
     assert ran.returncode == 1 and "not current" in ran.stderr
     changed = [line for line in ran.stdout.splitlines() if line.startswith(("-  ", "+  "))]
     assert any("costs=" in line for line in changed), ran.stdout  # the stage times moved
+
+
+def test_a_stale_profile_is_said_so_at_build(tmp_path):
+    path = write_spec(tmp_path, SPEC.replace("DEVICES", "[cuda:0, cuda:1]")
+                      .replace("balance: time", "balance: flops"))
+    hand_profile(path, [1] * 6, units=UNITS[:6])
+    ran = mpgen("build", str(path), "-o", str(tmp_path / "out"))
+    assert ran.returncode == 0, ran.stderr
+    assert (f"{profile_path(path)}:1:1: note: this profile is stale (it times 6 units and the "
+            "spec has 7: the model changed since it was measured), so the pipeline's predicted "
+            "times are the cost model's") in ran.stderr

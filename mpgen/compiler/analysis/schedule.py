@@ -654,3 +654,15 @@ def measured_times(graph: Graph, runs: Sequence[tuple[int, int, str]],
     names = dict(profile.kinds)
     return Pipeline(tuple(forward), tuple(backward), tuple(transfers),
                     tuple(device for _, _, device in runs), tuple(names[k] for k in kinds))
+
+
+def profile_notes(graph: Graph) -> list[str]:
+    """``PROFILE:1:1: note: ...`` when the spec's profile is stale: it is not
+    used (the predicted times are the cost model's), and that is said, not
+    silent. (Under ``balance: time`` a stale profile is an error instead.)"""
+    profile = graph.profile
+    why = profile.stale(graph.costs) if profile is not None and graph.costs else None
+    if why is None:
+        return []
+    return [f"{profile.path}:1:1: note: this profile is stale ({why}), so the pipeline's "
+            f"predicted times are the cost model's; rerun `mpgen profile {graph.spec_path}`"]

@@ -939,7 +939,14 @@ def trains(module: nn.Module) -> bool:
 
 
 def train(stages: Stages, argv: list[str] | None = None) -> None:
-    """``pp_<name>.py``: parse the flags, start the process groups, train."""
+    """``pp_<name>.py``: parse the flags, start the process groups, train
+    (``--predict ...``: predict.pipeline, forward only)."""
+    given = argv if argv is not None else sys.argv[1:]
+    if given[:1] == ["--predict"]:
+        from .predict import pipeline as forward_only
+
+        forward_only(stages, given[1:])
+        return
     parser = flags.parser(stages.training, stages)
     args = parser.parse_args(argv)
     if args.merge:

@@ -379,7 +379,7 @@ def join(parts: list, layout, sizes: list) -> torch.Tensor:
     return torch.cat(parts, layout)
 
 
-def first(x: torch.Tensor, layout, size: int, keep: int) -> torch.Tensor:
+def first_samples(x: torch.Tensor, layout, size: int, keep: int) -> torch.Tensor:
     """The first ``keep`` samples of a batch of ``size`` (a padded one's real ones)."""
     if layout is None or keep == size:
         return x
@@ -599,3 +599,207 @@ def finish(found: dict, out: Optional[str]) -> None:
     except OSError as error:
         sys.exit(f"--out {out}: cannot write it ({error})")
     print(f"wrote {out}: {shapes}")
+
+
+# -- the pipeline program ---------------------------------------------------------
+
+
+def facts(stages: Stages) -> Predicting:
+    """predict_<name>.py's facts, beside pp_<name>.py (the same build's)."""
+    import importlib
+
+    name = f"predict_{stages.training.run}"
+    try:
+        return importlib.import_module(name).PREDICTING
+    except ModuleNotFoundError as error:
+        if error.name != name:
+            raise
+        sys.exit(
+            f"pp_{stages.training.run}.py --predict needs {name}.py beside it (rebuild)"
+        )
+
+
+def padded(batch: tuple, dims: tuple, size: int, whole: int) -> tuple:
+    """A batch of ``size`` samples made ``whole`` by copies of its last sample
+    (the pipeline's micro-batches are equal: NOTE [Predicting in batches])."""
+    if size == whole:
+        return batch
+    found = []
+    for x, d in zip(batch, dims):
+        if x is None or d is None:
+            found.append(x)
+            continue
+        if isinstance(d, tuple):
+            k, place = d
+            grouped = x.unflatten(k, (size, -1) if place == 0 else (-1, size))
+            last = grouped.narrow(k + place, size - 1, 1)
+            more = last.expand(
+                *[whole - size if i == k + place else -1 for i in range(grouped.dim())]
+            )
+            found.append(torch.cat([grouped, more], k + place).flatten(k, k + 1))
+            continue
+        last = x.narrow(d, size - 1, 1)
+        more = last.expand(*[whole - size if i == d else -1 for i in range(x.dim())])
+        found.append(torch.cat([x, more], d))
+    return tuple(found)
+
+
+def pipeline(stages: Stages, argv: list[str]) -> None:
+    """``pp_<name>.py --predict ...`` under torchrun: a rank per stage, the
+    weights each rank's keys of the checkpoint, torch's forward-only
+    schedule (ScheduleGPipe's eval) over the batches in order, the first
+    stage's rank reading the inputs and the last stage's the targets; that
+    rank gathers the outputs and writes --out."""
+    import torch.distributed as dist
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    from . import launch, mesh
+    from .pipeline import examples, sendable
+
+    predicting = facts(stages)
+    training = predicting.training
+    p = parser(predicting, stages)
+    args = p.parse_args(argv)
+    check(p, args)
+    count = len(stages.stages)
+    m = args.microbatches or stages.microbatches
+    if args.batch_size % m:
+        p.error(
+            f"--microbatches {m} must divide --batch-size {args.batch_size} (the stages exchange "
+            "equal micro-batches)"
+        )
+    device = launch.check_devices(stages)
+    command = f"torchrun --nproc-per-node {count} {stages.script} --predict ..."
+    if "RANK" not in environ:
+        mesh.stop(f"run it under torchrun: {command}")
+    if int(environ["WORLD_SIZE"]) != count:
+        mesh.stop(
+            f"--predict runs {count} stages on {count} ranks, but torchrun started "
+            f"{environ['WORLD_SIZE']}: {command}"
+        )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    wait = timedelta(seconds=args.timeout)
+    dist.init_process_group(backend, timeout=wait, **launch.attempt_store(wait))
+    try:
+        grid = mesh.make(stages, list(range(count)), 1, device.type, args.timeout)
+        (k,) = grid.mine
+        first, last = k == 0, k == count - 1
+        torch.manual_seed(args.seed)
+        module = stages.stages[k]().to(device)
+        keys = list(module.state_dict())
+        where = load_weights([module], keys, training, args) if keys else "(no weights)"
+        module.eval()
+        n = len(training.inputs)
+        dims = training.batch_dims[:n]
+        # The first and last ranks read the data (inputs; targets), in the same order.
+        shapes, stream, given, named = [None, 0], None, training, ""
+        if first or last:
+            data, given, named = read_data(training, args)
+            stream = in_order(data, given, args, named)
+            batch = next(stream, None)
+            if batch is None:
+                mesh.stop(f"{named}: gives no batch")
+            stream = _chain(batch, stream)
+            size = batch_size(batch, given.batch_dims)
+            whole = (
+                padded(batch[:n], dims, size, args.batch_size)
+                if size < args.batch_size
+                else batch[:n]
+            )
+            shapes = [[(tuple(x.shape), x.dtype) for x in whole], bool(given.targets)]
+        dist.broadcast_object_list(shapes, src=0)
+        found = examples(stages, shapes[0], m)
+        given_in, made = found[k]
+        if not last:
+            module.register_forward_hook(sendable(tuple(x.dtype for x in made)))
+        stage = PipelineStage(
+            module, k, count, device, given_in, made, group=grid.pp_group
+        )
+        chunks = [TensorChunkSpec(d) if d is not None else _Replicate() for d in dims]
+        schedule = pipelining.ScheduleGPipe(stage, m, args_chunk_spec=tuple(chunks))
+        # The last stage keeps each micro-batch's outputs (stage.output_chunks),
+        # joined here along each output's layout, not by torch's merge (dim 0).
+        schedule._merge_outputs = lambda chunks: None
+        scores = Scores(predicting) if last and shapes[1] else None
+        loss_fns = training.losses() if scores is not None else ()
+        outputs = Outputs(predicting)
+        progress = bar(None) if last else None
+        started, samples = time.perf_counter(), 0
+        with torch.no_grad():
+            while True:
+                batch = next(stream, None) if stream is not None else None
+                more = [batch is not None]
+                dist.broadcast_object_list(more, src=0)
+                if not more[0]:
+                    break
+                size = batch_size(batch, given.batch_dims) if batch is not None else 0
+                if batch is not None and size > args.batch_size:
+                    mesh.stop(
+                        f"{named}: a batch of {size} samples, more than --batch-size {args.batch_size}"
+                    )
+                inputs = ()
+                if first:
+                    whole = padded(batch[:n], dims, size, args.batch_size)
+                    if [(tuple(x.shape), x.dtype) for x in whole] != shapes[0]:
+                        mesh.stop(
+                            f"{named}: a batch shaped {[list(x.shape) for x in whole]}, where the first "
+                            f"was {[list(s) for s, _ in shapes[0]]}; the stages take one shape"
+                        )
+                    inputs = tuple(x.to(device) for x in whole)
+                with autocast(device.type, args.amp):
+                    schedule.eval(*inputs)
+                if not last:
+                    continue
+                each = _joined(stage.output_chunks, predicting, args.batch_size // m)
+                each = tuple(
+                    first_samples(x, d, args.batch_size, size)
+                    for x, d in zip(each, predicting.output_dims or (0,) * len(each))
+                )
+                each = tuple(x.to("cpu") for x in each)
+                if scores is not None:
+                    targets = tuple(t for t in batch[n:])
+                    raw = each if len(each) > 1 else each[0]
+                    loss = stages.loss(raw, torch.arange(size), targets, loss_fns, 1)
+                    scores.add(loss, each, targets, size)
+                outputs.add(each, size)
+                samples += size
+                if progress is not None:
+                    progress.update(1)
+        if progress is not None:
+            progress.close()
+        if last:
+            seconds = time.perf_counter() - started
+            print(
+                f"{training.name}: {samples:,} samples of {named} through {count} stages from "
+                f"{where} in {seconds:.2f} s ({samples / max(seconds, 1e-9):,.1f} samples/s)"
+            )
+            if scores is not None:
+                print(scores.line(predicting.outputs))
+            finish(outputs.joined(), args.out)
+        dist.barrier()
+    finally:
+        launch.stop_beating()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _chain(head, rest):
+    yield head
+    yield from rest
+
+
+def _joined(chunks: list, predicting: Predicting, micro: int) -> tuple:
+    """The last stage's micro-batch outputs (``micro`` samples each) joined into the batch's."""
+    chunks = [c if isinstance(c, tuple) else (c,) for c in chunks]
+    layouts = predicting.output_dims or (0,) * len(chunks[0])
+    sizes = [micro] * len(chunks)
+    return tuple(
+        (
+            join([c[j] for c in chunks], layout, sizes)
+            if layout is not None
+            else chunks[0][j]
+        )
+        for j, layout in enumerate(layouts)
+    )

@@ -202,3 +202,17 @@ def test_a_stale_profile_is_said_so_at_build(tmp_path):
     assert (f"{profile_path(path)}:1:1: note: this profile is stale (it times 6 units and the "
             "spec has 7: the model changed since it was measured), so the pipeline's predicted "
             "times are the cost model's") in ran.stderr
+
+
+def test_a_profile_that_is_not_a_small_regular_file_is_refused(tmp_path):
+    path = spec(tmp_path)
+    profile_path(path).symlink_to("/dev/zero")  # never read to its end
+    with pytest.raises(MpgenError, match="cannot read profile: "):
+        read_profile(path)
+    profile_path(path).unlink()
+    profile_path(path).write_text("# " + "x" * (4 * 1024 * 1024) + "\n")
+    with pytest.raises(MpgenError, match="profile is larger than 4194304 bytes"):
+        read_profile(path)
+    profile_path(path).write_text("[1, 2]\n")
+    with pytest.raises(MpgenError, match="profile: the profile must be a mapping"):
+        read_profile(path)

@@ -8,7 +8,8 @@
 # or time: the milliseconds ``mpgen profile`` measured, NOTE [Measured
 # time] in commands/profile.py), and a device's load is the sum over its
 # stage divided by its ``speed`` (default 1; under ``time``, times the
-# measured speed of the device's kind relative to the first device's). ``compiler.partition`` returns the exact optimum of: smallest
+# measured speed of the device's kind relative to the first device's).
+# ``compiler.partition`` returns the exact optimum of: smallest
 # bottleneck (the largest load), then the fewest bytes crossing the cuts
 # (skip connections included), then each device in order taking as many
 # units as it can. Every device gets a unit (``use_all``) when there are at

@@ -15,6 +15,7 @@ from mpgen.compiler import frontend, placement
 from mpgen.compiler.analysis import costs, shapes, targets
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.codegen import common, model, pp, predict, report, tests, train
+from mpgen.compiler.codegen import generate as generate_codegen
 from mpgen.compiler.codegen.format import check_source
 from mpgen.compiler.frontend.eager_torch import eager_torch
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
@@ -75,6 +76,8 @@ def generate(path: str | Path, device_map: Optional[Mapping[str, str]] = None,
         names["predict"]: predict.render_predict,
         names["report"]: report.render_report,
     }
+    if generate_codegen.wanted(graph):  # a decoder: generate_<name>.py
+        renders[names["generate"]] = generate_codegen.render_generate
     files = {}
     with budget.active():
         for name, render in renders.items():

@@ -43,6 +43,7 @@ def file_names(graph: Graph) -> dict[str, str]:
         "test": f"{test_stem}.py",
         "pp": f"{pp_stem}.py",
         "predict": f"predict_{stem}.py",
+        "generate": f"generate_{stem}.py",  # decoders only (codegen/generate.py)
         "report": f"{stem}.placement.md",
     }
 

@@ -109,19 +109,39 @@ class KVAttention(nn.Module):
         super().__init__()
         self.cache: Optional[Cache] = None
 
-    def forward(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
-                scale=None, enable_gqa=False):
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
+        enable_gqa=False,
+    ):
         if self.cache is None:
             return F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
-                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                query,
+                key,
+                value,
+                attn_mask=attn_mask,
+                dropout_p=dropout_p,
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
             )
         # The model's own mask (a causal mask built from the sizes) is replaced
         # by the cache's, which knows the past and the padding.
         key, value = self.cache.extend(self, key, value)
         mask = self.cache.mask(query.size(-2), query.device)
         return F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout_p, scale=scale,
+            query,
+            key,
+            value,
+            attn_mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
             enable_gqa=enable_gqa,
         )
 
@@ -172,26 +192,63 @@ def parser(generating: Generating) -> argparse.ArgumentParser:
         "generated) are the last lines printed, one a prompt.",
     )
     add = p.add_argument
-    add("--prompt", metavar="IDS|TEXT", help="one prompt: ids (5,17,42), or text with --tokenizer")
+    add(
+        "--prompt",
+        metavar="IDS|TEXT",
+        help="one prompt: ids (5,17,42), or text with --tokenizer",
+    )
     add("--prompts", metavar="FILE", help="a batch of prompts, one a line")
-    add("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer (needs transformers)")
-    add("--checkpoint", metavar="PATH",
-        help="the weights: a train script's DIR (its last.pt), a pipeline checkpoint DIR or a file")
-    add("--init", metavar="FILE",
+    add(
+        "--tokenizer",
+        metavar="DIR",
+        help="a Hugging Face tokenizer (needs transformers)",
+    )
+    add(
+        "--checkpoint",
+        metavar="PATH",
+        help="the weights: a train script's DIR (its last.pt), a pipeline checkpoint DIR or a file",
+    )
+    add(
+        "--init",
+        metavar="FILE",
         help=f"the weights: a state dict of {name} (.pt or .safetensors), or a Hugging Face "
-        "save_pretrained folder")
-    add("--max-new-tokens", type=int, default=20, metavar="N", help="tokens to generate")
-    add("--temperature", type=float, default=0.0,
-        help="sampling temperature; 0: greedy, the most likely token (default)")
-    add("--top-k", type=int, default=0, metavar="K", help="sample among the K most likely")
-    add("--top-p", type=float, default=1.0, metavar="P",
-        help="sample among the most likely tokens whose probability adds up to P")
+        "save_pretrained folder",
+    )
+    add(
+        "--max-new-tokens", type=int, default=20, metavar="N", help="tokens to generate"
+    )
+    add(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature; 0: greedy, the most likely token (default)",
+    )
+    add(
+        "--top-k",
+        type=int,
+        default=0,
+        metavar="K",
+        help="sample among the K most likely",
+    )
+    add(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample among the most likely tokens whose probability adds up to P",
+    )
     add("--seed", type=int, default=0, help="the sampling's seed")
-    add("--stop", metavar="IDS",
+    add(
+        "--stop",
+        metavar="IDS",
         help="ids that end a sequence (default: the tokenizer's end of sequence, else the "
-        "eos_token_id of a config.json beside the weights)")
-    add("--no-cache", action="store_true",
-        help="run the whole window again for every token (no KV cache)")
+        "eos_token_id of a config.json beside the weights)",
+    )
+    add(
+        "--no-cache",
+        action="store_true",
+        help="run the whole window again for every token (no KV cache)",
+    )
     return p
 
 
@@ -199,8 +256,10 @@ def ids(text: str, where: str) -> list[int]:
     try:
         found = [int(part) for part in text.replace(" ", "").split(",") if part]
     except ValueError:
-        sys.exit(f"{where}: expected comma-separated token ids, got {text!r} "
-                 "(give --tokenizer DIR for text)")
+        sys.exit(
+            f"{where}: expected comma-separated token ids, got {text!r} "
+            "(give --tokenizer DIR for text)"
+        )
     if not found:
         sys.exit(f"{where}: an empty prompt")
     return found
@@ -210,12 +269,16 @@ def tokenizer(folder: str):
     try:
         import transformers
     except ImportError:
-        sys.exit(f"--tokenizer {folder}: reading a tokenizer needs transformers, which is not "
-                 "installed (pip install transformers), or give the prompts as ids")
+        sys.exit(
+            f"--tokenizer {folder}: reading a tokenizer needs transformers, which is not "
+            "installed (pip install transformers), or give the prompts as ids"
+        )
     try:
         return transformers.AutoTokenizer.from_pretrained(folder)
     except Exception as error:  # transformers raises many kinds
-        sys.exit(f"--tokenizer {folder}: {str(error).splitlines()[0] if str(error) else error!r}")
+        sys.exit(
+            f"--tokenizer {folder}: {str(error).splitlines()[0] if str(error) else error!r}"
+        )
 
 
 def prompts(args, tok) -> list[list[int]]:
@@ -228,14 +291,19 @@ def prompts(args, tok) -> list[list[int]]:
             text = pathlib.Path(args.prompts).read_text()
         except OSError as error:
             sys.exit(f"--prompts {args.prompts}: {error.strerror or error}")
-        lines = [(line, f"{args.prompts}:{k}") for k, line in enumerate(text.splitlines(), 1)
-                 if line.strip()]
+        lines = [
+            (line, f"{args.prompts}:{k}")
+            for k, line in enumerate(text.splitlines(), 1)
+            if line.strip()
+        ]
         if not lines:
             sys.exit(f"--prompts {args.prompts}: no prompt")
     if tok is None:
         return [ids(line, where) for line, where in lines]
-    return [tok(line, add_special_tokens=False)["input_ids"] or sys.exit(f"{where}: empty")
-            for line, where in lines]
+    return [
+        tok(line, add_special_tokens=False)["input_ids"] or sys.exit(f"{where}: empty")
+        for line, where in lines
+    ]
 
 
 def stops(args, tok) -> set[int]:
@@ -273,12 +341,16 @@ def check(generating: Generating, args, sequences: list[list[int]]) -> None:
     for k, prompt in enumerate(sequences, 1):
         bad = [i for i in prompt if not 0 <= i < (vocab or 2**63)]
         if bad:
-            sys.exit(f"prompt {k}: token id {bad[0]} is outside the vocabulary [0, {vocab})")
+            sys.exit(
+                f"prompt {k}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
     longest = max(map(len, sequences)) + args.max_new_tokens
     if generating.max_length is not None and longest > generating.max_length:
-        sys.exit(f"{generating.training.name} holds sequences of at most "
-                 f"{generating.max_length} tokens (its position table), and a prompt and "
-                 f"--max-new-tokens make {longest}")
+        sys.exit(
+            f"{generating.training.name} holds sequences of at most "
+            f"{generating.max_length} tokens (its position table), and a prompt and "
+            f"--max-new-tokens make {longest}"
+        )
 
 
 # -- decoding ---------------------------------------------------------------------
@@ -312,16 +384,21 @@ def bind(model: nn.Module, cache: Optional[Cache]) -> None:
             module.cache = cache
 
 
-def cached(model: nn.Module, batch: list[list[int]], args, stop: set[int],
-           generator: torch.Generator) -> tuple[list[list[int]], dict]:
+def cached(
+    model: nn.Module,
+    batch: list[list[int]],
+    args,
+    stop: set[int],
+    generator: torch.Generator,
+) -> tuple[list[list[int]], dict]:
     """The batch continued with the KV cache: one prefill over the (left
     padded) prompts, then one token per sequence per step."""
     longest = max(map(len, batch))
     window = torch.zeros(len(batch), longest, dtype=torch.long)
     padding = torch.zeros(len(batch), longest, dtype=torch.bool)
     for row, prompt in enumerate(batch):
-        window[row, longest - len(prompt):] = torch.tensor(prompt)
-        padding[row, longest - len(prompt):] = True
+        window[row, longest - len(prompt) :] = torch.tensor(prompt)
+        padding[row, longest - len(prompt) :] = True
     cache = Cache(padding)
     bind(model, cache)
     out = [list(p) for p in batch]
@@ -351,8 +428,13 @@ def cached(model: nn.Module, batch: list[list[int]], args, stop: set[int],
     return out, times
 
 
-def uncached(model: nn.Module, batch: list[list[int]], args, stop: set[int],
-             generator: torch.Generator) -> tuple[list[list[int]], dict]:
+def uncached(
+    model: nn.Module,
+    batch: list[list[int]],
+    args,
+    stop: set[int],
+    generator: torch.Generator,
+) -> tuple[list[list[int]], dict]:
     """The batch continued by running the whole window for every token;
     prompts of different lengths one by one (the model's forward takes no
     padding mask)."""
@@ -388,8 +470,9 @@ def uncached(model: nn.Module, batch: list[list[int]], args, stop: set[int],
     return out, times
 
 
-def continue_prompts(model: nn.Module, batch: list[list[int]], args, stop: set[int],
-                     use_cache: bool) -> tuple[list[list[int]], dict]:
+def continue_prompts(
+    model: nn.Module, batch: list[list[int]], args, stop: set[int], use_cache: bool
+) -> tuple[list[list[int]], dict]:
     """Each prompt followed by its generated ids (ending at a stop id, which
     is kept), and the time of the prefill and of the decoding."""
     generator = torch.Generator().manual_seed(args.seed)
@@ -409,8 +492,11 @@ def generate(generating: Generating, argv: list[str] | None = None) -> None:
     stop = stops(args, tok)
     use_cache = not args.no_cache and generating.cached is not None
     if not args.no_cache and generating.cached is None:
-        print(f"{training.name}: no KV cache ({generating.uncached}): the whole window runs "
-              "for every token", file=sys.stderr)
+        print(
+            f"{training.name}: no KV cache ({generating.uncached}): the whole window runs "
+            "for every token",
+            file=sys.stderr,
+        )
     torch.manual_seed(args.seed)
     model = (generating.cached if use_cache else training.model)()
     where = load_weights([model], list(model.state_dict()), training, args)
@@ -419,9 +505,11 @@ def generate(generating: Generating, argv: list[str] | None = None) -> None:
     made = sum(len(o) - len(p) for o, p in zip(out, batch))
     rate = times["decoded"] * len(batch) / max(times["decode"], 1e-9)
     how = "with the KV cache" if use_cache else "without a cache"
-    print(f"{training.name}: {made} tokens for {len(batch)} prompt(s) from {where} {how}: "
-          f"prefill {times['prefill'] * 1000:.1f} ms, decoding {rate:,.1f} tokens/s",
-          file=sys.stderr)
+    print(
+        f"{training.name}: {made} tokens for {len(batch)} prompt(s) from {where} {how}: "
+        f"prefill {times['prefill'] * 1000:.1f} ms, decoding {rate:,.1f} tokens/s",
+        file=sys.stderr,
+    )
     if tok is not None:
         for sequence in out:
             print(tok.decode(sequence))

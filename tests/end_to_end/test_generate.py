@@ -1,0 +1,136 @@
+"""generate_<name>.py run: the KV cache's generation equals the whole
+window's, token for token, for hand-written decoders (learned positions and
+a tied head: nano_gpt; rotary positions: tiny_llama) on the CPU and on two
+virtual devices; imported Hugging Face decoders generate what Hugging Face's
+generate does."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from bench.common import let_torchvision_import
+from helpers import EXAMPLES, build_to, import_generated
+from mpgen.testing import virtual_devices
+
+pytestmark = pytest.mark.slow
+
+GREEDY = types.SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, seed=0, max_new_tokens=12)
+SAMPLED = types.SimpleNamespace(temperature=0.8, top_k=8, top_p=0.9, seed=3, max_new_tokens=12)
+
+
+def _built(tmp_path, example: str, device_map):
+    result = build_to(EXAMPLES / example, tmp_path, device_map)
+    (name,) = [n for n in result.files if n.startswith("generate_")]
+    return import_generated(tmp_path / name)
+
+
+def _agree(generate_module, prompts, how) -> None:
+    runtime = generate_module.mpgen_runtime.generate
+    training = generate_module.GENERATING.training
+    torch.manual_seed(0)
+    plain = training.model().eval()
+    cached = generate_module.GENERATING.cached()
+    cached.load_state_dict(plain.state_dict())
+    cached.eval()
+    for batch in prompts:
+        with_cache, _ = runtime.continue_prompts(cached, batch, how, set(), True)
+        without, _ = runtime.continue_prompts(plain, batch, how, set(), False)
+        assert with_cache == without
+        assert all(len(o) == len(p) + how.max_new_tokens for o, p in zip(with_cache, batch))
+
+
+@pytest.mark.parametrize("example", ["nano_gpt.yaml", "tiny_llama.yaml"])
+def test_cached_and_uncached_agree_on_the_cpu(example, tmp_path):
+    module = _built(tmp_path, example, {"*": "cpu"})
+    _agree(module, [[[5, 17, 3]], [[1, 2, 3, 4], [9, 8, 7, 6]]], GREEDY)
+    _agree(module, [[[5, 17, 3]]], SAMPLED)
+
+
+@pytest.mark.parametrize("example", ["nano_gpt.yaml", "tiny_llama.yaml"])
+def test_cached_and_uncached_agree_on_two_virtual_devices(example, tmp_path):
+    module = _built(tmp_path, example, None)
+    with virtual_devices(cuda=2):
+        _agree(module, [[[5, 17, 3]], [[1, 2, 3, 4], [9, 8, 7, 6]]], GREEDY)
+
+
+def test_padding_is_never_attended(tmp_path):
+    """Left padding: a prompt's continuation in a batch is the same whatever
+    the padding ids are (rotary positions: only differences count, so it is
+    the prompt's alone too)."""
+    module = _built(tmp_path, "tiny_llama.yaml", {"*": "cpu"})
+    runtime = module.mpgen_runtime.generate
+    torch.manual_seed(0)
+    model = module.GENERATING.cached().eval()
+    batch, _ = runtime.continue_prompts(model, [[5, 6], [1, 2, 3, 4, 5]], GREEDY, set(), True)
+    alone, _ = runtime.continue_prompts(model, [[5, 6]], GREEDY, set(), True)
+    assert batch[0] == alone[0]
+
+
+HF = {
+    "gpt2": ("transformers:GPT2LMHeadModel",
+             {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
+              "bos_token_id": 0, "eos_token_id": 0}, "input_ids=batch,16:int64"),
+    "llama": ("transformers:LlamaForCausalLM",
+              {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2},
+              "input_ids=batch,seq:int64"),
+}
+
+
+@pytest.mark.parametrize("case", list(HF))
+@pytest.mark.parametrize("devices", ["cpu", "two"])
+def test_imported_hugging_face_decoders_generate_what_it_generates(case, devices, tmp_path):
+    pytest.importorskip("transformers")
+    let_torchvision_import()
+    from mpgen.commands import importer
+
+    target, config, tokens = HF[case]
+    root = importer.load_module(target, None, json.dumps(config))
+    imported = importer.import_module(root, [importer.parse_input(tokens)],
+                                      f"mpgen import {target}", 2 if devices == "two" else None,
+                                      tracer="dynamo")
+    spec = tmp_path / "imported.yaml"
+    spec.write_text(imported.text)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in root.parameters():
+            param.normal_(0, 0.3)
+    root.eval()
+    root.save_pretrained(tmp_path / "pretrained")
+    prompt = [5, 17, 42, 3]
+    expected = root.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 4, dtype=torch.long),
+                             do_sample=False, max_new_tokens=20)[0].tolist()
+    if devices == "cpu":
+        result = build_to(spec, tmp_path / "out", {"*": "cpu"})
+        (name,) = [n for n in result.files if n.startswith("generate_")]
+        weights = str(tmp_path / "pretrained" / "model.safetensors")
+        for flag in ([], ["--no-cache"]):
+            ran = subprocess.run(
+                [sys.executable, name, "--init", weights, "--prompt", "5,17,42,3",
+                 "--max-new-tokens", "20", "--temperature", "0", *flag],
+                cwd=tmp_path / "out", capture_output=True, text=True)
+            assert ran.returncode == 0, ran.stderr
+            assert ran.stdout.splitlines()[-1] == ",".join(map(str, expected))
+        return
+    result = build_to(spec, tmp_path / "out")
+    assert len(result.graph.devices) == 2
+    (name,) = [n for n in result.files if n.startswith("generate_")]
+    module = import_generated(tmp_path / "out" / name)
+    runtime = module.mpgen_runtime.generate
+    how = types.SimpleNamespace(**{**vars(GREEDY), "max_new_tokens": 20})
+    with virtual_devices(cuda=2):
+        for use_cache in (True, False):
+            model = (module.GENERATING.cached if use_cache
+                     else module.GENERATING.training.model)()
+            state = {imported.original_key(k): k for k in model.state_dict()}
+            model.load_state_dict({state.get(k, k): v for k, v in root.state_dict().items()
+                                   if k in state or k in model.state_dict()}, strict=False)
+            model.eval()
+            out, _ = runtime.continue_prompts(model, [prompt], how, set(), use_cache)
+            assert out[0] == expected

@@ -20,7 +20,9 @@ and inference, simulated once after placement (``graph.memory``).
 #   clip, and the optimizer's ``step`` (the single-tensor loop for a CPU
 #   build, ``foreach`` for CUDA, as torch picks). Two steps run; the second
 #   (optimizer state present, gradients set to None before forward, as the
-#   runtime's ``zero_grad(set_to_none=True)`` does) is the one measured.
+#   runtime's ``zero_grad(set_to_none=True)`` does) is the one measured;
+#   the first is stood in for by one optimizer step over zero gradients,
+#   which makes the same state.
 # - where a storage lives: a factory operator's on the device of the unit
 #   running; any other operator's on the device of its first tensor input
 #   already placed; a transfer's copy on the reader's device (and its
@@ -33,26 +35,33 @@ and inference, simulated once after placement (``graph.memory``).
 #   backward and the optimizer step make ``transient``. ``peak`` is the most
 #   bytes alive at once on the device; ``phase``, ``at_peak`` and
 #   ``largest`` (the units whose storages hold the most then) say where.
-# - pipeline: for each rank of the schedule (analysis/schedule.py's
-#   ``rank_orders``), its stages replay the rank's actions at the
-#   micro-batch size (batch / dp / microbatches): F runs the stage's section
-#   and holds its autograd graph, B runs its backward from a received
-#   gradient (the last stage: from its micro-batch's loss), then the
-#   optimizer steps. ``PipelineStage`` keeps a receive buffer per
-#   micro-batch for the activations it takes and for the gradients of those
-#   it gives, and the last stage keeps each micro-batch's output until the
-#   step ends: both are counted (``transfers``). A zero-bubble schedule's
-#   split backward (B then W) runs as one full backward at B; FSDP
-#   (``--dp-mode fsdp``) is not modelled: the plan is per replica. Keyed
-#   by the stage's device; a device holding several stages (looped, V) is
-#   one rank.
+# - pipeline: every micro-batch of a stage costs the same, so each stage
+#   runs once at the micro-batch size (batch / dp / microbatches), its
+#   gradients already there: F (its section, the last stage's loss) gives
+#   what it holds until its B and its highest point; B (from a received
+#   gradient, or the loss) gives its highest point and what it frees. The
+#   first micro-batch's B, which makes the gradients instead of adding into
+#   them, is derived from the same run (``_FirstBackward``). Then each rank
+#   of the schedule (analysis/schedule.py's ``rank_orders``) replays its
+#   order over these numbers: weights, optimizer state and
+#   ``PipelineStage``'s receive buffers (one per micro-batch for the
+#   activations a stage takes and for the gradients of those it gives:
+#   ``transfers``) always; what each F holds until its B; the last stage's
+#   outputs kept until the step ends; the gradients from a stage's first B;
+#   and the optimizer's step (measured over the rank's parameters) last.
+#   A zero-bubble schedule's split backward (B then W) counts as one full
+#   backward at B; FSDP (``--dp-mode fsdp``) is not modelled: the plan is
+#   per replica. Keyed by the stage's device; a device holding several
+#   stages (looped, V) is one rank. A tied parameter is counted on every
+#   stage that uses it: each has its copy in the pipeline program.
 # - inference: the forward at the batch under ``no_grad``, in eval mode.
 #
 # Left out: the CUDA context and the caching allocator's rounding and
 # fragmentation (the plan is what ``max_memory_allocated`` would see at best),
 # workspaces kernels allocate outside the dispatcher (cuBLAS, cuDNN), the
 # fp16 gradient scaler's few scalars, the data loader's prefetched batches,
-# and a user optimizer torch.optim does not know (its state is estimated as
+# oneDNN's LSTM workspace on the CPU (its fake kernel returns none), and a
+# user optimizer torch.optim does not know, or LBFGS (their state is
 # costs.optimizer_state's parameter-sized copies).
 """
 
@@ -68,7 +77,6 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from mpgen.compiler.analysis import meta
 from mpgen.compiler.analysis.budget import Budget
@@ -123,11 +131,13 @@ class _Tracker(TorchDispatchMode):
             kwargs = {**kwargs, "device": torch.device("cpu")}  # meta.build's device
         out = func(*args, **kwargs)
         found = None
-        for a in tree_flatten((args, kwargs))[0]:
+        for a in args:  # aten's tensor arguments: positional, or lists of them
             if isinstance(a, torch.Tensor):
-                found = self.live.get(_key(a))
-                if found is not None:
-                    break
+                found = self.live.get(a.untyped_storage()._cdata)
+            elif isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+                found = self.live.get(a[0].untyped_storage()._cdata)
+            if found is not None:
+                break
         if self.forced is not None:
             device, part = self.forced, "transfers"
         else:
@@ -144,9 +154,12 @@ class _Tracker(TorchDispatchMode):
                 if isinstance(t, torch.Tensor):
                     self.add(t, entry[0] if entry and self.forced is None else device, part)
             return out
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self.add(t, device, part)
+        if isinstance(out, torch.Tensor):
+            self.add(out, device, part)
+        elif isinstance(out, (list, tuple)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self.add(t, device, part)
         return out
 
     def add(self, t: torch.Tensor, device: str, part: str, unit: Optional[str] = None) -> None:

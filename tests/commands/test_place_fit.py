@@ -3,6 +3,9 @@ and --write putting it in the spec (NOTE [The largest batch that fits])."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from helpers import build_to, mpgen, write_spec
@@ -108,6 +111,12 @@ def test_a_pipeline_gets_a_batch_its_replicas_and_micro_batches_divide(tmp_path)
     out = tmp_path / "out"
     build_to(spec, out, CPU)
     assert "step 1" in train_one_step(out / "train_tiny.py").lower()
+    # the pipeline program takes the batch and count the spec now states: 2 stages x 2 replicas
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc-per-node", "4", "pp_tiny.py", "--steps", "1"], cwd=out,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "step 1/1  loss" in run.stdout
 
 
 def test_the_cli_prints_the_binding_device_and_writes_the_spec(tmp_path):

@@ -1,9 +1,9 @@
 """The memory plan against measured peaks: per device, per component, for
 the single-process training script and for the pipeline program.
 
-For each spec (a CNN with BatchNorm and SGD with momentum, a GPT with a tied
-head and AdamW, a multi-output model with AdamW, a residual MLP with Adam, a
-checkpointed pipeline), mpgen builds it into a temporary folder and the
+For each spec (CNNs with BatchNorm and SGD with momentum, a GPT with a tied
+head and a Llama without, both with AdamW, a multi-output model with AdamW,
+a residual MLP with Adam, a checkpointed pipeline), mpgen builds it into a temporary folder and the
 generated code is measured, never the plan's own machinery:
 
 * **train, cpu**: the ``--device-map cpu`` build's ``memory.train.cpu``
@@ -24,7 +24,7 @@ step (weights, gradients, optimizer state, activations) measured over
 planned. Each measurement runs in a fresh process (every output folder has
 its own ``mpgen_runtime`` and model modules).
 
-    python bench/memory_plan.py [--quick] [--no-pipeline]
+    python bench/memory_plan.py [--quick] [--no-pipeline] [--spec STEM ...]
     python -m bench --only memory
 """
 
@@ -50,7 +50,9 @@ from bench.common import PYTHON, ROOT, table  # noqa: E402
 #: (spec, what it stands for, a checkpoint: variant's devices or None).
 SPECS = (
     ("examples/small_cnn.yaml", "CNN, BatchNorm, SGD momentum", ["cuda:0"]),
+    ("examples/resnet18.yaml", "ResNet-18, BatchNorm, SGD momentum and weight decay", None),
     ("examples/nano_gpt.yaml", "GPT, tied head, AdamW", None),
+    ("examples/tiny_llama.yaml", "Llama, untied head, AdamW", None),
     ("examples/multitask.yaml", "multi-output, AdamW", None),
     ("examples/residual_mlp.yaml", "residual MLP, Adam", None),
     ("examples/pipelined_mlp.yaml", "pipeline, checkpointed, AdamW", None),
@@ -164,7 +166,8 @@ def _variant(spec: Path, folder: Path, checkpoint: Optional[list[str]]) -> Path:
     return path
 
 
-def section(quick: bool, emit: Callable[[str], None], pipeline: bool = True) -> None:
+def section(quick: bool, emit: Callable[[str], None], pipeline: bool = True,
+            only: Optional[list[str]] = None) -> None:
     from mpgen.compiler.placement.memory import plan
 
     emit("## Memory: the plan against measured peaks\n")
@@ -179,7 +182,8 @@ def section(quick: bool, emit: Callable[[str], None], pipeline: bool = True) -> 
     peaks, parts, pipes = [], [], []
     with tempfile.TemporaryDirectory(prefix="mpgen-memory-") as tmp:
         folder = Path(tmp)
-        for spec_name, what, checkpoint in (QUICK if quick else SPECS):
+        chosen = [s for s in SPECS if only is None or Path(s[0]).stem in only]
+        for spec_name, what, checkpoint in (QUICK if quick else chosen):
             spec = ROOT / spec_name
             stem = spec.stem
             for device_map in ("cpu", None):
@@ -228,8 +232,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one spec: a smoke run")
     parser.add_argument("--no-pipeline", action="store_true", help="the training step only")
+    parser.add_argument("--spec", action="append", metavar="STEM",
+                        help="only this spec of SPECS (e.g. nano_gpt); repeatable")
     args = parser.parse_args(argv)
-    section(args.quick, lambda text: print(text, flush=True), pipeline=not args.no_pipeline)
+    section(args.quick, lambda text: print(text, flush=True), pipeline=not args.no_pipeline,
+            only=args.spec)
     return 0
 
 

@@ -285,18 +285,3 @@ def bytes_per_token(graph: Graph, cache: CachePlan) -> tuple[dict[str, int], boo
             found[device] = found.get(device, 0) + each
     return found, known[0]
 
-
-def cache_paragraphs(graph: Graph) -> list[str]:
-    """The placement report's lines on the KV cache of a decoder (none for
-    another spec)."""
-    cache = plan(graph)
-    if cache is None:
-        return []
-    if not cache.cacheable:
-        return [f"Generation (`generate_*.py`) runs without a KV cache: {cache.problem[1]}."]
-    per_token, known = bytes_per_token(graph, cache)
-    if not per_token:
-        return ["Generation's KV cache holds nothing: no attention layer."]
-    parts = ", ".join(f"{device}: {n:,} bytes" for device, n in per_token.items())
-    return [f"KV cache (generation): per token of each sequence, {parts}"
-            + ("" if known else " (some layers' sizes are not known at build time)") + "."]

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mpgen.compiler.analysis import cache
 from mpgen.compiler.analysis.costs import human_bytes
 from mpgen.compiler.analysis.schedule import layout_ranks
 from mpgen.compiler.codegen.common import environment
@@ -166,12 +167,30 @@ def report_context(graph: Graph) -> ReportContext:
         mermaid=_mermaid(graph, costs, devices),
         notes=_tie_notes(graph, costs) + ([] if all(u.measured for u in costs.units) else [
             "Activations of " + ", ".join(md_code(u.name) for u in costs.units if not u.measured)
-            + " could not be measured on the meta device; their output size is used instead."]),
+            + " could not be measured on the meta device; their output size is used instead."])
+        + _cache_notes(graph),
         pipeline=_pipeline(graph),
         checkpoints=_checkpoint_table(graph, costs),
         memory=_memory_notes(graph.memory, devices, stated),
         memory_table=_memory_table(graph.memory, devices, stated),
     )
+
+
+def _cache_notes(graph: Graph) -> list[str]:
+    """A decoder's KV cache (generate_<name>.py): its bytes per token of one
+    sequence on each device, or why generation runs without one."""
+    plan = cache.plan(graph)
+    if plan is None:
+        return []
+    if not plan.cacheable:
+        return [f"Generation runs without a KV cache: {md_text(plan.problem[1])}."]
+    per_token, known = cache.bytes_per_token(graph, plan)
+    if not per_token:
+        return []
+    parts = ", ".join(f"{md_code(d)} {human_bytes(n)}" for d, n in per_token.items())
+    return [f"KV cache of generation, per token of each sequence: {parts}"
+            + ("" if known else " (some attention layers' sizes are not known at build time)")
+            + "."]
 
 
 # -- the memory plan ----------------------------------------------------------

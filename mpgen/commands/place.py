@@ -256,13 +256,17 @@ def _replace_spec(path: str | Path, new_text: str, root, time_limit,
 # capacity. The layout is the spec's as compiled; only the batch (and the
 # pipeline's micro-batch count) varies, through ``memory.plan(graph,
 # batch=..., microbatches=...)``, which reuses the work that does not depend
-# on the batch. A batch is a candidate only where the programs run it: a
-# multiple of ``pipeline.dp`` (the replicas share it equally), with a
-# micro-batch count that divides a replica's part (``pp_<name>.py`` refuses
-# another) and is at least the spec's ``microbatches`` (and the number of
-# stages under 1F1B, as the program's own default is); of those the smallest
-# that fits, as the program would choose, so that ``microbatches:`` changes
-# only where the spec's own count no longer fits (or no longer divides).
+# on the batch. A batch is a candidate only where the programs run it
+# alike, micro-batch for micro-batch: a multiple of ``pipeline.dp`` times
+# the spec's ``microbatches`` (at least one per stage under 1F1B, as
+# ``pp_<name>.py``'s own default), so that the replicas share it equally and
+# each replica's part splits into that many micro-batches of the same size
+# (``pp_<name>.py`` refuses counts that do not divide it). The count stays
+# the spec's unless the pipeline's peak no longer fits with it; then twice
+# and four times it are tried, where they divide the part, and the smallest
+# that fits is written. (Counts that merely divide, at any batch, would find
+# a few more samples at the price of odd micro-batches, down to one sample
+# each, which a BatchNorm cannot train on.)
 # The search starts at the spec's batch and doubles until a batch fails (or
 # halves until one fits), then bisects between the last that fitted and the
 # first that failed: the plan grows with the batch (activations, the batch
@@ -445,9 +449,13 @@ class _Search:
         self.graph, self.capacity = graph, dict(capacity)
         pipeline = graph.pipeline
         self.dp = pipeline.dp if pipeline else 1
-        self.step = self.dp
         self.runs = FIT_RUNS if pipeline else FIT_RUNS[:1]
-        self.stages = len(graph.spec_plan.sections) if graph.spec_plan else 1
+        stages = len(graph.spec_plan.sections) if graph.spec_plan else 1
+        # the spec's micro-batch count, at least a micro-batch per stage under 1F1B (as
+        # pp_<name>.py's default): every batch tried splits into it on every replica
+        self.least = (max(pipeline.microbatches, stages if pipeline.schedule == "1f1b" else 1)
+                      if pipeline else 1)
+        self.step = self.dp * self.least
         dims = dict(graph.dims)
         per_sample = [t.type.numel({**dims, "batch": 1}) for t in graph.inputs
                       if t.type.batch_dim is not None]
@@ -460,32 +468,17 @@ class _Search:
 
         key = (batch, microbatches)
         if key not in self._plans:
-            pipeline = self.graph.pipeline
-            schedule = None
-            if (pipeline is not None and pipeline.schedule == "1f1b"
-                    and batch // self.dp < self.stages):
-                schedule = "gpipe"  # what pp_<name>.py runs then, by its own default
-            self._plans[key] = memory.plan(self.graph, batch=batch, microbatches=microbatches,
-                                           schedule=schedule)
+            self._plans[key] = memory.plan(self.graph, batch=batch, microbatches=microbatches)
         return self._plans[key]
 
     def candidates(self, batch: int) -> list[Optional[int]]:
-        """The micro-batch counts ``pp_<name>.py`` accepts at ``batch`` that
-        are tried, the smallest first: the smallest, then the first at or
-        above twice the one before, :data:`_MOST_COUNTS` at most (None: no
-        pipeline)."""
-        pipeline = self.graph.pipeline
-        if pipeline is None:
+        """The micro-batch counts tried at ``batch`` (a multiple of
+        :attr:`step`), the smallest first: the spec's, then twice and four
+        times it where they divide a replica's part (None: no pipeline)."""
+        if self.graph.pipeline is None:
             return [None]
         part = batch // self.dp
-        least = max(pipeline.microbatches, self.stages if pipeline.schedule == "1f1b" else 1)
-        counts: list[Optional[int]] = []
-        for m in range(min(least, part), part + 1):
-            if part % m == 0 and (not counts or m >= 2 * counts[-1]):
-                counts.append(m)
-                if len(counts) == _MOST_COUNTS:
-                    break
-        return counts
+        return [self.least * k for k in _COUNT_FACTORS if part % (self.least * k) == 0]
 
     def needs(self, plan: MemoryPlan) -> list[Need]:
         return [Need(m.device, run, m.peak, self.capacity[m.device], m.largest)
@@ -523,9 +516,10 @@ class _Search:
         return lo * self.step
 
 
-#: Micro-batch counts tried at one batch, at most: more micro-batches hold
-#: fewer samples each in flight, with diminishing returns.
-_MOST_COUNTS = 3
+#: The micro-batch counts tried at one batch, as multiples of the spec's:
+#: more micro-batches hold fewer samples each in flight, with diminishing
+#: returns and a growing share of each stage's fixed cost.
+_COUNT_FACTORS = (1, 2, 4)
 
 
 @dataclass(frozen=True)

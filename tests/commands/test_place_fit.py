@@ -92,13 +92,14 @@ def test_a_pipeline_gets_a_batch_its_replicas_and_micro_batches_divide(tmp_path)
     capacity = {"cuda:0": 300 * KIB, "cuda:1": 250 * KIB}
     found = fit(spec, capacity=capacity)
     b, m = found.batch, found.microbatches
-    part = b // 2
-    assert b % 2 == 0 and part % m == 0 and m >= 3
+    # 2 replicas, each part split into the spec's 3 micro-batches of the same size (or 6, 12)
+    assert b % 6 == 0 and m in (3, 6, 12) and (b // 2) % m == 0
     graph = compile_spec(spec)
     assert fits(graph, capacity, b, m)
-    # the next batch the replicas can share does not fit, whatever count it takes
-    assert not any(fits(graph, capacity, b + 2, k) for k in range(3, (b + 2) // 2 + 1)
-                   if ((b + 2) // 2) % k == 0)
+    # the next such batch does not fit, whatever count of those it takes; nor does the double
+    above, need = found.over
+    assert above == b + 6 and need.peak > need.capacity
+    assert not any(fits(graph, capacity, above, k) for k in (3, 6, 12) if (above // 2) % k == 0)
     assert not fits(graph, capacity, 2 * b, m)
     write_fit(spec, found)
     text = spec.read_text()

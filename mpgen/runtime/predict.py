@@ -196,7 +196,10 @@ class Checkpointed(dict):
         if value is None:
             meta = self.metas[key]
             value = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-            sharded.load(self.path, {"model": {key: value}}, no_dist=True)
+            try:
+                sharded.load(self.path, {"model": {key: value}}, no_dist=True)
+            except Exception as error:  # DCP's own, a damaged or refused file
+                raise ValueError(f"cannot read {key} ({one_line(error)})") from None
             self[key] = value
         return value
 
@@ -253,19 +256,19 @@ def weights(args) -> tuple[dict, str]:
     return state, f"{flag} {path}"
 
 
-def load_weights(modules: list, keys: list, training: Training, args) -> str:
+def load_weights(
+    modules: list, keys: list, training: Training, args, stop=sys.exit
+) -> str:
     """Fill ``modules`` (the model, or a rank's stages) from the weights the
-    flags name, strictly against ``keys``; exits in one line when they do
-    not fit. What was loaded, as a message names it."""
+    flags name, strictly against ``keys`` (the whole model's: only the
+    modules' own tensors are read); ``stop`` in one line when they do not
+    fit. What was loaded, as a message names it."""
     flag = "--checkpoint" if args.checkpoint else "--init"
     try:
         state, where = weights(args)
-        if isinstance(state, Checkpointed):  # a rank's keys: only those are read
-            wanted = set(keys)
-            state = {key: state[key] for key in state if key in wanted}
         checkpoint.initialise(modules, where, keys, training, state=state)
     except ValueError as error:
-        sys.exit(f"{flag} {args.checkpoint or args.init}: {error}")
+        stop(f"{flag} {args.checkpoint or args.init}: {error}")
     return where.split(" ", 1)[1]
 
 
@@ -688,8 +691,11 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
         first, last = k == 0, k == count - 1
         torch.manual_seed(args.seed)
         module = stages.stages[k]().to(device)
-        keys = list(module.state_dict())
-        where = load_weights([module], keys, training, args) if keys else "(no weights)"
+        with torch.device("meta"):
+            keys = [key for stage in stages.stages for key in stage().state_dict()]
+        where = load_weights(
+            [module], list(dict.fromkeys(keys)), training, args, mesh.stop
+        )
         module.eval()
         n = len(training.inputs)
         dims = training.batch_dims[:n]

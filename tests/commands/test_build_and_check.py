@@ -22,7 +22,8 @@ def test_build_writes_model_training_script_and_tests(tmp_path, capsys):
     assert main(["build", str(SEED), "-o", str(tmp_path)]) == 0
     assert files_in(tmp_path) == sorted(
         ["simple_model.py", "train_simple_model.py", "test_simple_model.py",
-         "pp_simple_model.py", "simple_model.placement.md", *runtime_files()])
+         "pp_simple_model.py", "predict_simple_model.py", "simple_model.placement.md",
+         *runtime_files()])
     assert capsys.readouterr().out.endswith(
         "SimpleModel, 430 parameters on cuda:0 (220), cuda:1 (210); 2 transfers in forward\n")
 
@@ -123,7 +124,7 @@ def test_output_does_not_depend_on_hash_seed(hash_seed_builds, seed):
 def test_unchanged_files_are_not_rewritten(tmp_path, capsys):
     main(["build", str(SEED), "-o", str(tmp_path)])
     stamps = {name: (tmp_path / name).stat().st_mtime_ns for name in files_in(tmp_path)}
-    assert len(stamps) == 5 + len(runtime_files())
+    assert len(stamps) == 6 + len(runtime_files())
     capsys.readouterr()
     main(["build", str(SEED), "-o", str(tmp_path)])
     assert "up to date" in capsys.readouterr().out
@@ -148,7 +149,7 @@ def test_failed_build_leaves_existing_output_untouched(tmp_path):
     out = tmp_path / "out"
     main(["build", str(spec), "-o", str(out)])
     before = {name: (out / name).read_bytes() for name in files_in(out)}
-    assert len(before) == 5 + len(runtime_files())
+    assert len(before) == 6 + len(runtime_files())
     spec.write_text(spec.read_text().replace("args: [20, 10]", "args: [30, 10]"))
     assert main(["build", str(spec), "-o", str(out)]) == 2
     assert before == {name: (out / name).read_bytes() for name in files_in(out)}

@@ -194,7 +194,7 @@ def test_a_renamed_model_s_entry_goes_with_its_files(built):
     (entry,) = manifest.read(built.parent / "out").values()
     assert sorted(entry.files) == sorted(
         ["renamed.py", "train_renamed.py", "test_renamed.py", "pp_renamed.py",
-         "renamed.placement.md"])
+         "predict_renamed.py", "renamed.placement.md"])
     assert files_in(built.parent / "out") == sorted([*entry.files, *runtime_files()])
 
 

@@ -26,7 +26,7 @@ SEED = EXAMPLES / "seed.yaml"
 
 def files_of(stem: str) -> list[str]:
     return sorted([f"{stem}.py", f"train_{stem}.py", f"test_{stem}.py", f"pp_{stem}.py",
-                   f"{stem}.placement.md"])
+                   f"predict_{stem}.py", f"{stem}.placement.md"])
 
 
 def digest(text: str) -> str:
@@ -206,7 +206,7 @@ def test_a_deleted_spec_s_files_take_prune(tmp_path):
         "place (mpgen build --prune removes it)" for name in files_of("other")]
     assert mpgen("check", cwd=root).returncode == 1  # build and check agree
     pruned = mpgen("build", "--prune", cwd=root)
-    assert pruned.stdout.splitlines()[:5] == [f"removed out/{name}" for name in files_of("other")]
+    assert pruned.stdout.splitlines()[:6] == [f"removed out/{name}" for name in files_of("other")]
     assert files_in(root / "out") == sorted(files_of("simple_model") + runtime_files())
     assert mpgen("check", cwd=root).returncode == 0
 

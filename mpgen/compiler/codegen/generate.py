@@ -135,7 +135,10 @@ def render_generate(graph: Graph) -> str:
     w = PythonWriter()
     train_codegen.facts_and_run(w, "GENERATING", f"{RUNTIME}.generate.Generating", fields,
                                 f"{RUNTIME}.generate.generate")
-    return text.rstrip("\n") + "\n" + w.text()
+    facts = w.text()
+    if not cache.cacheable:  # right after the imports: one blank line, as black has it
+        facts = facts[1:]
+    return text.rstrip("\n") + "\n" + facts
 
 
 def _wrapped(text: str, width: int = 76) -> list[str]:

@@ -155,7 +155,9 @@ def _parser() -> argparse.ArgumentParser:
     _compile_options(show)
     place = sub.add_parser("place", help="print the layout in the explicit placement form",
                            description="Print the spec's layout (automatic or explicit) in the "
-                                       "explicit placement form; --write puts it in the spec.")
+                                       "explicit placement form; --write puts it in the spec. "
+                                       "--fit finds the largest batch whose memory plan fits "
+                                       "every device's capacity instead.")
     place.add_argument("spec", metavar="SPEC")
     place.add_argument("--write", action="store_true",
                        help="rewrite the spec's placement block in place (other lines unchanged)")

@@ -146,6 +146,47 @@ class KVAttention(nn.Module):
         )
 
 
+class KVTransformerEncoderLayer(nn.TransformerEncoderLayer):
+    """nn.TransformerEncoderLayer (the same arguments and state dict) whose
+    self-attention keeps its keys and values in the bound Cache, whatever
+    causal src_mask the model passes; the plain layer where none is bound."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache: Optional[Cache] = None
+
+    def forward(self, src, src_mask=None, src_key_padding_mask=None, is_causal=False):
+        if self.cache is None:
+            return super().forward(src, src_mask, src_key_padding_mask, is_causal)
+        x = src
+        if self.norm_first:
+            x = x + self._cached_attention(self.norm1(x))
+            return x + self._ff_block(self.norm2(x))
+        x = self.norm1(x + self._cached_attention(x))
+        return self.norm2(x + self._ff_block(x))
+
+    def _cached_attention(self, x: torch.Tensor) -> torch.Tensor:
+        attention = self.self_attn
+        if not attention.batch_first:
+            x = x.transpose(0, 1)
+        heads, width = attention.num_heads, x.size(-1)
+        projected = F.linear(x, attention.in_proj_weight, attention.in_proj_bias)
+        query, key, value = (
+            part.unflatten(-1, (heads, width // heads)).transpose(1, 2)
+            for part in projected.chunk(3, dim=-1)
+        )
+        key, value = self.cache.extend(self, key, value)
+        mask = self.cache.mask(query.size(-2), query.device)
+        dropout = attention.dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout
+        )
+        out = attention.out_proj(out.transpose(1, 2).flatten(2))
+        if not attention.batch_first:
+            out = out.transpose(0, 1)
+        return self.dropout1(out)
+
+
 class Positions(nn.Module):
     """torch.arange over the new tokens, counted from the bound Cache's
     length (0 where none is bound)."""
@@ -380,7 +421,7 @@ def last_logits(output) -> torch.Tensor:
 
 def bind(model: nn.Module, cache: Optional[Cache]) -> None:
     for module in model.modules():
-        if isinstance(module, (KVAttention, Positions)):
+        if isinstance(module, (KVAttention, KVTransformerEncoderLayer, Positions)):
             module.cache = cache
 
 

@@ -59,6 +59,43 @@ def test_cached_and_uncached_agree_on_two_virtual_devices(example, tmp_path):
         _agree(module, [[[5, 17, 3]], [[1, 2, 3, 4], [9, 8, 7, 6]]], GREEDY)
 
 
+ENCODER_LAYERS = """\
+mpgen: 1
+name: EncLM
+inputs:
+  tokens: {shape: [batch, seq], dtype: int64}
+layers:
+  wte: {op: Embedding, args: [40, 16], in: tokens}
+  pos: {op: torch.arange, in: [], args: ["=size(tokens, 1)"]}
+  wpe: {op: Embedding, args: [64, 16], in: pos}
+  embed: {op: torch.add, in: [wte, wpe]}
+  mask: {op: torch.ones, in: [], args: ["=size(tokens, 1)", "=size(tokens, 1)"], dtype: bool}
+  causal: {op: torch.triu, diagonal: 1}
+  h: {op: TransformerEncoderLayer, d_model: 16, nhead: 2, dim_feedforward: 32,
+      dropout: 0.0, activation: gelu, batch_first: true, norm_first: NORM_FIRST,
+      in: [embed, {src_mask: causal}], call: {is_causal: true}, repeat: 3}
+  ln_f: {op: LayerNorm, args: [16]}
+  lm_head: {op: Linear, args: [16, 40], bias: false, tie: {weight: wte.weight}}
+placement:
+  h.2: cuda:1
+train:
+  dims: {seq: 64}
+"""
+
+
+@pytest.mark.parametrize("norm_first", ["true", "false"])
+def test_transformer_encoder_layers_with_a_causal_mask(norm_first, tmp_path):
+    """gpt2_small's form: nn.TransformerEncoderLayer with a causal src_mask,
+    a tied head, on two virtual devices."""
+    spec = tmp_path / "enc_lm.yaml"
+    spec.write_text(ENCODER_LAYERS.replace("NORM_FIRST", norm_first))
+    result = build_to(spec, tmp_path / "out")
+    module = import_generated(tmp_path / "out" / "generate_enc_lm.py")
+    assert "KVTransformerEncoderLayer(" in result.files["generate_enc_lm.py"]
+    with virtual_devices(cuda=2):
+        _agree(module, [[[5, 17, 3]], [[1, 2, 3, 4], [9, 8, 7, 6]]], GREEDY)
+
+
 def test_padding_is_never_attended(tmp_path):
     """Left padding: a prompt's continuation in a batch is the same whatever
     the padding ids are (rotary positions: only differences count, so it is

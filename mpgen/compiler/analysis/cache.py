@@ -30,6 +30,8 @@ from mpgen.compiler.ir import Graph, Node, OpKind, SymDim, TensorType
 from mpgen.errors import Position
 
 ATTENTION = "F.scaled_dot_product_attention"
+#: torch.nn layers the cache knows, with the keyword of their causal mask.
+ENCODER_LAYERS = {"TransformerEncoderLayer": "src_mask"}
 ARANGE = "torch.arange"
 DATA = "data"
 
@@ -72,6 +74,7 @@ class CachePlan:
     attention: frozenset[Site] = frozenset()
     positions: frozenset[Site] = frozenset()
     problem: Optional[tuple[Position, str]] = None
+    layers: frozenset[Site] = frozenset()  # torch.nn layers swapped (ENCODER_LAYERS)
 
     @property
     def cacheable(self) -> bool:
@@ -104,6 +107,7 @@ def plan(graph: Graph) -> Optional[CachePlan]:
     seq = graph.inputs[0].type.shape[1]
     seq_symbol = seq.symbols if isinstance(seq, SymDim) and seq.known else None
     attention: set[Site] = set()
+    layers: set[Site] = set()
     problems: list[tuple[Position, str]] = []
     for ctx, node in flow.all_nodes():
         reads = [flow.tags(ctx, name) for name in node.inputs]
@@ -113,6 +117,11 @@ def plan(graph: Graph) -> Optional[CachePlan]:
             if problem:
                 problems.append((node.pos, problem))
             attention.add(Site(ctx, node.name))
+        elif node.op.kind is OpKind.MODULE and node.op.spelled in ENCODER_LAYERS:
+            problem = _attention_problem(flow, ctx, node, ENCODER_LAYERS[node.op.spelled])
+            if problem:
+                problems.append((node.pos, problem))
+            layers.add(Site(ctx, node.name))
         elif node.op.kind in (OpKind.MODULE, OpKind.USER) and data:
             if node.op.kind is OpKind.USER or node.op.spelled not in POSITIONWISE:
                 problems.append((node.pos, f"{node.op.spelled} mixes the sequence's positions "
@@ -127,22 +136,23 @@ def plan(graph: Graph) -> Optional[CachePlan]:
                           if any(site in t and DATA in t for t in flow.values.values()))
     problems.sort(key=lambda p: (p[0].file, p[0].line, p[0].col))
     return CachePlan(tokens, vocab, frozenset(attention), positions,
-                     problems[0] if problems else None)
+                     problems[0] if problems else None, frozenset(layers))
 
 
-def _attention_problem(flow: "_Flow", ctx: Optional[str], node: Node) -> Optional[str]:
+def _attention_problem(flow: "_Flow", ctx: Optional[str], node: Node,
+                       keyword: str = "attn_mask") -> Optional[str]:
     keywords = dict(node.call.keyword)
     feed = dict(node.feeding.keyword)
     causal = keywords.get("is_causal") is True
-    if "attn_mask" in feed:
-        mask = flow.tags(ctx, node.inputs[feed["attn_mask"]])
+    if keyword in feed:
+        mask = flow.tags(ctx, node.inputs[feed[keyword]])
         if DATA in mask:
-            return ("its attn_mask is computed from the tokens or weights, not from the "
+            return (f"its {keyword} is computed from the tokens or weights, not from the "
                     "sizes alone, so the cache cannot make it")
         return None  # a mask of the sizes alone: the causal mask the cache makes
     if not causal:
         return ("it attends to every position (is_causal is not true and there is no "
-                "causal attn_mask), so a token's output changes with later tokens")
+                f"causal {keyword}), so a token's output changes with later tokens")
     return None
 
 
@@ -269,9 +279,20 @@ def bytes_per_token(graph: Graph, cache: CachePlan) -> tuple[dict[str, int], boo
             memo[name] = sum(_of(name, node) for node in blocks[name].nodes)
         return memo[name]
 
+    def encoder_layer(node: Node) -> int:
+        width = dict(node.init.keyword).get(
+            "d_model", node.init.positional[0] if node.init.positional else None)
+        if not isinstance(width, int):
+            known[0] = False
+            return 0
+        t = node.out
+        return 2 * width * _itemsize(t.dtype if t is not None else "float32")
+
     def _of(ctx: Optional[str], node: Node) -> int:
         if Site(ctx, node.name) in cache.attention:
             return layer(ctx, node)
+        if Site(ctx, node.name) in cache.layers:
+            return encoder_layer(node) * (node.repeat or 1 if ctx is not None else 1)
         if node.op.kind is OpKind.BLOCK:
             return in_block(node.op.target) * (node.repeat or 1 if ctx is not None else 1)
         return 0

@@ -47,6 +47,8 @@ def cache_notes(graph: Graph) -> list[str]:
 def _swapped(node: Node, site: cache_analysis.Site, cache: cache_analysis.CachePlan) -> Node:
     if site in cache.attention:
         op = Op(OpKind.MODULE, "KVAttention", KV_ATTENTION, None)
+    elif site in cache.layers:
+        op = Op(OpKind.MODULE, node.op.spelled, f"{RUNTIME}.generate.KV{node.op.spelled}", None)
     elif site in cache.positions:
         op = Op(OpKind.MODULE, "Positions", POSITIONS, None)
     else:

@@ -96,3 +96,13 @@ def test_blocks_are_followed_through_their_instances():
 def test_a_model_that_is_not_a_decoder_has_no_plan():
     graph = driver.compile_spec(ROOT / "examples" / "seed.yaml", CPU)
     assert cache.plan(graph) is None
+
+
+def test_transformer_encoder_layers_with_a_causal_mask_are_cached():
+    graph = driver.compile_spec(ROOT / "examples" / "gpt2_small.yaml", CPU)
+    plan = cache.plan(graph)
+    assert plan.cacheable and plan.attention == frozenset()
+    assert plan.layers == {cache.Site(None, "h")}
+    assert plan.positions == {cache.Site(None, "pos")}
+    per_token, known = cache.bytes_per_token(graph, plan)
+    assert per_token == {"cpu": 12 * 2 * 768 * 4} and known

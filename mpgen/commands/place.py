@@ -301,7 +301,8 @@ class Need:
     def __str__(self) -> str:
         return (f"{self.device} needs {self.peak:,} bytes ({human_bytes(self.peak)}, its "
                 f"{self.run} peak) of its {self.capacity:,} ({human_bytes(self.capacity)}): "
-                f"{100 * self.peak / self.capacity:.1f}%")
+                f"{100 * self.peak / self.capacity:.1f}%"
+                + ("" if self.fits else f", {self.peak - self.capacity:,} bytes over"))
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,11 @@ def render_predict(graph: Graph) -> str:
     attribute = microbatch_attribute(graph)
     if attribute != PREDICTING_DEFAULTS["microbatches"]:
         fields.append(("microbatches", literal(attribute)))
-    train_codegen.facts_and_run(w, "PREDICTING", f"{RUNTIME}.predict.Predicting", fields,
-                                f"{RUNTIME}.predict.predict")
+    w.line()  # one blank line after the imports: black's, before a statement
+    arguments = ", ".join(f"{key}={value}" for key, value in fields)
+    w.line(f"PREDICTING = {RUNTIME}.predict.Predicting({arguments},)")
+    w.line()
+    w.line()
+    with w.block('if __name__ == "__main__"'):
+        w.line(f"{RUNTIME}.predict.predict(PREDICTING)")
     return w.text()

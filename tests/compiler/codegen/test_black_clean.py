@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from helpers import EXAMPLES, write_factory, write_spec
 from mpgen.compiler import driver
-from mpgen.compiler.codegen import common, format, model as model_module, pp, tests, train
+from mpgen.compiler.codegen import common, format, model as model_module, pp, predict, tests, train
 from mpgen.compiler.frontend.namespace import model_name_problem
 
 LONG = "Very" + "Long" * 24  # 100 characters: the longest model name
@@ -32,7 +32,8 @@ def assert_black_clean(graph) -> None:
     """Black leaves every generated Python file unchanged."""
     names = common.file_names(graph)
     for role, render in (("model", model_module.render_model), ("test", tests.render_test),
-                         ("train", train.render_train), ("pp", pp.render_pp)):
+                         ("train", train.render_train), ("pp", pp.render_pp),
+                         ("predict", predict.render_predict)):
         text = render(graph)
         assert black.format_str(text, mode=format.black_mode()) == text, names[role]
 

@@ -82,7 +82,7 @@ from mpgen.compiler.analysis import meta
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.analysis.costs import human_bytes, optimizer_state
 from mpgen.compiler.analysis.schedule import BACKWARD, FORWARD, rank_orders, stage_ranks
-from mpgen.compiler.frontend.limits import active_budget
+from mpgen.compiler.frontend.limits import OutOfBudget, active_budget
 from mpgen.compiler.ir import MEMORY_PARTS, DeviceMemory, Graph, MemoryPlan, Node
 from mpgen.compiler.placement.pipelining import checkpointed_units
 from mpgen.compiler.placement.stages import stages as pipeline_stages
@@ -508,19 +508,57 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
     if budget is None:
         running = active_budget()
         budget = running if isinstance(running, Budget) else Budget()
-    model = _model(graph, budget)
+    mb = max(batch // max(dp, 1) // max(microbatches, 1), 1)
     # The budget is checked between units and steps, never inside an operator:
     # an exception raised from inside a fake tensor's kernel can abort the process.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        train = _train(model, {**dims, "batch": batch})
-        inference = _inference(model, {**dims, "batch": batch})
-        mb = max(batch // max(dp, 1) // max(microbatches, 1), 1)
         try:
-            pipeline = _pipeline(model, {**dims, "batch": mb}, schedule, microbatches, budget)
-        except ValueError:  # a layout the schedule cannot run: check_pipeline says why
-            pipeline = ()
+            model = _model(graph, budget)
+        except OutOfBudget:
+            raise
+        except Exception:  # a layer the simulation cannot build: the estimate stands in
+            model = None
+        train = _or_estimate(graph, batch, lambda: _train(model, {**dims, "batch": batch}))
+        inference = _or_estimate(graph, batch, lambda: _inference(
+            model, {**dims, "batch": batch}), inference=True)
+        pipeline = _or_estimate(graph, mb, lambda: _pipeline(
+            model, {**dims, "batch": mb}, schedule, microbatches, budget))
     return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp)
+
+
+def _or_estimate(graph: Graph, batch: int, simulate: Callable[[], tuple],
+                 inference: bool = False) -> tuple[DeviceMemory, ...]:
+    """``simulate()``, or where it cannot run (an operator without a fake
+    kernel, a layout the schedule cannot run: check_pipeline says why), the
+    additive estimate of analysis/costs.py at ``batch`` (phase "estimate")."""
+    try:
+        return simulate()
+    except OutOfBudget:
+        raise
+    except Exception:
+        return _estimate(graph, batch, inference)
+
+
+def _estimate(graph: Graph, batch: int, inference: bool) -> tuple[DeviceMemory, ...]:
+    costs = graph.costs
+    if costs is None:
+        return ()
+    scale = batch / max(dict(costs.dims).get("batch", batch), 1)
+    sums: dict[str, list[int]] = {}
+    for unit in costs.units:
+        device = graph.nodes[unit.node].devices[unit.instance] if graph.nodes[
+            unit.node].devices else "cpu"
+        row = sums.setdefault(device, [0, 0, 0, 0])
+        row[0] += unit.weight_bytes
+        if not inference:
+            row[1] += unit.grad_bytes
+            row[2] += unit.optimizer_bytes
+        row[3] += int(unit.activation_bytes * scale)
+    return tuple(DeviceMemory(d, w, g, o, a, w + g + o + a, "estimate",
+                              (("weights", w), ("gradients", g), ("optimizer", o),
+                               ("activations", a)))
+                 for d, (w, g, o, a) in sums.items())
 
 
 def _devices(graph: Graph) -> list[str]:

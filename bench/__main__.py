@@ -10,7 +10,8 @@ against the optimum for mpgen, greedy first-fit and Accelerate), ``pipeline``
 (``balance: time`` against every contiguous split measured, predicted
 against measured stage times on this CPU), ``memory``
 (the memory plan against peaks measured per device, per component, for the
-training step and the pipeline program) and ``gpu``
+training step and the pipeline program), ``generation`` (tokens/s with the KV
+cache against without it, prefill and decoding) and ``gpu``
 (generated against torchvision and Hugging Face on a GPU; where none is
 visible the section says so). Each table is printed as soon as it is
 measured, and the page is written at the end with exactly the printed text:
@@ -31,7 +32,8 @@ from bench.common import ROOT, machine_lines
 
 PAGE = ROOT / "docs" / "benchmarks.md"
 PARTIAL = ROOT / "build" / "benchmarks.md"
-SECTIONS = ("build", "overhead", "placement", "pipeline", "stages", "memory", "gpu")
+SECTIONS = ("build", "overhead", "placement", "pipeline", "stages", "memory", "generation",
+            "gpu")
 
 
 def _build(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
@@ -70,6 +72,12 @@ def _memory(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
     memory_plan.section(quick, emit)
 
 
+def _generation(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
+    from bench import generation
+
+    generation.section(quick, max(rounds, 3), emit)
+
+
 def _gpu(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
     from bench import gpu_models
 
@@ -77,7 +85,8 @@ def _gpu(quick: bool, rounds: int, emit: Callable[[str], None]) -> None:
 
 
 RUNNERS = {"build": _build, "overhead": _overhead, "placement": _placement,
-           "pipeline": _pipeline, "stages": _stages, "memory": _memory, "gpu": _gpu}
+           "pipeline": _pipeline, "stages": _stages, "memory": _memory,
+           "generation": _generation, "gpu": _gpu}
 
 
 def _sections(text: str) -> list[str]:

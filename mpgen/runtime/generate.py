@@ -63,6 +63,7 @@ class Cache:
         self.padding = padding  # [batch, length + new]: True where a token is real
         self.layers: dict = {}  # KVAttention -> (keys, values)
         self.masks: dict = {}  # device -> this step's mask
+        self.unpadded = bool(padding.all())
 
     def extend(self, layer: nn.Module, key: torch.Tensor, value: torch.Tensor):
         """The layer's keys and values so far, the new ones appended (seq: dim -2)."""
@@ -72,6 +73,16 @@ class Cache:
             value = torch.cat([past_value, value], dim=-2)
         self.layers[layer] = (key, value)
         return key, value
+
+    def attend(self, new: int, device: torch.device) -> dict:
+        """The mask arguments of scaled_dot_product_attention for ``new``
+        queries: none at all for one token without padding (it sees every
+        key), is_causal for a first forward without padding, else the mask."""
+        if self.unpadded and new == 1:
+            return {}
+        if self.unpadded and not self.length:
+            return {"is_causal": True}
+        return {"attn_mask": self.mask(new, device)}
 
     def mask(self, new: int, device: torch.device) -> torch.Tensor:
         """[batch, 1, new, length + new]: True where a query may attend."""
@@ -134,12 +145,11 @@ class KVAttention(nn.Module):
         # The model's own mask (a causal mask built from the sizes) is replaced
         # by the cache's, which knows the past and the padding.
         key, value = self.cache.extend(self, key, value)
-        mask = self.cache.mask(query.size(-2), query.device)
         return F.scaled_dot_product_attention(
             query,
             key,
             value,
-            attn_mask=mask,
+            **self.cache.attend(query.size(-2), query.device),
             dropout_p=dropout_p,
             scale=scale,
             enable_gqa=enable_gqa,
@@ -176,10 +186,13 @@ class KVTransformerEncoderLayer(nn.TransformerEncoderLayer):
             for part in projected.chunk(3, dim=-1)
         )
         key, value = self.cache.extend(self, key, value)
-        mask = self.cache.mask(query.size(-2), query.device)
         dropout = attention.dropout if self.training else 0.0
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout
+            query,
+            key,
+            value,
+            **self.cache.attend(query.size(-2), query.device),
+            dropout_p=dropout,
         )
         out = attention.out_proj(out.transpose(1, 2).flatten(2))
         if not attention.batch_first:

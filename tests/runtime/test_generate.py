@@ -88,3 +88,12 @@ def test_the_stop_ids_default_to_the_eos_beside_the_weights(tmp_path):
                                  checkpoint=None)
     assert generate.stops(args, None) == {7}
     assert generate.stops(types.SimpleNamespace(**{**vars(args), "stop": "1,2"}), None) == {1, 2}
+
+
+def test_without_padding_the_fast_forms_are_used():
+    cache = generate.Cache(torch.ones(2, 3, dtype=torch.bool))
+    assert cache.attend(3, torch.device("cpu")) == {"is_causal": True}
+    cache.step(3)
+    assert cache.attend(1, torch.device("cpu")) == {}
+    padded = generate.Cache(torch.tensor([[False, True], [True, True]]))
+    assert set(padded.attend(2, torch.device("cpu"))) == {"attn_mask"}

@@ -193,3 +193,12 @@ def test_device_map_renames_the_devices_capacities_name(tmp_path):
     mapped = fit(spec, {"cuda:1": "cuda:2"}, capacity={"cuda:0": 300 * KIB, "cuda:2": 250 * KIB})
     assert mapped.batch == plain.batch
     assert mapped.need.device == {"cuda:1": "cuda:2"}.get(plain.need.device, plain.need.device)
+
+
+def test_capacities_that_never_bind_give_the_largest_batch_a_spec_may_state(tmp_path):
+    spec = write_spec(tmp_path, PLAIN)
+    ran = mpgen("place", str(spec), "--fit", "--capacity", "cuda:0=100000TiB,cuda:1=100000TiB")
+    assert ran.returncode == 0, ran.stderr
+    lines = ran.stdout.splitlines()
+    assert "train.batch_size 2147483647 " in lines[0]
+    assert lines[2] == "no larger batch: 2147483647 is the largest a spec may state"

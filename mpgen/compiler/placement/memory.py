@@ -84,6 +84,7 @@ from mpgen.compiler.analysis.costs import human_bytes, optimizer_state
 from mpgen.compiler.analysis.schedule import BACKWARD, FORWARD, rank_orders, stage_ranks
 from mpgen.compiler.frontend.limits import OutOfBudget, active_budget
 from mpgen.compiler.ir import MEMORY_PARTS, DeviceMemory, Graph, MemoryPlan, Node
+from mpgen.compiler.placement.devices import map_device
 from mpgen.compiler.placement.pipelining import checkpointed_units
 from mpgen.compiler.placement.stages import stages as pipeline_stages
 from mpgen.errors import MpgenError
@@ -501,7 +502,7 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
     dims = dict(graph.dims)
     batch = batch or dims.get("batch") or (graph.train.batch_size if graph.train else 1)
     config = graph.pipeline
-    stage_count = len(graph.plan.sections)
+    stage_count = len((graph.spec_plan or graph.plan).sections)  # pp_<name>.py's stages
     schedule = schedule or (config.schedule if config else "1f1b")
     microbatches = microbatches or (config.microbatches if config else max(stage_count, 1))
     dp = dp or (config.dp if config else 1)
@@ -768,7 +769,9 @@ def _pipeline(model: _Model, dims: Mapping[str, int], schedule: str,
     graph = model.graph
     if graph.train is None:
         return ()
-    stages = pipeline_stages(graph)
+    # pp_<name>.py's stages are the spec's layout's; --device-map moves them.
+    stages = pipeline_stages(graph, graph.spec_plan or graph.plan)
+    mapped = dict(graph.device_map)
     count = len(stages)
     devices = [s.device for s in stages]
     distinct = list(dict.fromkeys(devices))
@@ -789,9 +792,11 @@ def _pipeline(model: _Model, dims: Mapping[str, int], schedule: str,
         mine = [k for k in range(count) if placed[k] == rank]
         memory = _replay(model, [stages[k] for k in mine], {k: profiles[k] for k in mine},
                          order, microbatches)
+        memory = dataclasses.replace(memory, device=map_device(memory.device, mapped))
         if memory.device not in result or memory.peak > result[memory.device].peak:
-            result[memory.device] = memory
-    return tuple(result[d] for d in distinct if d in result)
+            result[memory.device] = memory  # ranks on one device: each its own process
+    order = dict.fromkeys(map_device(d, mapped) for d in distinct)
+    return tuple(result[d] for d in order if d in result)
 
 
 @dataclasses.dataclass
@@ -1003,19 +1008,26 @@ def _optimizer_step(model: _Model, params: list[nn.Parameter], device: str) -> t
 
 def capacities(graph: Graph) -> dict[str, tuple[int, Any]]:
     """Device (after --device-map) -> (bytes it holds, where that is written):
-    the spec's ``capacity:`` and ``placement.auto.capacity``. A device that
-    --device-map makes of several of the spec's is not checked: their
-    capacities are not its own."""
+    the spec's ``capacity:`` and ``placement.auto.capacity``. A capacity of
+    one of the layout's devices applies to the device --device-map maps it
+    to, unless several map there (their capacities are not its own); one of
+    another device (``cpu: 64GiB`` for a --device-map cpu build) to it."""
     request = graph.placement
     given = {c.device: (c.bytes, c.pos) for c in graph.capacity}
     for device, n in getattr(request, "capacity", ()) or ():
         given.setdefault(device, (n, request.pos))
     mapped = dict(graph.device_map)
-    targets: dict[str, list[str]] = defaultdict(list)
-    for device in {*given, *mapped}:
-        targets[mapped.get(device, device)].append(device)
-    return {mapped.get(d, d): limit for d, limit in given.items()
-            if len(targets[mapped.get(d, d)]) == 1}
+    spec_devices = {s.device for s in (graph.spec_plan or graph.plan).sections}
+    merged: dict[str, set[str]] = defaultdict(set)
+    for device in spec_devices:
+        merged[map_device(device, mapped)].add(device)
+    limits = {}
+    for device, limit in given.items():
+        if device not in spec_devices:  # the device itself (cpu under --device-map cpu)
+            limits[device] = limit
+        elif len(merged[map_device(device, mapped)]) == 1:
+            limits.setdefault(map_device(device, mapped), limit)
+    return limits
 
 
 def check_capacity(graph: Graph) -> list[MpgenError]:

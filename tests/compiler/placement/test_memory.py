@@ -7,7 +7,6 @@ of the measured one (NOTE [Memory plan]; docs/memory.md)."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from mpgen.compiler.analysis.schedule import BACKWARD, FORWARD, stage_order
 from mpgen.compiler.placement import memory
 from mpgen.testing import VirtualTensor, virtual_devices
 from mpgen.testing.memory import MemoryTracker, measure_training_step
-from tests.helpers import EXAMPLES, build_to, import_generated, mpgen, write_spec
+from tests.helpers import build_to, import_generated, mpgen, write_spec
 
 CNN = """\
 mpgen: 1
@@ -335,18 +334,17 @@ def test_a_larger_batch_needs_more_and_inference_needs_less(tmp_path):
         assert plan.of("inference")["cpu"].gradients == 0
 
 
-def test_show_prints_the_plan_in_bytes(tmp_path):
-    spec = write_spec(tmp_path, TWO_HEADS.format(name="Shown"), "shown.yaml")
-    ran = mpgen("show", str(spec), "--format", "json", "--device-map", "cpu")
-    assert ran.returncode == 0, ran.stderr
-    plan = json.loads(ran.stdout)["memory"]
-    for mode in ("train", "pipeline", "inference"):
-        cpu = plan[mode]["cpu"]
-        assert {"weights", "gradients", "optimizer", "activations", "peak"} <= set(cpu)
-        assert cpu["peak"] >= cpu["weights"] > 0
-        assert sum(cpu["at_peak"].values()) == cpu["peak"]
-    table = mpgen("show", str(spec))
-    assert "train      cuda:0" in table.stdout and "inference  cuda:2" in table.stdout
+def test_where_the_simulation_cannot_run_the_additive_estimate_stands_in(tmp_path):
+    graph, _ = _built(tmp_path, TWO_HEADS, "PlanEstimate", ALL_ON_CPU)
+
+    def fails():
+        raise NotImplementedError("an operator without a fake kernel")
+
+    (estimate,) = memory._or_estimate(graph, 32, fails)
+    unit_sum = sum(u.weight_bytes + u.grad_bytes + u.optimizer_bytes + u.activation_bytes
+                   for u in graph.costs.units)
+    assert (estimate.device, estimate.phase, estimate.peak) == ("cpu", "estimate", unit_sum)
+    assert estimate.weights == graph.memory.of("train")["cpu"].weights
 
 
 def test_a_capacity_with_room_builds(tmp_path):

@@ -352,3 +352,16 @@ def test_a_capacity_with_room_builds(tmp_path):
     spec = write_spec(tmp_path, text.format(name="Roomy"), "roomy.yaml")
     assert mpgen("show", str(spec)).returncode == 0
     assert memory.check_capacity(build_to(spec, tmp_path / "out").graph) == []
+
+
+def test_a_capacity_follows_the_device_map(tmp_path):
+    text = TWO_HEADS + "capacity: {{cuda:0: 1KiB, cpu: {cpu}}}\n"
+    tight = write_spec(tmp_path, text.format(name="Mapped", cpu="1KiB"), "tight.yaml")
+    roomy = write_spec(tmp_path, text.format(name="Mapped", cpu="1GiB"), "roomy.yaml")
+    # On its own devices only cuda:0's capacity applies, and it is too small.
+    ran = mpgen("show", str(roomy))
+    assert ran.returncode == 2 and "cuda:0 needs" in ran.stderr
+    # --device-map cpu merges the three: cuda:0's no longer applies; the CPU's does.
+    assert mpgen("show", str(roomy), "--device-map", "cpu").returncode == 0
+    ran = mpgen("show", str(tight), "--device-map", "cpu")
+    assert ran.returncode == 2 and "cpu needs" in ran.stderr and "capacity is 1.0 KiB" in ran.stderr

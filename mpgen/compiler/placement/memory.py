@@ -492,13 +492,20 @@ def _ref(graph: Graph) -> Callable[[], Any]:
 
 # -- the plan ------------------------------------------------------------------
 
+#: The ways of running the model a plan covers (MemoryPlan's fields).
+MODES = ("train", "pipeline", "inference")
+
+
 def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = None,
-         schedule: str | None = None, dp: int | None = None, budget=None) -> MemoryPlan:
+         schedule: str | None = None, dp: int | None = None, budget=None,
+         modes: Sequence[str] = MODES) -> MemoryPlan:
     """Every device's memory for ``graph`` (placed: ``graph.plan`` set) at
     ``batch`` (default: the spec's ``train.batch_size``), and for its
     pipeline program under ``schedule``, ``microbatches`` and ``dp`` (default:
     the spec's ``pipeline:``, else the pipeline program's defaults: 1f1b,
-    as many micro-batches as stages, one replica). NOTE [Memory plan]."""
+    as many micro-batches as stages, one replica). Only ``modes`` are
+    simulated (the others are empty): a caller that asks many times
+    (``place --fit``) can skip what it does not read. NOTE [Memory plan]."""
     dims = dict(graph.dims)
     batch = batch or dims.get("batch") or (graph.train.batch_size if graph.train else 1)
     config = graph.pipeline
@@ -520,11 +527,15 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
             raise
         except Exception:  # a layer the simulation cannot build: the estimate stands in
             model = None
-        train = _or_estimate(graph, batch, lambda: _train(model, {**dims, "batch": batch}))
-        inference = _or_estimate(graph, batch, lambda: _inference(
-            model, {**dims, "batch": batch}), inference=True)
-        pipeline = _or_estimate(graph, mb, lambda: _pipeline(
-            model, {**dims, "batch": mb}, schedule, microbatches, budget))
+        train = inference = pipeline = ()
+        if "train" in modes:
+            train = _or_estimate(graph, batch, lambda: _train(model, {**dims, "batch": batch}))
+        if "inference" in modes:
+            inference = _or_estimate(graph, batch, lambda: _inference(
+                model, {**dims, "batch": batch}), inference=True)
+        if "pipeline" in modes:
+            pipeline = _or_estimate(graph, mb, lambda: _pipeline(
+                model, {**dims, "batch": mb}, schedule, microbatches, budget))
     return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp)
 
 

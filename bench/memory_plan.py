@@ -114,7 +114,7 @@ def _measure(out: Path, graph, batch: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _pipeline_run(out: Path, graph, schedule: str) -> dict[str, tuple[int, str]]:
+def _pipeline_run(out: Path, graph, schedule: str, batch: int) -> dict[str, tuple[int, str]]:
     """``pp_<name>.py --memory`` under torchrun: each stage device's measured peak."""
     from mpgen.compiler.codegen.common import file_names
     from mpgen.compiler.placement.stages import stages
@@ -124,7 +124,7 @@ def _pipeline_run(out: Path, graph, schedule: str) -> dict[str, tuple[int, str]]
     argv = [PYTHON, "-m", "torch.distributed.run", "--log-dir", str(logs), "--redirects", "3",
             "--nproc-per-node", str(count), file_names(graph)["pp"], "--steps", "2", "--memory",
             "--schedule", schedule, "--microbatches", str(MICROBATCHES),
-            "--log-dir", str(out / "runs")]
+            "--batch-size", str(batch), "--log-dir", str(out / "runs")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     done = subprocess.run(argv, cwd=out, capture_output=True, text=True, env=env)
     printed = "".join(p.read_text() for p in sorted(logs.glob("**/stdout.log")))
@@ -210,9 +210,17 @@ def section(quick: bool, emit: Callable[[str], None], pipeline: bool = True,
                 out = folder / f"{path.stem}_pp"
                 _build(path, out, "cpu")
                 graph = _graph(path)  # the stages keep the spec's devices
+                # The spec's batch, or the least multiple of the micro-batches above it.
+                batch = -(-graph.memory.batch // MICROBATCHES) * MICROBATCHES
                 for schedule in SCHEDULES:
-                    planned = plan(graph, schedule=schedule, microbatches=MICROBATCHES)
-                    got = _pipeline_run(out, graph, schedule)
+                    planned = plan(graph, batch=batch, schedule=schedule,
+                                   microbatches=MICROBATCHES)
+                    try:
+                        got = _pipeline_run(out, graph, schedule, batch)
+                    except RuntimeError as error:  # a row saying so, not a stopped run
+                        last = str(error).strip().splitlines()[-1]
+                        pipes.append([f"{stem}{tag}", schedule, "-", "-", "-", "-", last[:80]])
+                        continue
                     for d in planned.pipeline:
                         peak, phase = got.get(d.device, (0, ""))
                         pipes.append([f"{stem}{tag}", schedule, d.device, _mib(d.peak),

@@ -85,3 +85,38 @@ def test_each_pipeline_rank_prints_its_stages_peak(tmp_path, capfd, schedule):
     for where, plan in (("rank 0: cuda:0 (on cpu)", 1_000), ("rank 1: cuda:1 (on cpu)", 2_000)):
         assert found[where]["step"] == "2"
         assert f"({int(found[where]['bytes']) / plan:.2f}x)" in found[where]["versus"]
+
+
+class _TwoDevices(nn.Module):
+    """Tiny split over cuda:0 and cuda:1 (virtual devices here)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(4, 64).to("cuda:0")
+        self.head = nn.Linear(64, 3).to("cuda:1")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(x.to("cuda:0"))).to("cuda:1"))
+
+
+def _split_loss(model, loss_fns, inputs, targets, count=False):
+    out = model(*inputs)
+    return loss_fns[0](out, targets[0].to("cuda:1")), []
+
+
+def test_on_cuda_memory_reads_max_memory_allocated_per_device(tmp_path, capsys):
+    from mpgen.testing import virtual_devices
+
+    planned = dataclasses.replace(TRAINING, model=_TwoDevices, devices=("cuda:0", "cuda:1"),
+                                  forward_loss=_split_loss,
+                                  memory={"cuda:0": 4_000, "cuda:1": 3_000})
+    with virtual_devices(cuda=2) as vd:  # torch.cuda's memory counters: the virtual devices'
+        loop.train(planned, ["--steps", "2", "--memory", "--log-dir", str(tmp_path)])
+        peaks = vd.peak_bytes
+    lines = {m["where"]: m for m in map(LINE.match, capsys.readouterr().out.splitlines()) if m}
+    assert set(lines) == {"cuda:0", "cuda:1"}
+    for device, plan in (("cuda:0", 4_000), ("cuda:1", 3_000)):
+        measured = int(lines[device]["bytes"])
+        assert 0 < measured <= peaks[device]  # the step's own peak, within the run's
+        assert lines[device]["phase"] is None  # max_memory_allocated says no phase
+        assert lines[device]["versus"].startswith(f"planned 0.00 MiB ({measured / plan:.2f}x)")

@@ -89,10 +89,6 @@ class Predicting:
     scored: tuple = ()
     microbatches: Optional[str] = None
 
-    @property
-    def script(self) -> str:
-        return f"predict_{self.training.run}.py"
-
 
 # -- flags ------------------------------------------------------------------------
 

@@ -316,6 +316,8 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
         "",
         f"    torchrun --nproc-per-node {processes} {names['pp']} --steps 100 --checkpoint runs/pp_{stem}",
         f"    python {names['pp']} --merge runs/pp_{stem} model.pt  # one state dict of {graph.name}",
+        f"    torchrun --nproc-per-node {count} {names['pp']} --predict --checkpoint runs/pp_{stem} "
+        "--data inputs.safetensors --out outputs.safetensors  # forward only",
     ])
     w.line()
     for line in imports(graph):

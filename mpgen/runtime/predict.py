@@ -729,7 +729,7 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
         outputs = Outputs(predicting)
         progress = bar(None) if last else None
         started, samples = time.perf_counter(), 0
-        with torch.no_grad():
+        with torch.inference_mode():
             while True:
                 batch = next(stream, None) if stream is not None else None
                 more = [batch is not None]

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch
 
-from mpgen.compiler.ir import Graph, Node, OpKind, SymDim, TensorType
+from mpgen.compiler.ir import BinOp, Graph, Neg, Node, OpKind, Size, SymDim, TensorType
 from mpgen.errors import Position
 
 ATTENTION = "F.scaled_dot_product_attention"
@@ -134,6 +134,11 @@ def plan(graph: Graph) -> Optional[CachePlan]:
             problems.append((node.pos, f"{node.op.callee} runs along the sequence's dim"))
     positions = frozenset(site for site in flow.aranges
                           if any(site in t and DATA in t for t in flow.values.values()))
+    for site, node in flow.sized.items():  # made from the sizes, read with the data
+        if any(site in t and DATA in t for t in flow.values.values()):
+            problems.append((node.pos, f"{node.op.callee} makes a tensor of the sequence's "
+                             "size that the data reads, which the cache cannot count on "
+                             "from its length (only a torch.arange of the positions)"))
     problems.sort(key=lambda p: (p[0].file, p[0].line, p[0].col))
     return CachePlan(tokens, vocab, frozenset(attention), positions,
                      problems[0] if problems else None, frozenset(layers))
@@ -178,6 +183,7 @@ class _Flow:
         self.blocks = {b.name: b for b in graph.blocks}
         self.values: dict[tuple, frozenset] = {}
         self.aranges: set[Site] = set()
+        self.sized: dict[Site, Node] = {}  # other factories whose sizes are read at run time
         for t in graph.inputs:
             self.values[(None, t.name)] = frozenset({DATA})
 
@@ -234,9 +240,16 @@ class _Flow:
         elif kind is OpKind.FUNCTION and node.op.callee == ATTENTION:
             mask = dict(node.feeding.keyword).get("attn_mask")
             out = frozenset().union(*(t for k, t in enumerate(reads) if k != mask))
+        elif kind is OpKind.MODULE and node.op.spelled in ENCODER_LAYERS:
+            mask = dict(node.feeding.keyword).get(ENCODER_LAYERS[node.op.spelled])
+            out = frozenset().union(*(t for k, t in enumerate(reads) if k != mask)) | {DATA}
         elif kind is OpKind.FUNCTION and node.op.callee == ARANGE and node.factory:
             site = Site(ctx, node.name)
             self.aranges.add(site)
+            out = frozenset({site})
+        elif kind is OpKind.FUNCTION and node.factory and _reads_a_size(node.call.values):
+            site = Site(ctx, node.name)
+            self.sized[site] = node
             out = frozenset({site})
         else:
             out = frozenset().union(*reads)
@@ -245,6 +258,20 @@ class _Flow:
         for name in node.value_names:
             changed |= self._add((ctx, name), out)
         return changed
+
+
+def _reads_a_size(values) -> bool:
+    """Whether an argument reads a tensor's size at run time (``size(x, 1)``)."""
+    for v in values:
+        if isinstance(v, Size):
+            return True
+        if isinstance(v, BinOp) and _reads_a_size([v.left, v.right]):
+            return True
+        if isinstance(v, Neg) and _reads_a_size([v.operand]):
+            return True
+        if isinstance(v, (list, tuple)) and _reads_a_size(v):
+            return True
+    return False
 
 
 def _itemsize(dtype: str) -> int:

@@ -106,3 +106,27 @@ def test_transformer_encoder_layers_with_a_causal_mask_are_cached():
     assert plan.positions == {cache.Site(None, "pos")}
     per_token, known = cache.bytes_per_token(graph, plan)
     assert per_token == {"cpu": 12 * 2 * 768 * 4} and known
+
+
+def test_positions_counted_otherwise_than_by_arange_have_no_cache(tmp_path):
+    """OPT's form: positions as a cumulative sum of ones the size of the
+    sequence; the cache could not start them at its length."""
+    spec = write_spec(tmp_path, """\
+mpgen: 1
+name: Counted
+inputs:
+  idx: {shape: [batch, seq], dtype: int64}
+layers:
+  wte: {op: Embedding, args: [16, 8], in: idx}
+  ones: {op: torch.ones, in: [], args: ["=size(idx, 0)", "=size(idx, 1)"], dtype: int64}
+  counted: {op: torch.cumsum, dim: 1}
+  wpe: {op: Embedding, args: [9, 8], in: counted}
+  emb: {op: torch.add, in: [wte, wpe]}
+  head: {op: Linear, args: [8, 16]}
+train:
+  dims: {seq: 8}
+""")
+    plan = cache.plan(driver.compile_spec(spec, CPU))
+    assert not plan.cacheable
+    assert plan.problem[1].startswith("torch.ones makes a tensor of the sequence's size")
+    assert plan.problem[0].line == 7

@@ -171,3 +171,35 @@ def test_imported_hugging_face_decoders_generate_what_it_generates(case, devices
             model.eval()
             out, _ = runtime.continue_prompts(model, [prompt], how, set(), use_cache)
             assert out[0] == expected
+
+
+def _tokenizer(folder) -> None:
+    """A word-level tokenizer of nano_gpt's 65 ids, saved as Hugging Face saves one."""
+    tokenizers = pytest.importorskip("tokenizers")
+    transformers = pytest.importorskip("transformers")
+    words = {"<eos>": 0, **{f"w{k}": k for k in range(1, 65)}}
+    model = tokenizers.models.WordLevel(words, unk_token="<eos>")
+    raw = tokenizers.Tokenizer(model)
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    raw.decoder = tokenizers.decoders.WordPiece(prefix="##")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=raw, eos_token="<eos>")
+    fast.save_pretrained(folder)
+
+
+def test_text_prompts_through_a_tokenizer(tmp_path):
+    let_torchvision_import()
+    _tokenizer(tmp_path / "tokenizer")
+    build_to(EXAMPLES / "nano_gpt.yaml", tmp_path / "out", {"*": "cpu"})
+    module = import_generated(tmp_path / "out" / "nano_gpt.py")
+    torch.manual_seed(0)
+    torch.save(module.NanoGPT().state_dict(), tmp_path / "w.pt")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w5 w17 w3\nw9 w8\n")
+    ran = subprocess.run(
+        [sys.executable, "generate_nano_gpt.py", "--init", str(tmp_path / "w.pt"), "--prompts",
+         str(prompts), "--tokenizer", str(tmp_path / "tokenizer"), "--max-new-tokens", "5"],
+        cwd=tmp_path / "out", capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stderr
+    *text, first, second = ran.stdout.splitlines()
+    assert first.startswith("5,17,3,") and second.startswith("9,8,")
+    assert text[0].split()[:3] == ["w5", "w17", "w3"] and len(text) == 2

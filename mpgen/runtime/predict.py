@@ -12,20 +12,24 @@ dim in the data's order. Where the data holds the losses' targets too, the
 spec's loss and each class output's accuracy are printed.
 
 # NOTE: [Predicting in batches]
-# A batch's outputs are the model's on that batch, and the file holds them
-# joined along each output's batch dim, so the file equals one forward over
-# all the data wherever nothing couples a batch's samples (eval mode:
-# BatchNorm reads its running stats, Dropout is off). An output whose
-# samples sit inside a product (``[seq*batch, vocab]``) is joined as the
-# samples sit there (the loss's layout); an output with no batch dim of its
-# own is written as one per batch, stacked along a new first dim. The
+# By default a file's (or Dataset's) samples are one batch, so the file of
+# outputs is exactly the model's one forward over them. With --batch-size,
+# a batch's outputs are the model's on that batch, and the file holds them
+# joined along each output's batch dim: one forward over all the data
+# wherever nothing couples a batch's samples (eval mode: BatchNorm reads
+# its running stats, Dropout is off), up to the rounding of another batch
+# size. An output whose samples sit inside a product (``[seq*batch,
+# vocab]``) is joined as the samples sit there (the loss's layout); an
+# output with no batch dim of its own is written as one per batch, stacked
+# along a new first dim. The
 # micro-batches (--microbatches) are the model's own micro-batched forward
 # (``pipeline:`` in the spec) or, for another model, the runtime's split of
 # each batch: CUDA runs a device's work on micro-batch i while the next
 # device's work on i - 1 is queued, so the devices work at once. The
 # pipeline program runs torch's forward-only schedule (``schedule.eval``)
 # over equal micro-batches (the stages' receive buffers take one shape), so
-# a last batch of fewer samples is padded with copies of its last sample,
+# every batch is padded to a multiple of the micro-batches, and a last batch
+# of fewer samples to the first's size, with copies of its last sample,
 # whose outputs are dropped.
 """
 
@@ -122,17 +126,22 @@ def parser(
     add("--data", default=d("data"), metavar="SPEC", help=text)
     text = "where the outputs go, each under its name: .safetensors, .pt or .npz"
     add("--out", metavar="FILE", help=text)
-    add("--batch-size", type=int, default=d("batch_size"), help="samples per forward")
+    text = (
+        "samples per forward (default: all of a file's or Dataset's in one, so that the "
+        "outputs are one forward's; a DataLoader's own batches; synthetic data: the spec's "
+        "batch size)"
+    )
+    add("--batch-size", type=int, metavar="B", help=text)
     text = (
         "micro-batches per batch, so that the devices work at once (default: the spec's "
         "pipeline: micro-batches, else 1)"
         if not stages
-        else f"micro-batches per batch, a divisor of --batch-size (default: {stages.microbatches})"
+        else f"micro-batches per batch, a batch padded to a multiple (default: {stages.microbatches})"
     )
     add("--microbatches", type=int, metavar="M", help=text)
-    amp = d("amp") if d("amp") != "fp16" or not stages else "off"
     choices = ("off", "bf16") if stages else ("off", "bf16", "fp16")
-    add("--amp", choices=choices, default=amp, help="autocast the forward")
+    text = "autocast the forward (default off, whatever the spec trains with)"
+    add("--amp", choices=choices, default="off", help=text)
     add("--samples", type=int, default=d("samples"), help="size of the synthetic data")
     add("--seed", type=int, default=d("seed"), help="the synthetic data's seed")
     add("--workers", type=int, default=d("workers"), help="DataLoader worker processes")
@@ -340,6 +349,19 @@ def in_order(data, given: Training, args, where: str):
         yield check_batch(as_batch(batch, given.keys), given, where)
 
 
+def per_forward(data, args, training: Training) -> Optional[int]:
+    """The samples of one forward: --batch-size; else all of a file's or
+    Dataset's (the outputs are one forward's); a DataLoader's own batches
+    (None); synthetic data's, the spec's batch size."""
+    if args.batch_size:
+        return args.batch_size
+    if isinstance(data, SyntheticData):
+        return training.default("batch_size") or 1
+    if isinstance(data, DataLoader):
+        return None
+    return max(len(data), 1)
+
+
 def batch_size(batch: tuple, dims: tuple) -> int:
     """The samples in a batch (1 where no key has a batch dim of its own)."""
     for x, d in zip(batch, dims):
@@ -541,11 +563,12 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
         setattr(model, predicting.microbatches, args.microbatches)
     microbatches = args.microbatches or 1
     data, given, named = read_data(training, args)
+    args.batch_size = per_forward(data, args, training)
     n = len(training.inputs)
     scores = Scores(predicting) if given.targets else None
     loss_fns = training.losses() if scores is not None else ()
     outputs = Outputs(predicting)
-    progress = bar(batches_in(data) or _count(data, args.batch_size))
+    progress = bar(batches_in(data) or _count(data, args.batch_size or 1))
     started, samples = time.perf_counter(), 0
     with torch.inference_mode():
         for batch in in_order(data, given, args, named):
@@ -664,11 +687,6 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
     check(p, args)
     count = len(stages.stages)
     m = args.microbatches or stages.microbatches
-    if args.batch_size % m:
-        p.error(
-            f"--microbatches {m} must divide --batch-size {args.batch_size} (the stages exchange "
-            "equal micro-batches)"
-        )
     device = launch.check_devices(stages)
     command = f"torchrun --nproc-per-node {count} {stages.script} --predict ..."
     if "RANK" not in environ:
@@ -696,22 +714,25 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
         n = len(training.inputs)
         dims = training.batch_dims[:n]
         # The first and last ranks read the data (inputs; targets), in the same order.
-        shapes, stream, given, named = [None, 0], None, training, ""
+        # The micro-batches are equal: each batch is padded to ``whole``, a multiple of m.
+        shapes, stream, given, named = [None, 0, 0], None, training, ""
         if first or last:
             data, given, named = read_data(training, args)
+            args.batch_size = per_forward(data, args, training)
             stream = in_order(data, given, args, named)
             batch = next(stream, None)
             if batch is None:
                 mesh.stop(f"{named}: gives no batch")
             stream = _chain(batch, stream)
             size = batch_size(batch, given.batch_dims)
-            whole = (
-                padded(batch[:n], dims, size, args.batch_size)
-                if size < args.batch_size
-                else batch[:n]
-            )
-            shapes = [[(tuple(x.shape), x.dtype) for x in whole], bool(given.targets)]
+            # a DataLoader's batches are its own: its first one's size
+            most = size if isinstance(data, DataLoader) else args.batch_size
+            whole = -(-most // m) * m
+            inputs = padded(batch[:n], dims, size, whole)
+            shapes = [[(tuple(x.shape), x.dtype) for x in inputs], bool(given.targets)]
+            shapes.append((most, whole))
         dist.broadcast_object_list(shapes, src=0)
+        most, whole = shapes[2]
         found = examples(stages, shapes[0], m)
         given_in, made = found[k]
         if not last:
@@ -737,26 +758,27 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
                 if not more[0]:
                     break
                 size = batch_size(batch, given.batch_dims) if batch is not None else 0
-                if batch is not None and size > args.batch_size:
+                if batch is not None and size > most:
                     mesh.stop(
-                        f"{named}: a batch of {size} samples, more than --batch-size {args.batch_size}"
+                        f"{named}: a batch of {size} samples after one of {most}; the stages "
+                        "take one shape (give --batch-size)"
                     )
                 inputs = ()
                 if first:
-                    whole = padded(batch[:n], dims, size, args.batch_size)
-                    if [(tuple(x.shape), x.dtype) for x in whole] != shapes[0]:
+                    inputs = padded(batch[:n], dims, size, whole)
+                    if [(tuple(x.shape), x.dtype) for x in inputs] != shapes[0]:
                         mesh.stop(
-                            f"{named}: a batch shaped {[list(x.shape) for x in whole]}, where the first "
-                            f"was {[list(s) for s, _ in shapes[0]]}; the stages take one shape"
+                            f"{named}: a batch shaped {[list(x.shape) for x in inputs]}, where the "
+                            f"first was {[list(s) for s, _ in shapes[0]]}; the stages take one shape"
                         )
-                    inputs = tuple(x.to(device) for x in whole)
+                    inputs = tuple(x.to(device) for x in inputs)
                 with autocast(device.type, args.amp):
                     schedule.eval(*inputs)
                 if not last:
                     continue
-                each = _joined(stage.output_chunks, predicting, args.batch_size // m)
+                each = _joined(stage.output_chunks, predicting, whole // m)
                 each = tuple(
-                    first_samples(x, d, args.batch_size, size)
+                    first_samples(x, d, whole, size)
                     for x, d in zip(each, predicting.output_dims or (0,) * len(each))
                 )
                 each = tuple(x.to("cpu") for x in each)

@@ -92,6 +92,11 @@ def test_predict_from_the_single_process_checkpoint(net):
     assert "loss " in printed and "fc2 accuracy " in printed
     assert printed.splitlines()[-1] == ("wrote single.safetensors: fc2 [10, 3] float32, "
                                         "score [10] float32")
+    # By default the whole file is one forward: the model's outputs exactly.
+    ok(script(net, "predict_tiny_net.py", "--checkpoint", "run", "--data", "data.pt",
+              "--out", "whole.safetensors"))
+    for found, value in zip(written(net / "whole.safetensors").values(), expected(net, state)):
+        assert torch.equal(found, value)
 
 
 def test_predict_from_a_pipeline_checkpoint_in_one_process_and_under_torchrun(net):
@@ -102,13 +107,19 @@ def test_predict_from_a_pipeline_checkpoint_in_one_process_and_under_torchrun(ne
     ok(script(net, "predict_tiny_net.py", "--checkpoint", "pp", "--data", "data.pt",
               "--out", "from_pp.safetensors"))
     same(written(net / "from_pp.safetensors"), outputs)
-    # Forward only under torchrun: 10 samples in batches of 4 (the last one padded).
+    # Forward only under torchrun: 10 samples in batches of 4, each padded to 6 for 3
+    # micro-batches (the last batch, of 2, too).
     ran = torchrun(2, net / "pp_tiny_net.py", "--predict", "--checkpoint", "pp",
-                   "--data", "data.pt", "--out", "pp.safetensors", "--microbatches", "2",
-                   timeout=300)
+                   "--data", "data.pt", "--out", "pp.safetensors", "--batch-size", "4",
+                   "--microbatches", "3", timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     same(written(net / "pp.safetensors"), outputs)
     assert "fc2 accuracy " in ran.stdout
+    # All 10 samples in one forward by default, in the stage's default micro-batches.
+    ran = torchrun(2, net / "pp_tiny_net.py", "--predict", "--init", "merged.pt",
+                   "--data", "data.pt", "--out", "whole.safetensors", timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    same(written(net / "whole.safetensors"), outputs)
 
 
 WORD_LM = """

@@ -58,21 +58,34 @@ class Cache:
     """One generation's keys and values, per attention layer, and where the
     padding is (NOTE [The KV cache compiled from the spec])."""
 
-    def __init__(self, padding: torch.Tensor) -> None:
+    def __init__(self, padding: torch.Tensor, capacity: Optional[int] = None) -> None:
         self.length = 0  # positions already cached
+        self.capacity = capacity  # the longest sequence expected
         self.padding = padding  # [batch, length + new]: True where a token is real
         self.layers: dict = {}  # KVAttention -> (keys, values)
         self.masks: dict = {}  # device -> this step's mask
         self.unpadded = bool(padding.all())
 
     def extend(self, layer: nn.Module, key: torch.Tensor, value: torch.Tensor):
-        """The layer's keys and values so far, the new ones appended (seq: dim -2)."""
-        if layer in self.layers:
-            past_key, past_value = self.layers[layer]
-            key = torch.cat([past_key, key], dim=-2)
-            value = torch.cat([past_value, value], dim=-2)
-        self.layers[layer] = (key, value)
-        return key, value
+        """The layer's keys and values so far, the new ones written after them
+        (seq: dim -2), in buffers of ``capacity`` positions made at the first
+        forward (so a step copies only its own); past the capacity, appended."""
+        end = self.length + key.size(-2)
+        if layer not in self.layers:
+            room = max(self.capacity or 0, end)
+            buffers = tuple(
+                t.new_empty((*t.shape[:-2], room, t.shape[-1])) for t in (key, value)
+            )
+            self.layers[layer] = buffers
+        past_key, past_value = self.layers[layer]
+        if end > past_key.size(-2):
+            key = torch.cat([past_key[..., : self.length, :], key], dim=-2)
+            value = torch.cat([past_value[..., : self.length, :], value], dim=-2)
+            self.layers[layer] = (key, value)
+            return key, value
+        past_key[..., self.length : end, :] = key
+        past_value[..., self.length : end, :] = value
+        return past_key[..., :end, :], past_value[..., :end, :]
 
     def attend(self, new: int, device: torch.device) -> dict:
         """The mask arguments of scaled_dot_product_attention for ``new``
@@ -453,7 +466,7 @@ def cached(
     for row, prompt in enumerate(batch):
         window[row, longest - len(prompt) :] = torch.tensor(prompt)
         padding[row, longest - len(prompt) :] = True
-    cache = Cache(padding)
+    cache = Cache(padding, longest + args.max_new_tokens)
     bind(model, cache)
     out = [list(p) for p in batch]
     done = [False] * len(batch)

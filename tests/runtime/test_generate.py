@@ -30,17 +30,19 @@ def test_a_decoding_step_sees_every_real_key_before_it():
     assert mask[:, 0, 0].tolist() == [[False, True, True], [True, True, True]]
 
 
-def test_attention_with_the_cache_equals_attention_over_the_whole_window():
+@pytest.mark.parametrize("capacity", [None, 5, 9])
+def test_attention_with_the_cache_equals_attention_over_the_whole_window(capacity):
+    """Buffers made at the first forward (capacity), or grown past it."""
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 4) for _ in range(3))
     whole = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     layer = generate.KVAttention()
-    layer.cache = cache = generate.Cache(torch.ones(2, 4, dtype=torch.bool))
+    layer.cache = cache = generate.Cache(torch.ones(2, 4, dtype=torch.bool), capacity)
     first = layer(q[:, :, :4], k[:, :, :4], v[:, :, :4], is_causal=True)
     cache.step(4)
     last = layer(q[:, :, 4:], k[:, :, 4:], v[:, :, 4:], is_causal=True)
     torch.testing.assert_close(torch.cat([first, last], dim=2), whole)
-    assert cache.bytes_by_device() == {"cpu": 2 * 2 * 3 * 5 * 4 * 4}
+    assert cache.bytes_by_device() == {"cpu": 2 * 2 * 3 * max(capacity or 0, 5) * 4 * 4}
 
 
 def test_without_a_cache_the_layers_are_the_plain_functions():

@@ -400,6 +400,11 @@ class _Model:
                 return meta.run(node, module, list(tensors), {}, self.hooks, env=names)
 
         if checkpoint and node.op.has_module:
+            # The recompute keeps ``call`` until backward: it must not keep
+            # forward's values alive through ``names`` (the generated code's
+            # module keeps none), only their sizes.
+            names = {name: _Sizes(t.shape) for name, t in names.items()
+                     if isinstance(t, torch.Tensor)}
             return torch.utils.checkpoint.checkpoint(call, *x, use_reentrant=False)
         return call(*x)
 
@@ -452,6 +457,19 @@ def _loss_fn(loss) -> Callable:
     return lambda out, target: out.float().mean()  # a user's loss: one scalar
 
 
+class _Sizes:
+    """A tensor's sizes, as an expression like ``"=size(x, 1)"`` reads them."""
+
+    def __init__(self, shape) -> None:
+        self.shape = tuple(shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+
 class _Names(Mapping):
     """Value name -> tensor, read from the forward's variables (sizes read them)."""
 
@@ -464,7 +482,7 @@ class _Names(Mapping):
         return self.env[self.var.get(name, name)]
 
     def __iter__(self):
-        return iter(self.var)
+        return (name for name, var in self.var.items() if var in self.env)
 
     def __len__(self) -> int:
         return len(self.var)

@@ -20,8 +20,6 @@ from mpgen.compiler.frontend.namespace import Namespace
 from mpgen.compiler.ir import Graph
 
 RUNTIME = train_codegen.RUNTIME
-#: ``mpgen_runtime.predict.Predicting``'s field defaults: a field at its default is not written.
-PREDICTING_DEFAULTS = {"microbatches": None}
 
 
 def output_layout(graph: Graph, name: str) -> "Optional[int] | tuple[int, int]":
@@ -77,10 +75,11 @@ def render_predict(graph: Graph) -> str:
     fields = [("training", f"{train_module}.TRAINING"),
               ("outputs", tuple_literal(graph.outputs)),
               ("output_dims", "(" + _tuple([_layout(v) for v in layouts]) + ")")]
+    # Fields at Predicting's defaults (no class scores, no micro-batch attribute) are not written.
     if any(s is not None for s in scored):
         fields.append(("scored", "(" + _tuple([_layout(v) for v in scored]) + ")"))
     attribute = microbatch_attribute(graph)
-    if attribute != PREDICTING_DEFAULTS["microbatches"]:
+    if attribute is not None:
         fields.append(("microbatches", literal(attribute)))
     w.line()  # one blank line after the imports: black's, before a statement
     arguments = ", ".join(f"{key}={value}" for key, value in fields)

@@ -75,6 +75,7 @@ class CachePlan:
     positions: frozenset[Site] = frozenset()
     problem: Optional[tuple[Position, str]] = None
     layers: frozenset[Site] = frozenset()  # torch.nn layers swapped (ENCODER_LAYERS)
+    table: Optional[int] = None  # the rows of the smallest position table (Embedding)
 
     @property
     def cacheable(self) -> bool:
@@ -139,9 +140,22 @@ def plan(graph: Graph) -> Optional[CachePlan]:
             problems.append((node.pos, f"{node.op.callee} makes a tensor of the sequence's "
                              "size that the data reads, which the cache cannot count on "
                              "from its length (only a torch.arange of the positions)"))
+    rows = [_rows(node) for ctx, node in flow.all_nodes()
+            if node.op.kind is OpKind.MODULE and node.op.spelled == "Embedding"
+            and any(site in tags and DATA not in tags
+                    for tags in (flow.tags(ctx, name) for name in node.inputs)
+                    for site in positions)]
+    rows = [r for r in rows if r is not None]
     problems.sort(key=lambda p: (p[0].file, p[0].line, p[0].col))
     return CachePlan(tokens, vocab, frozenset(attention), positions,
-                     problems[0] if problems else None, frozenset(layers))
+                     problems[0] if problems else None, frozenset(layers),
+                     min(rows) if rows else None)
+
+
+def _rows(node: Node) -> Optional[int]:
+    rows = dict(node.init.keyword).get(
+        "num_embeddings", node.init.positional[0] if node.init.positional else None)
+    return rows if isinstance(rows, int) else None
 
 
 def _attention_problem(flow: "_Flow", ctx: Optional[str], node: Node,

@@ -74,13 +74,15 @@ def _classes(graph: Graph) -> str:
     return text[start:].strip("\n") + "\n"
 
 
-def max_length(graph: Graph) -> Optional[int]:
+def max_length(graph: Graph, cache: cache_analysis.CachePlan) -> Optional[int]:
     """The longest sequence the position tables hold (analysis.shapes' limit
-    of the sequence's dim), None where none is known."""
+    of the sequence's dim, the rows of an Embedding the positions index),
+    None where none is known."""
     seq = graph.inputs[0].type.shape[1]
-    if not isinstance(seq, SymDim):
-        return None
-    limits = [largest for dim, largest, _ in graph.dim_limits if (dim,) == seq.symbols]
+    limits = [largest for dim, largest, _ in graph.dim_limits
+              if isinstance(seq, SymDim) and (dim,) == seq.symbols]
+    if cache.table is not None:
+        limits.append(cache.table)
     return min(limits) if limits else None
 
 
@@ -131,7 +133,7 @@ def render_generate(graph: Graph) -> str:
     else:
         fields.append(("uncached", literal(cache.problem[1])))
     fields.append(("vocab", literal(cache.vocab)))
-    longest = max_length(graph)
+    longest = max_length(graph, cache)
     if longest is not None:
         fields.append(("max_length", literal(longest)))
     w = PythonWriter()

@@ -130,3 +130,9 @@ train:
     assert not plan.cacheable
     assert plan.problem[1].startswith("torch.ones makes a tensor of the sequence's size")
     assert plan.problem[0].line == 7
+
+
+def test_the_position_table_bounds_the_sequence(tmp_path):
+    assert cache.plan(_graph(tmp_path)).table == 8  # wpe: Embedding(8, 8)
+    graph = driver.compile_spec(ROOT / "examples" / "tiny_llama.yaml", CPU)
+    assert cache.plan(graph).table is None  # rotary: no table

@@ -189,28 +189,68 @@ class KVTransformerEncoderLayer(nn.TransformerEncoderLayer):
         return self.norm2(x + self._ff_block(x))
 
     def _cached_attention(self, x: torch.Tensor) -> torch.Tensor:
-        attention = self.self_attn
-        if not attention.batch_first:
-            x = x.transpose(0, 1)
-        heads, width = attention.num_heads, x.size(-1)
-        projected = F.linear(x, attention.in_proj_weight, attention.in_proj_bias)
-        query, key, value = (
-            part.unflatten(-1, (heads, width // heads)).transpose(1, 2)
-            for part in projected.chunk(3, dim=-1)
-        )
-        key, value = self.cache.extend(self, key, value)
-        dropout = attention.dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(
-            query,
-            key,
-            value,
-            **self.cache.attend(query.size(-2), query.device),
-            dropout_p=dropout,
-        )
-        out = attention.out_proj(out.transpose(1, 2).flatten(2))
-        if not attention.batch_first:
-            out = out.transpose(0, 1)
-        return self.dropout1(out)
+        return self.dropout1(self_attention(self.self_attn, x, self.cache, self))
+
+
+class KVMultiheadAttention(nn.MultiheadAttention):
+    """nn.MultiheadAttention (the same arguments and state dict) attending a
+    sequence to itself with its keys and values kept in the bound Cache,
+    whatever causal attn_mask the model passes (no attention weights: None);
+    the plain layer where none is bound."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.cache: Optional[Cache] = None
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        key_padding_mask=None,
+        need_weights=True,
+        attn_mask=None,
+        average_attn_weights=True,
+        is_causal=False,
+    ):
+        if self.cache is None:
+            return super().forward(
+                query,
+                key,
+                value,
+                key_padding_mask=key_padding_mask,
+                need_weights=need_weights,
+                attn_mask=attn_mask,
+                average_attn_weights=average_attn_weights,
+                is_causal=is_causal,
+            )
+        return self_attention(self, query, self.cache, self), None
+
+
+def self_attention(
+    attention: nn.MultiheadAttention, x: torch.Tensor, cache: Cache, owner: nn.Module
+) -> torch.Tensor:
+    """``attention`` of ``x`` to itself, its keys and values kept in ``cache``
+    under ``owner``: the projections and heads of nn.MultiheadAttention
+    (query, key and value of one width), through scaled_dot_product_attention."""
+    if not attention.batch_first:
+        x = x.transpose(0, 1)
+    heads, width = attention.num_heads, x.size(-1)
+    projected = F.linear(x, attention.in_proj_weight, attention.in_proj_bias)
+    query, key, value = (
+        part.unflatten(-1, (heads, width // heads)).transpose(1, 2)
+        for part in projected.chunk(3, dim=-1)
+    )
+    key, value = cache.extend(owner, key, value)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        **cache.attend(query.size(-2), query.device),
+        dropout_p=attention.dropout if attention.training else 0.0,
+    )
+    out = attention.out_proj(out.transpose(1, 2).flatten(2))
+    return out if attention.batch_first else out.transpose(0, 1)
 
 
 class Positions(nn.Module):
@@ -447,7 +487,10 @@ def last_logits(output) -> torch.Tensor:
 
 def bind(model: nn.Module, cache: Optional[Cache]) -> None:
     for module in model.modules():
-        if isinstance(module, (KVAttention, KVTransformerEncoderLayer, Positions)):
+        if isinstance(
+            module,
+            (KVAttention, KVMultiheadAttention, KVTransformerEncoderLayer, Positions),
+        ):
             module.cache = cache
 
 

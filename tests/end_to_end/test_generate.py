@@ -96,6 +96,46 @@ def test_transformer_encoder_layers_with_a_causal_mask(norm_first, tmp_path):
         _agree(module, [[[5, 17, 3]], [[1, 2, 3, 4], [9, 8, 7, 6]]], GREEDY)
 
 
+MULTIHEAD = """\
+mpgen: 1
+name: MhaLM
+inputs:
+  tokens: {shape: [batch, seq], dtype: int64}
+blocks:
+  AttnBlock:
+    params: [dim, heads]
+    inputs: [x, causal]
+    layers:
+      norm: {op: LayerNorm, args: [$dim], in: x}
+      attn: {op: MultiheadAttention, args: [$dim, $heads], batch_first: true,
+             in: [norm, norm, norm, {attn_mask: causal}], output: 0, call: {need_weights: false}}
+      res: {op: torch.add, in: [x, attn]}
+layers:
+  wte: {op: Embedding, args: [40, 16], in: tokens}
+  pos: {op: torch.arange, in: [], args: ["=size(tokens, 1)"]}
+  wpe: {op: Embedding, args: [64, 16], in: pos}
+  embed: {op: torch.add, in: [wte, wpe]}
+  mask: {op: torch.ones, in: [], args: ["=size(tokens, 1)", "=size(tokens, 1)"], dtype: bool}
+  causal: {op: torch.triu, diagonal: 1}
+  blocks: {op: AttnBlock, args: [16, 2], in: [embed, causal], repeat: 2}
+  head: {op: Linear, args: [16, 40]}
+placement:
+  blocks.1: cuda:1
+train:
+  dims: {seq: 64}
+"""
+
+
+def test_multihead_attention_with_a_causal_mask(tmp_path):
+    spec = tmp_path / "mha_lm.yaml"
+    spec.write_text(MULTIHEAD)
+    result = build_to(spec, tmp_path / "out")
+    assert "KVMultiheadAttention(" in result.files["generate_mha_lm.py"]
+    module = import_generated(tmp_path / "out" / "generate_mha_lm.py")
+    with virtual_devices(cuda=2):
+        _agree(module, [[[5, 17, 3]], [[1, 2, 3, 4], [9, 8, 7, 6]]], GREEDY)
+
+
 def test_padding_is_never_attended(tmp_path):
     """Left padding: a prompt's continuation in a batch is the same whatever
     the padding ids are (rotary positions: only differences count, so it is

@@ -31,7 +31,9 @@ from mpgen.errors import Position
 
 ATTENTION = "F.scaled_dot_product_attention"
 #: torch.nn layers the cache knows, with the keyword of their causal mask.
-ENCODER_LAYERS = {"TransformerEncoderLayer": "src_mask"}
+ENCODER_LAYERS = {"TransformerEncoderLayer": "src_mask", "MultiheadAttention": "attn_mask"}
+#: Constructor arguments of those that the cache's self-attention does not take.
+UNCACHED_ARGUMENTS = ("kdim", "vdim", "add_bias_kv", "add_zero_attn")
 ARANGE = "torch.arange"
 DATA = "data"
 
@@ -120,6 +122,15 @@ def plan(graph: Graph) -> Optional[CachePlan]:
             attention.add(Site(ctx, node.name))
         elif node.op.kind is OpKind.MODULE and node.op.spelled in ENCODER_LAYERS:
             problem = _attention_problem(flow, ctx, node, ENCODER_LAYERS[node.op.spelled])
+            given = [k for k, v in node.init.keyword if k in UNCACHED_ARGUMENTS and v]
+            positional = [node.inputs[i] for i in node.feeding.positional[:3]
+                          if isinstance(i, int)]
+            if given:
+                problem = (f"{node.op.spelled} with {given[0]}: the cache attends with one "
+                           "projection of query, key and value")
+            elif node.op.spelled == "MultiheadAttention" and len(set(positional)) != 1:
+                problem = ("its query, key and value differ: the cache keeps a sequence "
+                           "attending to itself")
             if problem:
                 problems.append((node.pos, problem))
             layers.add(Site(ctx, node.name))
@@ -321,8 +332,9 @@ def bytes_per_token(graph: Graph, cache: CachePlan) -> tuple[dict[str, int], boo
         return memo[name]
 
     def encoder_layer(node: Node) -> int:
-        width = dict(node.init.keyword).get(
-            "d_model", node.init.positional[0] if node.init.positional else None)
+        keywords = dict(node.init.keyword)
+        width = keywords.get("d_model", keywords.get(
+            "embed_dim", node.init.positional[0] if node.init.positional else None))
         if not isinstance(width, int):
             known[0] = False
             return 0

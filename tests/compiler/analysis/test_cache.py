@@ -136,3 +136,21 @@ def test_the_position_table_bounds_the_sequence(tmp_path):
     assert cache.plan(_graph(tmp_path)).table == 8  # wpe: Embedding(8, 8)
     graph = driver.compile_spec(ROOT / "examples" / "tiny_llama.yaml", CPU)
     assert cache.plan(graph).table is None  # rotary: no table
+
+
+def test_multihead_attention_must_attend_a_sequence_to_itself(tmp_path):
+    spec = write_spec(tmp_path, """\
+mpgen: 1
+name: Cross
+inputs:
+  idx: {shape: [batch, seq], dtype: int64}
+layers:
+  wte: {op: Embedding, args: [16, 8], in: idx}
+  other: {op: Linear, args: [8, 8]}
+  attn: {op: MultiheadAttention, args: [8, 2], batch_first: true, in: [wte, other, other],
+         output: 0, call: {is_causal: false}}
+  head: {op: Linear, args: [8, 16]}
+""")
+    plan = cache.plan(driver.compile_spec(spec, CPU))
+    assert plan.problem[1] == ("its query, key and value differ: the cache keeps a sequence "
+                               "attending to itself")

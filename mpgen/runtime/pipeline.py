@@ -942,10 +942,10 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
     """``pp_<name>.py``: parse the flags, start the process groups, train
     (``--predict ...``: predict.pipeline, forward only)."""
     given = argv if argv is not None else sys.argv[1:]
-    if given[:1] == ["--predict"]:
+    if "--predict" in given:
         from .predict import pipeline as forward_only
 
-        forward_only(stages, given[1:])
+        forward_only(stages, [a for a in given if a != "--predict"])
         return
     parser = flags.parser(stages.training, stages)
     args = parser.parse_args(argv)

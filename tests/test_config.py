@@ -56,8 +56,8 @@ def test_the_command_line_overrides_the_config(tmp_path):
                   cwd=root)
     assert build.returncode == 0, build.stderr
     assert files_in(root / "mine") == sorted(
-        ["other.py", "train_other.py", "test_other.py", "pp_other.py", "other.placement.md",
-         *runtime_files()])
+        ["other.py", "train_other.py", "test_other.py", "pp_other.py", "predict_other.py",
+         "other.placement.md", *runtime_files()])
     assert "--device-map cuda:1=cuda:0" in (root / "mine" / "other.py").read_text()
     assert not (root / "gen").exists()
     # The fix check prints repeats what was typed, no more.

@@ -541,7 +541,7 @@ def test_generate_proves_the_files_compile_without_black(tmp_path, monkeypatch):
     files = driver.generate(spec).files
     assert not any(marker in text for text in formatted
                    for marker in ("class M(nn.Module)", "class TestM(", "def main("))
-    for name in ("m.py", "test_m.py", "train_m.py", "pp_m.py"):
+    for name in ("m.py", "test_m.py", "train_m.py", "pp_m.py", "predict_m.py"):
         assert black.format_str(files[name], mode=format.black_mode()) == files[name], name
     for role, render in (("test", "render_test"), ("model", "render_model"),
                          ("train", "render_train")):

@@ -204,3 +204,46 @@ def test_a_folder_with_no_weights_is_named(tmp_path, data):
     assert str(stop.value) == (
         f"--checkpoint {tmp_path / 'empty'}: a folder with no last.pt, no complete step_N "
         "checkpoint (with its COMPLETE marker) and no model.safetensors")
+
+
+FACTORY = '''
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+
+class Inputs(Dataset):
+    """Samples of the input alone, as dicts."""
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        return {"x": torch.arange(4.0) + i}
+
+
+def inputs():
+    return Inputs()
+
+
+def loader():
+    xs = torch.arange(24.0).view(6, 4)
+    return DataLoader(list(zip(xs, xs[:, :3].argmax(1))), batch_size=4)
+'''
+
+
+def test_a_factory_s_dataset_or_dataloader_runs_in_its_order(tmp_path, model, monkeypatch,
+                                                              capsys):
+    (tmp_path / "mydata.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    saved_last(tmp_path / "run", model)
+    predict(PREDICTING, ["--checkpoint", "run", "--data", "mydata:inputs", "--out", "a.pt"])
+    with torch.no_grad():
+        expected = model(torch.arange(4.0) + torch.arange(5.0)[:, None])
+    assert torch.allclose(outputs(tmp_path / "a.pt")["head"], expected, atol=1e-6)
+    assert "loss" not in capsys.readouterr().out  # no targets: the outputs only
+    predict(PREDICTING, ["--checkpoint", "run", "--data", "mydata:loader", "--out", "b.pt"])
+    with torch.no_grad():
+        expected = model(torch.arange(24.0).view(6, 4))
+    assert torch.allclose(outputs(tmp_path / "b.pt")["head"], expected, atol=1e-6)
+    assert "over 6 samples; head accuracy" in capsys.readouterr().out

@@ -66,7 +66,8 @@ def test_a_sequence_first_lstm_builds_trains_and_passes_its_tests(tmp_path):
     spec = write_spec(tmp_path, LSTM)
     built = mpgen("build", str(spec), "-o", str(tmp_path / "out"))
     assert built.returncode == 0, built.stderr
-    assert built.stderr == ""
+    # Only the note that generation runs without a KV cache (an LSTM: docs/inference.md).
+    assert [line for line in built.stderr.splitlines() if "KV cache" not in line] == []
     script = (tmp_path / "out" / "train_seq_first_lstm.py").read_text()
     # The batch size first (the loop passes it), the other dims after it.
     assert make_batch_signature(script) == "batch_size: int, seq: int=5"

@@ -535,6 +535,11 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
         running = active_budget()
         budget = running if isinstance(running, Budget) else Budget()
     mb = max(batch // max(dp, 1) // max(microbatches, 1), 1)
+    if _too_large(graph):  # the estimate stands in, the same on every machine
+        return MemoryPlan(batch, _estimate(graph, batch, False) if "train" in modes else (),
+                          _estimate(graph, mb, False) if "pipeline" in modes else (),
+                          _estimate(graph, batch, True) if "inference" in modes else (),
+                          schedule, microbatches, dp)
     # The budget is checked between units and steps, never inside an operator:
     # an exception raised from inside a fake tensor's kernel can abort the process.
     with warnings.catch_warnings():
@@ -555,6 +560,40 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
             pipeline = _or_estimate(graph, mb, lambda: _pipeline(
                 model, {**dims, "batch": mb}, schedule, microbatches, budget))
     return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp)
+
+
+#: The most layer runs (a layer in a block counting once per instance of
+#: the block; torch.nn's composite layers by their parts:
+#: :data:`COMPOSITE_RUNS`) whose step the plan simulates; beyond it, or with
+#: a recurrent layer (the CPU's fake kernels loop over its steps in Python,
+#: and oneDNN's LSTM workspace is not modelled), the additive estimate
+#: stands in, the same on every machine: a build must stay inside its
+#: budget (GPT-2 small, ~150 runs, takes ~3 s of simulation).
+MAX_SIMULATED_LAYERS = 256
+COMPOSITE_RUNS = {nn.TransformerEncoderLayer: 12, nn.TransformerDecoderLayer: 18,
+                  nn.MultiheadAttention: 4, nn.TransformerEncoder: 72,
+                  nn.TransformerDecoder: 108, nn.Transformer: 200}
+
+
+def _too_large(graph: Graph) -> bool:
+    blocks = {b.name: b for b in graph.blocks}
+    recurrent = False
+
+    def runs(nodes, depth: int = 0) -> int:
+        nonlocal recurrent
+        total = 0
+        for node in nodes:
+            target, inner = node.op.target, 1
+            if node.op.kind is meta.OpKind.BLOCK and target in blocks and depth < 16:
+                inner = runs(blocks[target].nodes, depth + 1)
+            elif isinstance(target, type):
+                recurrent = recurrent or issubclass(target, nn.RNNBase)
+                inner = next((n for cls, n in COMPOSITE_RUNS.items()
+                              if issubclass(target, cls)), 1)
+            total += (node.repeat or 1) * max(inner, 1)
+        return total
+
+    return runs(graph.nodes) > MAX_SIMULATED_LAYERS or recurrent
 
 
 def _or_estimate(graph: Graph, batch: int, simulate: Callable[[], tuple],

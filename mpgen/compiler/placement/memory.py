@@ -56,6 +56,12 @@ and inference, simulated once after placement (``graph.memory``).
 #   stage that uses it: each has its copy in the pipeline program.
 # - inference: the forward at the batch under ``no_grad``, in eval mode.
 #
+# Where the simulation would not fit a build's budget (more than
+# MAX_SIMULATED_LAYERS layer runs, or a recurrent layer) or cannot run (an
+# operator without a fake kernel), analysis/costs.py's additive estimate
+# stands in (phase "estimate"): chosen by the spec alone, so the plan is the
+# same on every machine.
+#
 # Left out: the CUDA context and the caching allocator's rounding and
 # fragmentation (the plan is what ``max_memory_allocated`` would see at best),
 # workspaces kernels allocate outside the dispatcher (cuBLAS, cuDNN), the

@@ -610,6 +610,11 @@ def _count(data, size: int) -> Optional[int]:
 
 def finish(found: dict, out: Optional[str]) -> None:
     """Write the outputs (or, without --out, say what they are)."""
+    if out and out.endswith(".npz"):  # numpy has no bfloat16: write() widens it
+        found = {
+            name: x.float() if x.dtype == torch.bfloat16 else x
+            for name, x in found.items()
+        }
     shapes = ", ".join(
         f"{name} {list(x.shape)} {str(x.dtype)[6:]}" for name, x in found.items()
     )

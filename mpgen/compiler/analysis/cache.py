@@ -141,6 +141,12 @@ def plan(graph: Graph) -> Optional[CachePlan]:
                                  f"{ATTENTION}'s keys and values)"))
         elif node.op.kind is OpKind.FUNCTION and data and node.op.callee in MIXING:
             problems.append((node.pos, f"{node.op.callee} mixes the sequence's positions"))
+        elif (node.op.kind is OpKind.FUNCTION and node.op.callee == "torch.narrow"
+              and DATA in reads[0] and _sizes_read(node.call.values) - {node.inputs[0]}):
+            problems.append((node.pos, "torch.narrow reads the first rows of a table by "
+                             "another tensor's size (positions read from a table so): the "
+                             "cache cannot start them at its length; index the table with "
+                             "a torch.arange of the positions (an Embedding)"))
         elif (node.op.kind is OpKind.FUNCTION and data and node.op.callee in ALONG_DIM
               and seq_symbol and _along_seq(flow, ctx, node, seq_symbol)):
             problems.append((node.pos, f"{node.op.callee} runs along the sequence's dim"))
@@ -283,6 +289,21 @@ class _Flow:
         for name in node.value_names:
             changed |= self._add((ctx, name), out)
         return changed
+
+
+def _sizes_read(values) -> set[str]:
+    """The values whose sizes an argument reads at run time."""
+    found: set[str] = set()
+    for v in values:
+        if isinstance(v, Size):
+            found.add(v.value)
+        elif isinstance(v, BinOp):
+            found |= _sizes_read([v.left, v.right])
+        elif isinstance(v, Neg):
+            found |= _sizes_read([v.operand])
+        elif isinstance(v, (list, tuple)):
+            found |= _sizes_read(v)
+    return found
 
 
 def _reads_a_size(values) -> bool:

@@ -154,3 +154,23 @@ layers:
     plan = cache.plan(driver.compile_spec(spec, CPU))
     assert plan.problem[1] == ("its query, key and value differ: the cache keeps a sequence "
                                "attending to itself")
+
+
+def test_a_table_narrowed_to_the_sequence_has_no_cache(tmp_path):
+    """Positions as the first rows of a Parameter (``wpe[:seq]``): the cache
+    would read rows 0... again at every step."""
+    spec = write_spec(tmp_path, """\
+mpgen: 1
+name: Narrowed
+inputs:
+  idx: {shape: [batch, 8], dtype: int64}
+layers:
+  wte: {op: Embedding, args: [16, 8], in: idx}
+  table: {op: Parameter, shape: [8, 8]}
+  wpe: {op: torch.narrow, in: table, args: [0, 0, "=size(idx, 1)"]}
+  emb: {op: torch.add, in: [wte, wpe]}
+  head: {op: Linear, args: [8, 16]}
+""")
+    plan = cache.plan(driver.compile_spec(spec, CPU))
+    assert plan.problem[1].startswith("torch.narrow reads the first rows of a table")
+    assert plan.problem[0].line == 8

@@ -370,9 +370,15 @@ class Feed:
     def build(self, values: Sequence[Any], pack=tuple) -> tuple[list, dict]:
         """Positional and keyword arguments from ``values`` (one per input);
         a tuple item becomes ``pack(elements)``."""
-        def item(i):
-            return pack([item(j) for j in i]) if isinstance(i, tuple) else values[i]
-        return [item(i) for i in self.positional], {k: values[i] for k, i in self.keyword}
+        return ([_feed_item(i, values, pack) for i in self.positional],
+                {k: values[i] for k, i in self.keyword})
+
+
+def _feed_item(i, values: Sequence[Any], pack) -> Any:
+    # Not a closure: a recursive one is a reference cycle that would keep
+    # ``values`` (a layer's inputs) alive until the next garbage collection,
+    # and the memory plan counts tensors freed by reference counting.
+    return pack([_feed_item(j, values, pack) for j in i]) if isinstance(i, tuple) else values[i]
 
 
 @dataclass(frozen=True)

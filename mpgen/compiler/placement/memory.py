@@ -75,6 +75,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import warnings
 import weakref
 from collections import defaultdict
@@ -548,7 +549,7 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
                           schedule, microbatches, dp)
     # The budget is checked between units and steps, never inside an operator:
     # an exception raised from inside a fake tensor's kernel can abort the process.
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _no_collection():
         warnings.simplefilter("ignore")
         try:
             model = _model(graph, budget)
@@ -566,6 +567,21 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
             pipeline = _or_estimate(graph, mb, lambda: _pipeline(
                 model, {**dims, "batch": mb}, schedule, microbatches, budget))
     return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp)
+
+
+@contextlib.contextmanager
+def _no_collection() -> Iterator[None]:
+    """No garbage collection while the step is simulated: a storage dies
+    when reference counting frees it, as in the generated code, never when a
+    collection happens to run (which made the plan differ from call to call
+    when a reference cycle held a layer's inputs)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 #: The most layer runs (a layer in a block counting once per instance of

@@ -21,6 +21,7 @@ import torch
 from bench.common import let_torchvision_import
 from helpers import build_to, import_generated, mpgen
 from mpgen.commands.importer.trace import parse_input
+from mpgen.compiler.codegen.common import file_names
 from mpgen.errors import MpgenError
 
 CPU = {"*": "cpu"}
@@ -202,8 +203,7 @@ def same_model(project: Path, spec_text: str, original: torch.nn.Module, *sample
     spec = project / "imported.yaml"
     spec.write_text(spec_text, encoding="utf-8")
     result = build_to(spec, project / "out", CPU)
-    (path,) = [project / "out" / n for n in result.files if n.endswith(".py")
-               and not n.startswith(("train_", "test_", "pp_"))]
+    path = project / "out" / file_names(result.graph)["model"]
     generated = getattr(import_generated(path), result.graph.name)()
     mine, theirs = list(original.parameters()), list(generated.parameters())
     assert [p.shape for p in theirs] == [p.shape for p in mine]

@@ -19,6 +19,7 @@ import torch
 
 from bench.common import let_torchvision_import
 from helpers import build_to, import_generated, mpgen
+from mpgen.compiler.codegen.common import file_names
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +77,7 @@ def _generated(imported, tmp_path, device_map=CPU):
     spec = tmp_path / "imported.yaml"
     spec.write_text(imported.text)
     result = build_to(spec, tmp_path / "out", device_map)
-    (path,) = [tmp_path / "out" / n for n in result.files if n.endswith(".py")
-               and "/" not in n and not n.startswith(("train_", "test_", "pp_"))]
+    path = tmp_path / "out" / file_names(result.graph)["model"]
     if device_map is None:
         return path.read_text()
     return getattr(import_generated(path), result.graph.name)()

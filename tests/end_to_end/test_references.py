@@ -23,6 +23,7 @@ from mpgen.testing import virtual_devices
 
 from bench.common import let_torchvision_import
 from helpers import EXAMPLES, build_to, import_generated
+from mpgen.compiler.codegen.common import file_names
 
 #: Slow: torchvision's and Hugging Face's models, built and run beside the generated ones.
 pytestmark = pytest.mark.slow
@@ -33,8 +34,7 @@ CPU = {"*": "cpu"}
 def generated_model(spec: Path, out: Path, device_map=None):
     """Build ``spec`` into ``out`` and return the generated model class."""
     result = build_to(spec, out, device_map)
-    (path,) = [out / name for name in result.files
-               if name.endswith(".py") and not name.startswith(("train_", "test_", "pp_"))]
+    path = out / file_names(result.graph)["model"]
     module = import_generated(path)
     return getattr(module, result.graph.name)
 

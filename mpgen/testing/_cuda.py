@@ -10,7 +10,8 @@ import torch
 
 from mpgen.testing._dispatch import is_cuda_code
 from mpgen.testing._state import State, VirtualDeviceError
-from mpgen.testing._torch_compat import patch_parse_to
+from mpgen.testing._tensor import VirtualTensor
+from mpgen.testing._torch_compat import patch_parse_to, trust_foreach
 
 if TYPE_CHECKING:
     from mpgen.testing.virtual import VirtualDevices
@@ -215,3 +216,6 @@ def install_patches(patcher: Patcher, vd: "VirtualDevices", state: State) -> Non
     patch_parse_to(patcher, wrap_parse_to)
     # there is no cuDNN here: RNN modules would warn about it on every call
     patcher.set(torch.backends.cudnn, "is_acceptable", lambda tensor: False)
+    # a GPU's optimizer step runs foreach kernels (temporaries for the whole
+    # group at once): so does a virtual device's (docs/testing.md)
+    trust_foreach(patcher, VirtualTensor)

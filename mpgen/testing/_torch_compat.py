@@ -163,6 +163,23 @@ def patch_parse_to(patcher, wrap: Callable[[Callable[..., Any]], Callable[..., A
     patcher.set(torch._C._nn, "_parse_to", wrap(torch._C._nn._parse_to))
 
 
+def trust_foreach(patcher, tensor_class: type) -> None:
+    """Let torch's optimizers and ``clip_grad_norm_`` take their foreach
+    form for ``tensor_class`` on a CUDA device, as they do for a real CUDA
+    tensor: their default (foreach=None) trusts only the exact types listed
+    in ``torch.optim.optimizer._foreach_supported_types`` and
+    ``torch.utils._foreach_utils._foreach_supported_types``, and a virtual
+    device's tensor is a subclass. Each list is replaced through ``patcher``
+    (restored at exit), never changed in place."""
+    import torch.optim.optimizer as optimizer
+    import torch.utils._foreach_utils as foreach_utils
+
+    for module in (optimizer, foreach_utils):
+        types = getattr(module, "_foreach_supported_types", None)
+        if isinstance(types, list) and tensor_class not in types:
+            patcher.set(module, "_foreach_supported_types", [*types, tensor_class])
+
+
 def preload_dynamo() -> None:
     """Import ``torch._dynamo`` now if nothing has.
 

@@ -37,9 +37,10 @@ of a steady-state step. :func:`measure_forward` does the same for a forward
 without gradients. What it counts: the bytes of live storages, as a GPU's
 ``torch.cuda.max_memory_allocated`` would without the caching allocator's
 rounding (512-byte blocks), cuBLAS/cuDNN workspaces and the CUDA context.
-On virtual devices the optimizer's ``foreach`` default is resolved as on a
-GPU (:func:`foreach_as_on_cuda`; on the CPU torch picks the single-tensor
-loop), so that the optimizer step's temporaries are a GPU's.
+On virtual devices the optimizer's ``foreach`` default resolves as on a GPU
+(``virtual_devices`` trusts its tensors with the foreach kernels; on the CPU
+torch picks the single-tensor loop), so the optimizer step's temporaries are
+a GPU's: the whole group's at once.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from mpgen.testing._torch_compat import (
     storage_key,
 )
 
-__all__ = ["MEMORY_PARTS", "DevicePeak", "MemoryTracker", "foreach_as_on_cuda", "measure_forward",
+__all__ = ["MEMORY_PARTS", "DevicePeak", "MemoryTracker", "measure_forward",
            "measure_training_step"]
 
 #: What is alive, by part (the compiler's ir.MEMORY_PARTS, in its order).
@@ -369,10 +370,7 @@ def measure_training_step(step: Callable[[], Any], model: torch.nn.Module,
     and ``optimizer``'s step) is run once untracked, to make the optimizer's
     state, then once under a :class:`MemoryTracker` that counts ``model``'s
     weights, ``optimizer``'s state and the ``extra`` tensors alive before it
-    (inside :func:`~mpgen.testing.virtual_devices`: per virtual device,
-    the optimizer's defaults resolved as on CUDA: :func:`foreach_as_on_cuda`)."""
-    if optimizer is not None:
-        foreach_as_on_cuda(optimizer)
+    (inside :func:`~mpgen.testing.virtual_devices`: per virtual device)."""
     step()
     if optimizer is not None:
         optimizer.zero_grad(set_to_none=True)
@@ -383,21 +381,6 @@ def measure_training_step(step: Callable[[], Any], model: torch.nn.Module,
     with tracker:
         step()
     return tracker.peaks
-
-
-def foreach_as_on_cuda(optimizer: torch.optim.Optimizer) -> None:
-    """Resolve a param group's default ``foreach`` (None) as torch.optim does
-    on CUDA, to True, where every parameter of the group is on a virtual
-    CUDA device: on the CPU (which virtual devices are, to torch) it would
-    resolve to the single-tensor loop, whose temporaries are one parameter's
-    where the foreach kernels' are the whole group's (NOTE in the module
-    docstring: a step's peak is a GPU's)."""
-    for group in optimizer.param_groups:
-        params = group["params"]
-        if (group.get("foreach", False) is None and not group.get("fused")
-                and not group.get("differentiable") and params
-                and all(type(p) is VirtualTensor and p._vi is not None for p in params)):
-            group["foreach"] = True
 
 
 def measure_forward(forward: Callable[[], Any], model: torch.nn.Module,

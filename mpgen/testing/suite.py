@@ -132,8 +132,18 @@ class ModelSuite:
     #: The training script's facts (``train_<name>.TRAINING``): the batch,
     #: the loss and the optimizer of the step measured.
     training: Any = None
-    #: How far a measured peak may be from the plan's: ±10%.
+    #: How far a measured peak may be from the plan's: ±10%, and at least
+    #: ``memory_slack`` bytes (a model of a few KiB: one small buffer more
+    #: is a large share of it, and of no device's capacity).
     memory_tolerance: float = 0.10
+    memory_slack: int = 4096
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # A suite that states no plan claims no check of one: the test is
+        # not collected, rather than skipped.
+        if cls.__dict__.get("memory_plan", cls.memory_plan) is None:
+            cls.test_a_training_step_peaks_as_planned = None
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:
         """Small inputs on the CPU, the same on every call."""
@@ -302,8 +312,6 @@ class ModelSuite:
         training script's batch, loss and optimizer (measured on virtual
         devices, :func:`~mpgen.testing.measure_training_step`) is within
         ``memory_tolerance`` of the plan's."""
-        if self.memory_plan is None:
-            pytest.skip("this suite states no memory plan")
         if virtual is None:
             pytest.skip("peaks are measured on virtual devices (bench/gpu_memory.py: on GPUs)")
         peaks = self.measure_training_step()
@@ -311,7 +319,7 @@ class ModelSuite:
         for device, (planned, parts) in self.memory_plan.items():
             got = peaks.get(device)
             measured = got.peak if got is not None else 0
-            if abs(measured - planned) > self.memory_tolerance * planned:
+            if abs(measured - planned) > max(self.memory_tolerance * planned, self.memory_slack):
                 wrong.append(_memory_line(device, planned, parts, got))
         assert not wrong, (
             f"measured peaks off the plan's by more than {self.memory_tolerance:.0%} "

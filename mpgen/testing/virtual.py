@@ -55,8 +55,8 @@ Limits (see ``docs/testing.md``): no stream/event semantics (everything is
 synchronous), no caching allocator (bytes of live storages, not reserved
 memory), CUDA-only kernels/custom C++ or Triton kernels cannot run, autocast
 for ``"cuda"`` is not emulated, the CUDA RNG is the CPU generator, numerics
-are the CPU's (not a GPU's), optimizer ``foreach`` defaults resolve as on the
-CPU, and tensors created inside the context should not be used after it
+are the CPU's (not a GPU's) while optimizer ``foreach`` defaults resolve as
+on a GPU, and tensors created inside the context should not be used after it
 exits (``.cpu()`` still works and returns a plain CPU tensor) until it is
 entered again.  Everything is single-threaded: the modes are thread-local,
 so code running in other threads (e.g. DataLoader pin-memory threads) does

@@ -27,7 +27,7 @@ def test_generated_tests_pass_on_virtual_devices(seed):
     assert run.exit_code == 0, run.text[-3000:]
     # Five checks pass on virtual devices; their real-GPU runs skip here,
     # saying why.
-    assert (len(run.passed), len(run.skipped), run.failed) == (5, 5, [])
+    assert (len(run.passed), len(run.skipped), run.failed) == (6, 6, [])
     assert all(id.endswith("[virtual]") for id in run.passed)
     assert all(id.endswith("[real]") for id in run.skipped)
     assert run.reasons.count(
@@ -79,4 +79,4 @@ def test_generated_tests_of_a_three_device_two_output_model_pass(tmp_path):
     build_to(EXAMPLES / "multitask.yaml", tmp_path)
     run = run_pytest(tmp_path / "test_multi_task_net.py")
     assert run.exit_code == 0, run.text[-3000:]
-    assert (len(run.passed), len(run.skipped), run.failed) == (5, 5, [])
+    assert (len(run.passed), len(run.skipped), run.failed) == (6, 6, [])

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from torch.optim.optimizer import _default_to_fused_or_foreach
 from torch import nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -117,8 +118,9 @@ def test_per_device_peaks_on_virtual_devices():
         vd.reset_peak()
         peaks = measure_training_step(step, model, opt, extra=(x, y))
         expected = vd.peak_bytes  # the virtual devices' own count of the same storages
-    # Adam's default resolved as on CUDA: the foreach kernels (the CPU's: a loop).
-    assert opt.param_groups[0]["foreach"] is True
+        # Adam's default resolves as on CUDA: the foreach kernels (the CPU's: a loop).
+        assert _default_to_fused_or_foreach(list(model.parameters()), False) == (False, True)
+    assert _default_to_fused_or_foreach([torch.zeros(1)], False) == (False, False)
     assert [d for d in peaks if d != "cpu"] == ["cuda:0", "cuda:1"]
     assert {d: peaks[d].peak for d in ("cuda:0", "cuda:1")} == expected
     # cuda:0 holds ~50x the weights of cuda:1, and with Adam the weights,

@@ -123,9 +123,13 @@ def step_flops(graph: Graph, batch: int) -> float:
 def memory_facts(graph: Graph) -> tuple[int, dict[str, tuple[int, dict[str, int]]]]:
     """The memory plan's training peaks the test checks, and their batch
     (the spec's); 0 and none without a plan, with no parameters to train,
-    or where the step needs more than :data:`MEMORY_TEST_FLOPS`."""
+    where the plan is the additive estimate rather than a simulated step
+    (phase ``estimate``: recurrent layers, very long specs; NOTE [Memory
+    plan]), or where the step needs more than :data:`MEMORY_TEST_FLOPS`."""
     memory: Optional[MemoryPlan] = graph.memory
     if memory is None or not memory.train or not graph.total_params:
+        return 0, {}
+    if any(d.phase == "estimate" for d in memory.train):
         return 0, {}
     if step_flops(graph, memory.batch) > MEMORY_TEST_FLOPS:
         return 0, {}

@@ -12,11 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.optim import optimizer as torch_optimizer
 
 from mpgen.compiler.analysis.schedule import BACKWARD, FORWARD, stage_order
 from mpgen.compiler.placement import memory
-from mpgen.testing import VirtualTensor, virtual_devices
+from mpgen.testing import virtual_devices
 from mpgen.testing.memory import MemoryTracker, measure_training_step
 from tests.helpers import build_to, import_generated, mpgen, write_spec
 
@@ -161,17 +160,10 @@ def _measured(training, devices: int = 0) -> dict[str, int]:
 
     if not devices:
         return run()
-    # On a GPU torch's optimizers take their foreach form (one temporary per
-    # parameter, all at once), as the plan does for a CUDA build; a virtual
-    # device's tensor is a subclass, which torch's default does not trust
-    # with it, so it is named here as a real CUDA tensor would be.
-    supported = torch_optimizer._foreach_supported_types
-    supported.append(VirtualTensor)
-    try:
-        with virtual_devices(cuda=devices):
-            return run()
-    finally:
-        supported.remove(VirtualTensor)
+    # virtual_devices resolves the optimizers' foreach default as a GPU does
+    # (one temporary per parameter, all at once), as the plan does for CUDA.
+    with virtual_devices(cuda=devices):
+        return run()
 
 
 def _close(planned: dict[str, int], measured: dict[str, int]) -> dict[str, float]:

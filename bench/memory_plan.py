@@ -209,7 +209,10 @@ def section(quick: bool, emit: Callable[[str], None], pipeline: bool = True,
             for path, tag in variants:
                 out = folder / f"{path.stem}_pp"
                 _build(path, out, "cpu")
-                graph = _graph(path)  # the stages keep the spec's devices
+                # The plan of what runs: the --device-map cpu build's (each rank on
+                # the CPU, with the CPU's optimizers), each stage named by its
+                # spec device, as pp_<name>.py --memory names it.
+                graph = _graph(path, "cpu")
                 # The spec's batch, or the least multiple of the micro-batches above it.
                 batch = -(-graph.memory.batch // MICROBATCHES) * MICROBATCHES
                 for schedule in SCHEDULES:

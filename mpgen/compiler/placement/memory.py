@@ -680,12 +680,16 @@ def _host(graph: Graph) -> str:
     return "cpu" if "cpu" in _devices(graph) else _HOST
 
 
-def _optimizer(model: _Model, params: list[nn.Parameter]) -> Optional[torch.optim.Optimizer]:
+def _optimizer(model: _Model, params: list[nn.Parameter],
+               cuda: Optional[bool] = None) -> Optional[torch.optim.Optimizer]:
+    """The spec's optimizer over ``params``, in the form torch takes where it
+    runs: ``foreach`` on CUDA (``cuda``; default: any device of the build)."""
     train = model.graph.train
     cls = getattr(torch.optim, train.optimizer, None)
     if not params or not isinstance(cls, type) or train.optimizer == "LBFGS":
         return None
-    cuda = any(d.startswith("cuda") for d in _devices(model.graph))
+    if cuda is None:
+        cuda = any(d.startswith("cuda") for d in _devices(model.graph))
     kwargs = {"lr": train.lr, **dict(train.optimizer_kwargs)}
     for extra in ({"foreach": cuda}, {}):
         try:
@@ -877,15 +881,23 @@ def _pipeline(model: _Model, dims: Mapping[str, int], schedule: str,
         budget.check()
         profiles.append(_profile(model, stage, shapes, dims, count))
     result: dict[str, DeviceMemory] = {}
+    # Each rank's device after --device-map; where the map puts several of
+    # the spec's devices on one (``*=cpu``), each rank is its own process
+    # there and keeps its spec device's name (as pp_<name>.py's --memory
+    # names it), else it is named by the device it runs on.
+    named = {d: map_device(d, mapped) for d in distinct}
+    if len(set(named.values())) < len(named):
+        named = {d: d for d in distinct}
     for rank, order in enumerate(orders):
         budget.check()
         mine = [k for k in range(count) if placed[k] == rank]
+        runs_on = map_device(stages[mine[0]].device, mapped) if mine else "cpu"
         memory = _replay(model, [stages[k] for k in mine], {k: profiles[k] for k in mine},
-                         order, microbatches)
-        memory = dataclasses.replace(memory, device=map_device(memory.device, mapped))
+                         order, microbatches, runs_on.startswith("cuda"))
+        memory = dataclasses.replace(memory, device=named[memory.device])
         if memory.device not in result or memory.peak > result[memory.device].peak:
             result[memory.device] = memory  # ranks on one device: each its own process
-    order = dict.fromkeys(map_device(d, mapped) for d in distinct)
+    order = dict.fromkeys(named[d] for d in distinct)
     return tuple(result[d] for d in order if d in result)
 
 
@@ -1015,15 +1027,16 @@ def _bytes(tensors) -> int:
 
 
 def _replay(model: _Model, stages, profiles: Mapping[int, _Profile], order,
-            microbatches: int) -> DeviceMemory:
+            microbatches: int, cuda: bool) -> DeviceMemory:
     """A rank's step: its stages' actions in ``order`` over their profiles,
-    then the optimizer's step over its parameters."""
+    then the optimizer's step over its parameters (in the form torch takes
+    on the rank's device: ``foreach`` on ``cuda``)."""
     device = stages[0].device
     params, buffers = _stage_params(model, stages)
     trained = [p for p in params if p.requires_grad]
     weights = _bytes([*params, *buffers])
     gradients = _bytes(trained)
-    state, step_peak = _optimizer_step(model, trained, device)
+    state, step_peak = _optimizer_step(model, trained, device, cuda)
     base = {"weights": weights, "optimizer": state,
             "transfers": sum(p.buffers for p in profiles.values()) * microbatches,
             "gradients": 0, "activations": 0}
@@ -1067,12 +1080,13 @@ def _replay(model: _Model, stages, profiles: Mapping[int, _Profile], order,
                         phase, tuple(at_peak.items()), largest)
 
 
-def _optimizer_step(model: _Model, params: list[nn.Parameter], device: str) -> tuple[int, int]:
+def _optimizer_step(model: _Model, params: list[nn.Parameter], device: str,
+                    cuda: bool) -> tuple[int, int]:
     """(the optimizer's state, its step's highest point above the state) for
     ``params``, their gradients present."""
     tracker = _Tracker()
     with model.fake, tracker:
-        optimizer = _optimizer(model, params)
+        optimizer = _optimizer(model, params, cuda)
         if optimizer is None:
             train = model.graph.train
             factor = optimizer_state(train.optimizer, dict(train.optimizer_kwargs))

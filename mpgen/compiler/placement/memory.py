@@ -966,7 +966,9 @@ def _profile(model: _Model, stage, shapes: dict, dims: Mapping[str, int],
                 inputs, _ = _batch(graph, dims)
                 env |= {t.var: x for t, x in zip(graph.inputs, inputs)}
         takes = [env.get(v) for v in stage.takes]
-        buffers_bytes = _bytes(takes) if stage.index > 0 else 0
+        # Held for the whole step, as the runtime holds them: the received
+        # activations (PipelineStage's buffers) and the first stage's batch.
+        buffers_bytes = _bytes([*takes, *(inputs if stage.index == 0 else ())])
         start = tracker.total[device]
         tracker.reset()
         with _autocast(graph):
@@ -1010,8 +1012,9 @@ def _profile(model: _Model, stage, shapes: dict, dims: Mapping[str, int],
         tracker.first = None
         for h in hooks:
             h.remove()
-        del takes, gives, loss
-        after = tracker.total[device] - begin
+        del gives, loss
+        after = tracker.total[device] - begin  # the buffers above stay
+        del takes
         for p in trained:
             p.grad = None
     return _Profile(held, forward_peak, backward_peak, first.peak, after,

@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.overrides import TorchFunctionMode  # public
 from torch.utils._python_dispatch import TorchDispatchMode  # private module
+from torch.utils._pytree import tree_leaves  # private module (the memory tracker's)
 
 __all__ = [
     "TESTED_TORCH",
@@ -48,6 +49,8 @@ __all__ = [
     "set_torch_dispatch",
     "storage_key",
     "swap_tensors",
+    "tree_leaves",
+    "trust_foreach",
 ]
 
 #: The torch releases this package is tested on (see the module docstring).

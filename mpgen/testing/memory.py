@@ -51,15 +51,17 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch.utils._pytree import tree_leaves
 
 from mpgen.testing._state import dev_str
 from mpgen.testing._tensor import VirtualTensor
 from mpgen.testing._torch_compat import (
     TorchDispatchMode,
     in_autograd_backward,
+    no_torch_function,
+    op_schema,
     set_torch_dispatch,
     storage_key,
+    tree_leaves,
 )
 
 __all__ = ["MEMORY_PARTS", "DevicePeak", "MemoryTracker", "measure_forward",
@@ -182,7 +184,7 @@ class MemoryTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         phase = self._phase if self._phase != "forward" else (
             "backward" if in_autograd_backward() else "forward")
-        name = func._schema.name
+        name = op_schema(func).name
         source = None
         if name in _MOVES:  # copy_(self, src): the source is the second
             src = args[1] if name != "aten::_to_copy" and len(args) > 1 else args[0]
@@ -241,7 +243,7 @@ class MemoryTracker(TorchDispatchMode):
         if type(tensor) is VirtualTensor:
             elem = tensor._elem
             return elem.untyped_storage(), dev_str(tensor._vi)
-        with torch._C.DisableTorchFunction():
+        with no_torch_function():
             device = tensor.device
             if device.type == "meta" or tensor.is_sparse:
                 return None, ""

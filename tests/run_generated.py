@@ -40,7 +40,8 @@ def run_suite_on_virtual_devices(test_file: Path) -> list[str]:
     [suite_class] = [c for name, c in vars(module).items()
                      if name.startswith("Test") and inspect.isclass(c)]
     ran = []
-    for name in sorted(n for n in dir(suite_class) if n.startswith("test_")):
+    for name in sorted(n for n in dir(suite_class)
+                       if n.startswith("test_") and callable(getattr(suite_class, n))):
         suite = suite_class()
         with virtual_devices(cuda=max(suite.cuda_count, 1)) as devices:
             getattr(suite, name)(devices)

@@ -120,6 +120,18 @@ def step_flops(graph: Graph, batch: int) -> float:
     return sum(u.flops for u in costs.units) * (1 + BACKWARD_FACTOR) * batch / trained
 
 
+def _step_simulated(graph: Graph) -> bool:
+    """Whether the plan ran the spec's optimizer step: a torch.optim class
+    other than LBFGS, whose history grows step by step up to its
+    ``history_size`` (a steady state no two-step measurement reaches). For
+    the others the plan counts the optimizer's state from a table (NOTE
+    [Memory plan])."""
+    import torch.optim
+
+    name = graph.train.optimizer if graph.train else None
+    return name is None or (name != "LBFGS" and isinstance(getattr(torch.optim, name, None), type))
+
+
 def memory_facts(graph: Graph) -> tuple[int, dict[str, tuple[int, dict[str, int]]]]:
     """The memory plan's training peaks the test checks, and their batch
     (the spec's); 0 and none without a plan, with no parameters to train,
@@ -129,7 +141,7 @@ def memory_facts(graph: Graph) -> tuple[int, dict[str, tuple[int, dict[str, int]
     memory: Optional[MemoryPlan] = graph.memory
     if memory is None or not memory.train or not graph.total_params:
         return 0, {}
-    if any(d.phase == "estimate" for d in memory.train):
+    if any(d.phase == "estimate" for d in memory.train) or not _step_simulated(graph):
         return 0, {}
     if step_flops(graph, memory.batch) > MEMORY_TEST_FLOPS:
         return 0, {}

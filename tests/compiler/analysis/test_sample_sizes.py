@@ -125,7 +125,7 @@ def test_at_the_sizes_the_refusal_names_the_spec_passes_its_tests_and_trains(tmp
     result = build_to(spec, tmp_path / "out")
     assert "images = torch.randn((2, 3, 32, 32))" in result.files["test_kernel.py"]
     assert "h: int = 32, w: int = 32" in result.files["train_kernel.py"]
-    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_kernel.py")) == 5
+    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_kernel.py")) == 6
     build_to(spec, tmp_path / "cpu", {"*": "cpu"})
     assert "step 1/1  loss" in train_one_step(tmp_path / "cpu" / "train_kernel.py")
 
@@ -136,4 +136,4 @@ def test_the_generated_tests_of_a_micro_batched_batchnorm_pass(tmp_path):
     # one sample, and BatchNorm1d failed in the generated tests.
     result = build_to(write_spec(tmp_path, PIPED), tmp_path / "out")
     assert "x = torch.randn((6, 8))" in result.files["test_piped.py"]
-    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_piped.py")) == 5
+    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_piped.py")) == 6

@@ -108,7 +108,7 @@ def test_no_internal_size_reaches_show_the_code_the_tests_or_the_report(tmp_path
 def test_the_generated_tests_and_training_script_run_at_their_own_sizes(tmp_path):
     spec = write_spec(tmp_path, STRIDED)
     build_to(spec, tmp_path / "out")
-    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_sym_conv.py")) == 5
+    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_sym_conv.py")) == 6
     # MSELoss on an output with unknown dims: its target is made shaped like
     # the output, in the loop (make_batch cannot know its size).
     script = tmp_path / "out" / "train_sym_conv.py"
@@ -191,7 +191,7 @@ def test_a_resnet50_like_model_with_symbolic_height_and_width_passes_its_own_tes
     assert str(cut.type) == "[batch, 16, ?, ?]"
     assert "| `layer1.1` | `cuda:0` | `cuda:1` | `[batch, 16, ?, ?]` | 11,520 (11.2 KiB) |" \
         in result.files["tiny_res_net50.placement.md"]
-    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_tiny_res_net50.py")) == 5
+    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_tiny_res_net50.py")) == 6
     build_to(spec, tmp_path / "cpu", {"*": "cpu"})
     assert "step 1/1  loss" in train_one_step(tmp_path / "cpu" / "train_tiny_res_net50.py")
 

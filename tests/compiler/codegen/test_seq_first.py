@@ -88,6 +88,6 @@ def test_sequence_first_float_inputs_of_a_transformer(tmp_path):
     assert make_batch_signature(script) == "batch_size: int, seq: int=7"
     assert "x = torch.randn((seq, batch_size, 16))  # [seq, batch, 16]" in script
     assert str(result.graph.node("head").out) == "[seq, batch, 3]"
-    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_seq_first_encoder.py")) == 5
+    assert len(run_suite_on_virtual_devices(tmp_path / "out" / "test_seq_first_encoder.py")) == 6
     build_to(spec, tmp_path / "cpu", {"*": "cpu"})
     assert "step 1/1  loss" in train_one_step(tmp_path / "cpu" / "train_seq_first_encoder.py")

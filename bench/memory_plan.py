@@ -119,7 +119,7 @@ def _pipeline_run(out: Path, graph, schedule: str, batch: int) -> dict[str, tupl
     from mpgen.compiler.codegen.common import file_names
     from mpgen.compiler.placement.stages import stages
 
-    count = len(stages(graph))
+    count = len(stages(graph, graph.spec_plan or graph.plan))  # the spec's, not --device-map's
     logs = out / f"ranks_{schedule}"  # each rank's own output: lines never interleave
     argv = [PYTHON, "-m", "torch.distributed.run", "--log-dir", str(logs), "--redirects", "3",
             "--nproc-per-node", str(count), file_names(graph)["pp"], "--steps", "2", "--memory",

@@ -348,8 +348,10 @@ class _Model:
 
     # -- forward ------------------------------------------------------------
     def run_sections(self, tracker: _Tracker, sections, env: dict[str, Any],
-                     host: str) -> None:
-        """Run ``sections`` of the forward plan over the variables in ``env``."""
+                     host: str, direct: frozenset = frozenset()) -> None:
+        """Run ``sections`` of the forward plan over the variables in ``env``
+        (a transfer of a variable in ``direct`` is no copy: the pipeline
+        stage's inputs arrive on its device)."""
         graph = self.graph
         names = _Names(graph, env)
         for section in sections:
@@ -358,7 +360,7 @@ class _Model:
                 if x is None:
                     continue
                 src = t.src or host
-                if src == t.dst:
+                if src == t.dst or t.src_var in direct:
                     env[t.dst_var] = x
                 else:
                     env[t.dst_var] = _Move.apply(x, tracker, src, t.dst) \
@@ -761,7 +763,8 @@ def _train(model: _Model, dims: Mapping[str, int]) -> tuple[DeviceMemory, ...]:
             _warm(tracker, model, optimizer, params)
             for step in (1,):
                 tracker.reset()
-                for _ in range(max(graph.train.accumulate, 1)):
+                # the second micro-step holds the first's gradients; later ones repeat it
+                for _ in range(min(max(graph.train.accumulate, 1), 2)):
                     tracker.phase, tracker.unit = "forward", ""
                     with tracker.on(host, "batch"):
                         inputs, targets = _batch(graph, dims)
@@ -893,7 +896,7 @@ def _pipeline(model: _Model, dims: Mapping[str, int], schedule: str,
         mine = [k for k in range(count) if placed[k] == rank]
         runs_on = map_device(stages[mine[0]].device, mapped) if mine else "cpu"
         memory = _replay(model, [stages[k] for k in mine], {k: profiles[k] for k in mine},
-                         order, microbatches, runs_on.startswith("cuda"))
+                         order, microbatches, runs_on.startswith("cuda"), schedule == "gpipe")
         memory = dataclasses.replace(memory, device=named[memory.device])
         if memory.device not in result or memory.peak > result[memory.device].peak:
             result[memory.device] = memory  # ranks on one device: each its own process
@@ -917,6 +920,7 @@ class _Profile:
     buffers: int
     kept: int
     gradients: int
+    sent: int = 0  # the gradient of its inputs B sends back
 
 
 def _stage_units(model: _Model, stage) -> list[tuple[str, int]]:
@@ -962,28 +966,33 @@ def _profile(model: _Model, stage, shapes: dict, dims: Mapping[str, int],
                     if dtype.is_floating_point:
                         x.requires_grad_(True)
                     env[v] = x
+            # The ranks that read the data (the first and the last stage)
+            # hold the whole batch, inputs and targets, through the schedule.
+            fed = _batch(graph, dims) if stage.index in (0, count - 1) else ([], [])
             if stage.index == 0:  # the micro-batch itself
-                inputs, _ = _batch(graph, dims)
-                env |= {t.var: x for t, x in zip(graph.inputs, inputs)}
+                env |= {t.var: x for t, x in zip(graph.inputs, fed[0])}
         takes = [env.get(v) for v in stage.takes]
         # Held for the whole step, as the runtime holds them: the received
-        # activations (PipelineStage's buffers) and the first stage's batch.
-        buffers_bytes = _bytes([*takes, *(inputs if stage.index == 0 else ())])
+        # activations (PipelineStage's buffers) and the batch.
+        buffers_bytes = _bytes([*takes, *fed[0], *fed[1]])
         start = tracker.total[device]
         tracker.reset()
         with _autocast(graph):
-            model.run_sections(tracker, [stage.section], env, device)
+            model.run_sections(tracker, [stage.section], env, device,
+                               frozenset(stage.takes) | {t.var for t in graph.inputs})
             gives = [env.get(v) for v in stage.gives]
+            if stage.index < count - 1:
+                gives = _sendable(tracker, device, gives, takes)
             loss = None
             if stage.index == count - 1:
                 with tracker.on(device, "loss"):
-                    _, targets = _batch(graph, dims)
+                    targets = _batch(graph, dims)[1]  # not its inputs: they would stay
                 loss = model.losses(tracker, dict(zip(graph.outputs, gives)), targets)
                 del targets
         del env
         shapes.update((v, (tuple(g.shape), g.dtype)) for v, g in zip(stage.gives, gives)
                       if isinstance(g, torch.Tensor))
-        x = inputs = None
+        x = None
         kept = _bytes(gives) if stage.index == count - 1 else 0
         grads_in = _bytes(gives) if stage.index < count - 1 else 0
         forward_peak = tracker.peak.get(device, (start,))[0] - start
@@ -1013,12 +1022,28 @@ def _profile(model: _Model, stage, shapes: dict, dims: Mapping[str, int],
         for h in hooks:
             h.remove()
         del gives, loss
+        sent = _bytes([t.grad for t in takes if isinstance(t, torch.Tensor)])
+        for t in takes:  # its input's gradient, sent (_replay keeps it where it waits)
+            if isinstance(t, torch.Tensor):
+                t.grad = None
         after = tracker.total[device] - begin  # the buffers above stay
-        del takes
+        del takes, fed
         for p in trained:
             p.grad = None
     return _Profile(held, forward_peak, backward_peak, first.peak, after,
-                    buffers_bytes + grads_in, kept, _bytes(trained))
+                    buffers_bytes + grads_in, kept, _bytes(trained), sent)
+
+
+def _sendable(tracker: _Tracker, device: str, gives: list, takes: list) -> list:
+    """A stage's outputs as pp_<name>.py sends them (its ``sendable`` hook):
+    one passed on as received, a view, or not contiguous is a copy, which the
+    stage holds until its backward."""
+    received = {id(t) for t in takes if isinstance(t, torch.Tensor)}
+    with tracker.on(device, "send"):
+        return [g.clone(memory_format=torch.contiguous_format)
+                if isinstance(g, torch.Tensor) and (id(g) in received or g._base is not None
+                                                    or not g.is_contiguous()) else g
+                for g in gives]
 
 
 def _bytes(tensors) -> int:
@@ -1030,10 +1055,12 @@ def _bytes(tensors) -> int:
 
 
 def _replay(model: _Model, stages, profiles: Mapping[int, _Profile], order,
-            microbatches: int, cuda: bool) -> DeviceMemory:
+            microbatches: int, cuda: bool, waits: bool = False) -> DeviceMemory:
     """A rank's step: its stages' actions in ``order`` over their profiles,
     then the optimizer's step over its parameters (in the form torch takes
-    on the rank's device: ``foreach`` on ``cuda``)."""
+    on the rank's device: ``foreach`` on ``cuda``). With ``waits`` (GPipe),
+    each gradient a B sends stays until every B is done (torch's
+    ScheduleGPipe waits for its sends then); else it goes with the send."""
     device = stages[0].device
     params, buffers = _stage_params(model, stages)
     trained = [p for p in params if p.requires_grad]
@@ -1046,6 +1073,7 @@ def _replay(model: _Model, stages, profiles: Mapping[int, _Profile], order,
     best = (sum(base.values()), "F0", dict(base), 0)
     highest_activations = 0
     graded: set[int] = set()  # the stages whose gradients exist
+    waiting = 0  # the sent gradients GPipe keeps
     for kind, k, i in order:
         profile = profiles.get(k)
         if profile is None:
@@ -1063,7 +1091,11 @@ def _replay(model: _Model, stages, profiles: Mapping[int, _Profile], order,
                 graded.add(k)
                 base["gradients"] += profile.gradients
             base["activations"] += profile.after + profile.kept
+            if waits:
+                base["activations"] += profile.sent
+                waiting += profile.sent
         highest_activations = max(highest_activations, base["activations"])
+    base["activations"] -= waiting
     base["gradients"] = gradients
     now = sum(base.values())
     if now + step_peak > best[0]:

@@ -7,6 +7,11 @@ of the measured one (NOTE [Memory plan]; docs/memory.md)."""
 from __future__ import annotations
 
 import argparse
+import gc
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -312,6 +317,57 @@ def test_gpipe_holds_more_micro_batches_than_1f1b_on_the_first_stage(tmp_path):
     one_f_one_b = memory.plan(graph, schedule="1f1b", microbatches=8)
     assert gpipe.of("pipeline")["cuda:0"].activations > \
         one_f_one_b.of("pipeline")["cuda:0"].activations
+
+
+def test_the_plan_is_the_same_on_every_call(tmp_path):
+    # A storage dies when reference counting frees it, never when a garbage
+    # collection happens to run: the first call used to differ from later ones.
+    graph, _ = _built(tmp_path, CNN, "PlanCnnAgain")
+    plans = []
+    for _ in range(3):
+        plans.append(memory.plan(graph, batch=16, schedule="gpipe", microbatches=4))
+        gc.collect()
+    assert plans[0] == plans[1] == plans[2]
+
+
+def test_a_cpu_build_plans_each_rank_by_its_spec_device_with_the_cpus_optimizer(tmp_path):
+    cpu, _ = _built(tmp_path / "cpu", TWO_HEADS, "PlanHeadsRanks", ALL_ON_CPU)
+    split, _ = _built(tmp_path / "split", TWO_HEADS, "PlanHeadsRanks")
+    on_cpu = memory.plan(cpu, batch=16, schedule="1f1b", microbatches=4).of("pipeline")
+    on_cuda = memory.plan(split, batch=16, schedule="1f1b", microbatches=4).of("pipeline")
+    assert list(on_cpu) == list(on_cuda) == ["cuda:0", "cuda:1", "cuda:2"]  # pp --memory's
+    # Adam's step on the trunk's rank (one dominant weight): the CPU's
+    # single-tensor loop holds two temporaries of it (sqrt, then the
+    # division), CUDA's foreach one of every parameter, so the CPU's is higher.
+    assert on_cpu["cuda:0"].phase == "optimizer step"
+    assert on_cpu["cuda:0"].peak > on_cuda["cuda:0"].peak
+
+
+PIPELINE_RANK = re.compile(r"memory rank \d+: (\S+) \(on cpu\), step \d+: measured [\d.]+ MiB "
+                           r"\((\d+) bytes\)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text, name, ranks", [(CNN, "MemCnn", 2), (TWO_HEADS, "MemHeads", 3)],
+                         ids=["cnn-batchnorm-sgd-momentum", "two-outputs-adam"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_each_rank_of_a_cpu_built_pipeline_program_measured(tmp_path, text, name, ranks,
+                                                            schedule):
+    """``pp_<name>.py --memory`` under torchrun on the CPU, each rank's peak
+    against the plan of that build at the schedule it runs."""
+    graph, _ = _built(tmp_path, text, name, ALL_ON_CPU)
+    planned = memory.plan(graph, batch=16, schedule=schedule, microbatches=4).of("pipeline")
+    script = next((tmp_path / "out").glob("pp_*.py"))
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+         str(ranks), script.name, "--steps", "2", "--memory", "--schedule", schedule,
+         "--microbatches", "4", "--batch-size", "16", "--log-dir", str(tmp_path / "runs")],
+        cwd=script.parent, capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    measured = {d: int(n) for d, n in PIPELINE_RANK.findall(run.stdout + run.stderr)}
+    assert set(measured) == set(planned), run.stdout[-3000:] + run.stderr[-3000:]
+    _close({d: p.peak for d, p in planned.items()}, measured)
 
 
 # -- the plan's interface ------------------------------------------------------

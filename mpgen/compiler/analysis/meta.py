@@ -229,7 +229,10 @@ def unpack(node: Node, result: Any) -> dict[str, Any]:
                                       f"outputs: cannot name it {name!r}; use '_' to drop it")
                 values[name] = item
 
-    walk(node.pattern, result, "")
+    try:
+        walk(node.pattern, result, "")
+    finally:
+        del walk  # a recursive closure is a cycle that would keep ``values`` alive
     return values
 
 

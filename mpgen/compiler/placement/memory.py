@@ -993,7 +993,7 @@ def _profile(model: _Model, stage, shapes: dict, dims: Mapping[str, int],
         shapes.update((v, (tuple(g.shape), g.dtype)) for v, g in zip(stage.gives, gives)
                       if isinstance(g, torch.Tensor))
         x = None
-        kept = _bytes(gives) if stage.index == count - 1 else 0
+        kept = 0  # the last stage's outputs: pp_<name>.py trains with return_outputs=False
         grads_in = _bytes(gives) if stage.index < count - 1 else 0
         forward_peak = tracker.peak.get(device, (start,))[0] - start
         held = tracker.total[device] - start

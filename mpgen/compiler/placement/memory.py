@@ -693,12 +693,42 @@ def _optimizer(model: _Model, params: list[nn.Parameter],
     if cuda is None:
         cuda = any(d.startswith("cuda") for d in _devices(model.graph))
     kwargs = {"lr": train.lr, **dict(train.optimizer_kwargs)}
+    groups = _param_groups(model, params, kwargs.get("weight_decay", 0.0))
     for extra in ({"foreach": cuda}, {}):
         try:
-            return cls(params, **kwargs, **extra)
+            return cls(groups, **kwargs, **extra)
         except (TypeError, ValueError):
             continue
     return None
+
+
+_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.SyncBatchNorm, nn.BatchNorm1d,
+          nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d,
+          nn.InstanceNorm3d)
+_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+
+
+def _param_groups(model: _Model, params: list[nn.Parameter], weight_decay: float) -> list:
+    """``params`` as the generated optimizer takes them: with ``train.no_decay``,
+    the runtime's two groups (decayed weights, then the exempted biases, norms
+    or embeddings), whose order the single-tensor step's temporaries follow
+    (each parameter's are made while the previous one's last is alive)."""
+    no_decay = tuple(model.graph.train.no_decay or ())
+    if not no_decay:
+        return params
+    exempted: set[int] = set()
+    for module in model.modules.values():
+        if not isinstance(module, nn.Module):
+            continue
+        for sub in module.modules():
+            for name, p in sub.named_parameters(recurse=False):
+                if (("biases" in no_decay and name.endswith("bias"))
+                        or ("norms" in no_decay and isinstance(sub, _NORMS))
+                        or ("embeddings" in no_decay and isinstance(sub, _EMBEDDINGS))):
+                    exempted.add(id(p))
+    return [{"params": [p for p in params if id(p) not in exempted],
+             "weight_decay": weight_decay},
+            {"params": [p for p in params if id(p) in exempted], "weight_decay": 0.0}]
 
 
 def _autocast(graph: Graph):

@@ -43,12 +43,25 @@ and inference, simulated once after placement (``graph.memory``).
 #   first micro-batch's B, which makes the gradients instead of adding into
 #   them, is derived from the same run (``_FirstBackward``). Then each rank
 #   of the schedule (analysis/schedule.py's ``rank_orders``) replays its
-#   order over these numbers: weights, optimizer state and
-#   ``PipelineStage``'s receive buffers (one per micro-batch for the
-#   activations a stage takes and for the gradients of those it gives:
-#   ``transfers``) always; what each F holds until its B; the last stage's
-#   outputs kept until the step ends; the gradients from a stage's first B;
-#   and the optimizer's step (measured over the rank's parameters) last.
+#   order over these numbers: weights, optimizer state and, as
+#   ``transfers``, ``PipelineStage``'s receive buffers (one per micro-batch
+#   for the activations a stage takes and for the gradients of those it
+#   gives) and, on the ranks that read the data (first and last stage), the
+#   whole batch always; what each F holds until its B (a stage's inputs are
+#   its receive buffers, no transfer copy; an output passed on as received,
+#   a view or not contiguous is sent as a copy, as the runtime's
+#   ``sendable`` hook makes it); the gradient a B sends for its inputs,
+#   kept until the last B under GPipe (which waits for its sends then),
+#   else gone with the send; the gradients from a stage's first B; and the
+#   optimizer's step (measured over the rank's parameters, in the form torch
+#   takes on the rank's device after --device-map, over the runtime's
+#   ``no_decay`` param groups) last. Under a --device-map that merges
+#   stage devices (``*=cpu``), each rank keeps its spec device as its key,
+#   as pp_<name>.py --memory names it.
+# - no garbage collection runs while the step is simulated: a storage dies
+#   when reference counting frees it, as in the generated code, so the plan
+#   is the same on every call (a reference cycle that holds tensors would
+#   keep them: recursive closures over tensors are avoided for that).
 #   A zero-bubble schedule's split backward (B then W) counts as one full
 #   backward at B; FSDP (``--dp-mode fsdp``) is not modelled: the plan is
 #   per replica. Keyed by the stage's device; a device holding several

@@ -222,7 +222,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
             w.line(f'{t.dst_var} = {t.src_var}.to("{t.dst}")', _shape(t.type))
         for step in section.steps:
             node = nodes[step.node]
-            for part, recompute in _checkpoint_runs(node, step, checkpointed):
+            for part, recompute in checkpoint_runs(node, step, checkpointed):
                 statements(w, node, part, names, device=step.device, checkpoint=recompute)
 
     def forward() -> None:
@@ -307,7 +307,7 @@ class _Pipelined:
         return write
 
 
-def _checkpoint_runs(node: Node, step: Step, checkpointed: frozenset[UnitRef]
+def checkpoint_runs(node: Node, step: Step, checkpointed: frozenset[UnitRef]
                      ) -> list[tuple[Step, bool]]:
     """``step`` split into runs of instances that are all checkpointed or all
     not (a repeated layer over a checkpointed device and another)."""

@@ -48,6 +48,7 @@ from mpgen.compiler.codegen.common import (
 )
 from mpgen.compiler.codegen.model import (
     attribute,
+    checkpoint_runs,
     containers,
     copies,
     imports,
@@ -58,6 +59,7 @@ from mpgen.compiler.codegen.model import (
 from mpgen.compiler.codegen.writer import PythonWriter
 from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import Expr, Graph, Node, OpKind, PipelineConfig, Step, unit_labels
+from mpgen.compiler.placement.pipelining import checkpointed_units
 from mpgen.compiler.placement.stages import Stage, stages
 
 RUNTIME = train_codegen.RUNTIME
@@ -180,8 +182,12 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                     continue  # a tied parameter's copy is this stage's own; already here
                 w.line(f"{t.dst_var} = {t.src_var}", str(t.type))
             device = Expr(f"{stage.takes[0]}.device") if stage.takes else None
+            checkpointed = checkpointed_units(graph)
             for node, step in held:
-                statements(w, node, dataclasses.replace(step, tied=()), names, device=device)
+                # recomputed in backward where the spec says so, as in <name>.py
+                for part, recompute in checkpoint_runs(node, dataclasses.replace(step, tied=()),
+                                                       checkpointed):
+                    statements(w, node, part, names, device=device, checkpoint=recompute)
             w.line(f"return {'(' + _tuple(stage.gives) + ')'}")
 
 

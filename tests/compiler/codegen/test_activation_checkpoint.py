@@ -120,6 +120,13 @@ def test_pipeline_checkpoint_recomputes_every_module_on_its_devices(tmp_path):
         out = model(torch.randn(4, 32))
         out.sum().backward()
         assert all(p.grad is not None for p in model.parameters())
+    # pp_net.py's stage of cuda:1 recomputes the same modules (its rank's memory
+    # is what the plan and the report say); cuda:0's runs them plainly.
+    pp = result.files["pp_net.py"]
+    stage0, stage1 = pp.split("class Stage1")[0], pp.split("class Stage1")[1]
+    assert "checkpoint(" not in stage0.split("class Stage0")[1]
+    assert "h = torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False)" in stage1
+    assert "torch.utils.checkpoint.checkpoint(self.head, h, use_reentrant=False)" in stage1
 
 
 def test_a_device_checkpoint_follows_the_spec_devices_under_a_device_map(tmp_path):

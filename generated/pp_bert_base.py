@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 4 pp_bert_base.py --steps 100 --checkpoint runs/pp_bert_base
     python pp_bert_base.py --merge runs/pp_bert_base model.pt  # one state dict of BertBase
+    torchrun --nproc-per-node 4 pp_bert_base.py --predict --checkpoint runs/pp_bert_base --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -140,6 +141,12 @@ STAGES = mpgen_runtime.Stages(
     ),
     transfers=(7.864e-06, 7.864e-06, 7.864e-06),
     flops=33070000000.0,
+    memory={
+        "cuda:0": 902808608,
+        "cuda:1": 426845184,
+        "cuda:2": 426845184,
+        "cuda:3": 437907528,
+    },
 )
 
 

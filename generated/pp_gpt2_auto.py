@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 4 pp_gpt2_auto.py --steps 100 --checkpoint runs/pp_gpt2_auto
     python pp_gpt2_auto.py --merge runs/pp_gpt2_auto model.pt  # one state dict of GPT2Auto
+    torchrun --nproc-per-node 4 pp_gpt2_auto.py --predict --checkpoint runs/pp_gpt2_auto --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -112,6 +113,12 @@ STAGES = mpgen_runtime.Stages(
     ),
     transfers=(3.932e-06, 3.932e-06, 3.932e-06),
     flops=23830000000.0,
+    memory={
+        "cuda:0": 788072448,
+        "cuda:1": 851331072,
+        "cuda:2": 851331072,
+        "cuda:3": 785431048,
+    },
 )
 
 

@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_gpt2_small.py --steps 100 --checkpoint runs/pp_gpt2_small
     python pp_gpt2_small.py --merge runs/pp_gpt2_small model.pt  # one state dict of GPT2Small
+    torchrun --nproc-per-node 2 pp_gpt2_small.py --predict --checkpoint runs/pp_gpt2_small --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -133,6 +134,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((2.737e-05, 5.474e-05), (5.207e-05, 0.0001041)),
     transfers=(3.953e-06,),
     flops=23830000000.0,
+    memory={"cuda:0": 1638180864, "cuda:1": 1629509128},
 )
 
 

@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 3 pp_lstm_lm.py --steps 100 --checkpoint runs/pp_lstm_lm
     python pp_lstm_lm.py --merge runs/pp_lstm_lm model.pt  # one state dict of LstmLM
+    torchrun --nproc-per-node 3 pp_lstm_lm.py --predict --checkpoint runs/pp_lstm_lm --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -93,6 +94,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((0.0, 0.0), (1.004e-08, 2.007e-08), (1.12e-09, 2.24e-09)),
     transfers=(8.96e-08, 1.997e-07),
     flops=3347000.0,
+    memory={"cuda:0": 38080, "cuda:1": 193216},
 )
 
 

@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 3 pp_multi_task_net.py --steps 100 --checkpoint runs/pp_multi_task_net
     python pp_multi_task_net.py --merge runs/pp_multi_task_net model.pt  # one state dict of MultiTaskNet
+    torchrun --nproc-per-node 3 pp_multi_task_net.py --predict --checkpoint runs/pp_multi_task_net --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -101,6 +102,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((5.407e-09, 1.081e-08), (6.682e-10, 1.336e-09), (3.29e-10, 6.579e-10)),
     transfers=(4.096e-08, 4.096e-08),
     flops=1921000.0,
+    memory={"cuda:0": 5518440, "cuda:1": 787200, "cuda:2": 440008},
 )
 
 

@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_nano_gpt.py --steps 100 --checkpoint runs/pp_nano_gpt
     python pp_nano_gpt.py --merge runs/pp_nano_gpt model.pt  # one state dict of NanoGPT
+    torchrun --nproc-per-node 2 pp_nano_gpt.py --predict --checkpoint runs/pp_nano_gpt --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -98,6 +99,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((6.816e-08, 1.363e-07), (7.082e-08, 1.416e-07)),
     transfers=(3.277e-07,),
     flops=41690000.0,
+    memory={"cuda:0": 2546688, "cuda:1": 2395912},
 )
 
 

@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 4 pp_pipelined_mlp.py --steps 100 --checkpoint runs/pp_pipelined_mlp
     python pp_pipelined_mlp.py --merge runs/pp_pipelined_mlp model.pt  # one state dict of PipelinedMLP
+    torchrun --nproc-per-node 4 pp_pipelined_mlp.py --predict --checkpoint runs/pp_pipelined_mlp --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -94,9 +95,14 @@ class Stage3(nn.Module):
 
     def forward(self, blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
         for block in self.blocks[6:8]:
-            blocks = block(blocks)  # [batch, 256]
-        norm = self.norm(blocks)  # [batch, 256]
-        head = self.head(norm)  # [batch, 10]
+            # [batch, 256]
+            blocks = torch.utils.checkpoint.checkpoint(
+                block, blocks, use_reentrant=False
+            )
+        # [batch, 256]
+        norm = torch.utils.checkpoint.checkpoint(self.norm, blocks, use_reentrant=False)
+        # [batch, 10]
+        head = torch.utils.checkpoint.checkpoint(self.head, norm, use_reentrant=False)
         return (head,)
 
 
@@ -123,6 +129,12 @@ STAGES = mpgen_runtime.Stages(
     ),
     transfers=(4.096e-08, 4.096e-08, 4.096e-08),
     flops=25280000.0,
+    memory={
+        "cuda:0": 21401856,
+        "cuda:1": 21094400,
+        "cuda:2": 21094400,
+        "cuda:3": 21129632,
+    },
 )
 
 

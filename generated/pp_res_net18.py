@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_res_net18.py --steps 100 --checkpoint runs/pp_res_net18
     python pp_res_net18.py --merge runs/pp_res_net18 model.pt  # one state dict of ResNet18
+    torchrun --nproc-per-node 2 pp_res_net18.py --predict --checkpoint runs/pp_res_net18 --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -87,6 +88,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((1.983e-05, 3.966e-05), (1.645e-05, 3.29e-05)),
     transfers=(1.606e-05,),
     flops=10880000000.0,
+    memory={"cuda:0": 182107280, "cuda:1": 184162064},
 )
 
 

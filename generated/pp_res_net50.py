@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_res_net50.py --steps 100 --checkpoint runs/pp_res_net50
     python pp_res_net50.py --merge runs/pp_res_net50 model.pt  # one state dict of ResNet50
+    torchrun --nproc-per-node 2 pp_res_net50.py --predict --checkpoint runs/pp_res_net50 --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -95,6 +96,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((2.728e-06, 5.456e-06), (4.925e-06, 9.849e-06)),
     transfers=(5.161e-06,),
     flops=2296000000.0,
+    memory={"cuda:0": 25351528, "cuda:1": 386300432},
 )
 
 

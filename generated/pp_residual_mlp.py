@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_residual_mlp.py --steps 100 --checkpoint runs/pp_residual_mlp
     python pp_residual_mlp.py --merge runs/pp_residual_mlp model.pt  # one state dict of ResidualMLP
+    torchrun --nproc-per-node 2 pp_residual_mlp.py --predict --checkpoint runs/pp_residual_mlp --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -79,6 +80,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((2.785e-09, 5.571e-09), (2.624e-09, 5.248e-09)),
     transfers=(2.048e-08,),
     flops=1623000.0,
+    memory={"cuda:0": 2855168, "cuda:1": 2691348},
 )
 
 

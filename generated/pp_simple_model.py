@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_simple_model.py --steps 100 --checkpoint runs/pp_simple_model
     python pp_simple_model.py --merge runs/pp_simple_model model.pt  # one state dict of SimpleModel
+    torchrun --nproc-per-node 2 pp_simple_model.py --predict --checkpoint runs/pp_simple_model --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -61,6 +62,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((4e-12, 8e-12), (4e-12, 8e-12)),
     transfers=(3.2e-09,),
     flops=2400.0,
+    memory={"cuda:0": 3600, "cuda:1": 3488},
 )
 
 

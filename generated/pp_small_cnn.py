@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_small_cnn.py --steps 100 --checkpoint runs/pp_small_cnn
     python pp_small_cnn.py --merge runs/pp_small_cnn model.pt  # one state dict of SmallCNN
+    torchrun --nproc-per-node 2 pp_small_cnn.py --predict --checkpoint runs/pp_small_cnn --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -82,6 +83,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((1.121e-07, 2.241e-07), (2.647e-09, 5.294e-09)),
     transfers=(1.638e-07,),
     flops=34410000.0,
+    memory={"cuda:0": 9956752, "cuda:1": 2414144},
 )
 
 

@@ -6,6 +6,7 @@ For example:
 
     torchrun --nproc-per-node 2 pp_tiny_llama.py --steps 100 --checkpoint runs/pp_tiny_llama
     python pp_tiny_llama.py --merge runs/pp_tiny_llama model.pt  # one state dict of TinyLlama
+    torchrun --nproc-per-node 2 pp_tiny_llama.py --predict --checkpoint runs/pp_tiny_llama --data inputs.safetensors --out outputs.safetensors  # forward only
 """
 
 import torch
@@ -86,6 +87,7 @@ STAGES = mpgen_runtime.Stages(
     costs=((6.554e-09, 1.311e-08), (7.209e-09, 1.442e-08)),
     transfers=(1.024e-07,),
     flops=4129000.0,
+    memory={"cuda:0": 424208, "cuda:1": 442184},
 )
 
 

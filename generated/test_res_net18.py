@@ -10,6 +10,9 @@ with pytest:
 
     pytest test_res_net18.py
 
+A training step's peak memory on each device is measured on virtual devices
+and checked against mpgen's memory plan (within 10%).
+
 The checks are mpgen.testing.ModelSuite's, so they need mpgen installed
 (pip install mpgen); this file states what mpgen planned for this model.
 Each check runs on virtual devices, which run the same code on the CPU while
@@ -19,6 +22,7 @@ this machine has them.
 
 import torch
 
+import train_res_net18
 from res_net18 import ResNet18
 
 try:
@@ -59,6 +63,31 @@ class TestResNet18(ModelSuite):
         ("images", "cpu", "cuda:0", 1204224),
         ("layer2", "cuda:0", "cuda:1", 802816),
     ]
+    # The memory plan of a training step of the training script's batch, loss
+    # and optimizer at memory_batch samples: device -> (peak bytes, bytes alive
+    # at the peak by part); measured within 10% on virtual devices.
+    memory_batch = 8
+    memory_plan = {
+        "cuda:0": (
+            196550224,
+            {
+                "weights": 2740048,
+                "optimizer": 2732288,
+                "activations": 186260992,
+                "transfers": 4816896,
+            },
+        ),
+        "cuda:1": (
+            176133840,
+            {
+                "weights": 44056560,
+                "gradients": 44025760,
+                "optimizer": 44025760,
+                "transient": 44025760,
+            },
+        ),
+    }
+    training = train_res_net18.TRAINING
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:
         """Small random inputs on the CPU, the same on every call."""

@@ -10,6 +10,9 @@ with pytest:
 
     pytest test_res_net50.py
 
+A training step's peak memory on each device is measured on virtual devices
+and checked against mpgen's memory plan (within 10%).
+
 The checks are mpgen.testing.ModelSuite's, so they need mpgen installed
 (pip install mpgen); this file states what mpgen planned for this model.
 Each check runs on virtual devices, which run the same code on the CPU while
@@ -19,6 +22,7 @@ this machine has them.
 
 import torch
 
+import train_res_net50
 from res_net50 import ResNet50
 
 try:
@@ -67,6 +71,33 @@ class TestResNet50(ModelSuite):
         ("images", "cpu", "cuda:0", 76440),
         ("layer2.2", "cuda:0", "cuda:1", None),
     ]
+    # The memory plan of a training step of the training script's batch, loss
+    # and optimizer at memory_batch samples: device -> (peak bytes, bytes alive
+    # at the peak by part); measured within 10% on virtual devices.
+    memory_batch = 2
+    memory_plan = {
+        "cuda:0": (
+            23634776,
+            {
+                "weights": 5820352,
+                "gradients": 4747264,
+                "optimizer": 5779712,
+                "activations": 5722112,
+                "transfers": 76440,
+                "transient": 1488896,
+            },
+        ),
+        "cuda:1": (
+            385965928,
+            {
+                "weights": 96620680,
+                "gradients": 96448416,
+                "optimizer": 96448416,
+                "transient": 96448416,
+            },
+        ),
+    }
+    training = train_res_net50.TRAINING
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:
         """Small random inputs on the CPU, the same on every call."""

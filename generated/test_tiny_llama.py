@@ -10,6 +10,9 @@ with pytest:
 
     pytest test_tiny_llama.py
 
+A training step's peak memory on each device is measured on virtual devices
+and checked against mpgen's memory plan (within 10%).
+
 The checks are mpgen.testing.ModelSuite's, so they need mpgen installed
 (pip install mpgen); this file states what mpgen planned for this model.
 Each check runs on virtual devices, which run the same code on the CPU while
@@ -19,6 +22,7 @@ this machine has them.
 
 import torch
 
+import train_tiny_llama
 from tiny_llama import TinyLlama
 
 try:
@@ -55,6 +59,34 @@ class TestTinyLlama(ModelSuite):
         ("model.cos", "cuda:0", "cuda:1", 512),
         ("model.sin", "cuda:0", "cuda:1", 512),
     ]
+    # The memory plan of a training step of the training script's batch, loss
+    # and optimizer at memory_batch samples: device -> (peak bytes, bytes alive
+    # at the peak by part); measured within 10% on virtual devices.
+    memory_batch = 2
+    memory_plan = {
+        "cuda:0": (
+            418064,
+            {
+                "weights": 82448,
+                "gradients": 8192,
+                "optimizer": 164864,
+                "activations": 133632,
+                "transfers": 4352,
+                "transient": 24576,
+            },
+        ),
+        "cuda:1": (
+            426504,
+            {
+                "weights": 82560,
+                "optimizer": 165120,
+                "activations": 157316,
+                "transfers": 5120,
+                "transient": 16388,
+            },
+        ),
+    }
+    training = train_tiny_llama.TRAINING
 
     def make_inputs(self) -> tuple[torch.Tensor, ...]:
         """Small random inputs on the CPU, the same on every call."""

@@ -51,6 +51,12 @@ TRAINING = mpgen_runtime.Training(
     classes=((30522, None), (512, None), (2, None), (2, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 4, "lr": 2e-05},
+    memory={
+        "cuda:0": 902016000,
+        "cuda:1": 425272320,
+        "cuda:2": 425272320,
+        "cuda:3": 437114920,
+    },
 )
 
 

@@ -50,6 +50,12 @@ TRAINING = mpgen_runtime.Training(
     classes=((50257, None), (1024, None), (50257, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 2, "lr": 0.0003},
+    memory={
+        "cuda:0": 787676160,
+        "cuda:1": 850544640,
+        "cuda:2": 850544640,
+        "cuda:3": 771978240,
+    },
 )
 
 

@@ -77,6 +77,7 @@ TRAINING = mpgen_runtime.Training(
         "grad_clip": 1.0,
         "decay_steps": 2,
     },
+    memory={"cuda:0": 1637981184, "cuda:1": 851479304},
 )
 
 

@@ -51,6 +51,7 @@ TRAINING = mpgen_runtime.Training(
     classes=((50, None), None, None, (50, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 4, "lr": 20.0},
+    memory={"cuda:0": 93520, "cuda:1": 416512},
 )
 
 

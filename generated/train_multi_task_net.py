@@ -54,6 +54,7 @@ TRAINING = mpgen_runtime.Training(
     classes=(None, None, (5, -100), None),
     optimizer=make_optimizer,
     defaults={"steps": 10, "batch_size": 32, "lr": 0.001},
+    memory={"cuda:0": 5422080, "cuda:1": 670820, "cuda:2": 337936},
 )
 
 

@@ -79,6 +79,7 @@ TRAINING = mpgen_runtime.Training(
         "grad_clip": 1.0,
         "decay_steps": 2,
     },
+    memory={"cuda:0": 2578432, "cuda:1": 2504712},
 )
 
 

@@ -51,6 +51,12 @@ TRAINING = mpgen_runtime.Training(
     classes=(None, (10, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 20, "batch_size": 32, "lr": 0.001},
+    memory={
+        "cuda:0": 21360640,
+        "cuda:1": 21028864,
+        "cuda:2": 21028864,
+        "cuda:3": 21088416,
+    },
 )
 
 

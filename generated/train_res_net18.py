@@ -51,6 +51,7 @@ TRAINING = mpgen_runtime.Training(
     classes=(None, (1000, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 8, "lr": 0.1},
+    memory={"cuda:0": 196550224, "cuda:1": 176133840},
 )
 
 

@@ -53,6 +53,7 @@ TRAINING = mpgen_runtime.Training(
     classes=(None, (1000, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 2, "lr": 0.1},
+    memory={"cuda:0": 23634776, "cuda:1": 385965928},
 )
 
 

@@ -48,6 +48,7 @@ TRAINING = mpgen_runtime.Training(
     forward_loss=forward_loss,
     optimizer=make_optimizer,
     defaults={"steps": 20, "batch_size": 64, "lr": 0.001},
+    memory={"cuda:0": 2805760, "cuda:1": 2641940},
 )
 
 

@@ -48,6 +48,7 @@ TRAINING = mpgen_runtime.Training(
     forward_loss=forward_loss,
     optimizer=make_optimizer,
     defaults={"steps": 1, "batch_size": 5, "lr": 0.01},
+    memory={"cuda:0": 2360, "cuda:1": 2688},
 )
 
 

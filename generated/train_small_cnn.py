@@ -49,6 +49,7 @@ TRAINING = mpgen_runtime.Training(
     classes=(None, (10, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 20, "batch_size": 16, "lr": 0.05},
+    memory={"cuda:0": 11430416, "cuda:1": 1729152},
 )
 
 

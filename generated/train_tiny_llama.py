@@ -49,6 +49,7 @@ TRAINING = mpgen_runtime.Training(
     classes=((64, None), (64, -100)),
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 2, "lr": 0.001},
+    memory={"cuda:0": 418064, "cuda:1": 426504},
 )
 
 

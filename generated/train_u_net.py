@@ -50,6 +50,7 @@ TRAINING = mpgen_runtime.Training(
     forward_loss=forward_loss,
     optimizer=make_optimizer,
     defaults={"steps": 2, "batch_size": 2, "lr": 0.001},
+    memory={"cuda:0": 10480360, "cuda:1": 10542908},
 )
 
 

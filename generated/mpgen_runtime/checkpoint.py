@@ -78,17 +78,21 @@ def load(path: pathlib.Path) -> dict:
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def initialise(modules: list, path: str, keys: list, training) -> None:
+def initialise(
+    modules: list, path: str, keys: list, training, state: dict | None = None
+) -> None:
     """--init: load the state dict in ``path`` (.pt/.pth, or a checkpoint's
-    model; .safetensors) into ``modules`` (the model, or a rank's stages),
+    model; .safetensors), or ``state`` where the caller read it (predict's
+    folders), into ``modules`` (the model, or a rank's stages),
     strictly against ``keys`` (the whole model's). A key missing because its
     parameter is tied to one there takes that tensor (Hugging Face's
     save_pretrained leaves out lm_head.weight, tied to the embedding).
     Raises ValueError saying what is wrong, in one line."""
-    try:
-        state = read_tensors(pathlib.Path(path), lazy=True)
-    except Exception as error:  # torch and safetensors each raise their own
-        raise ValueError(f"cannot read it ({one_line(error)})") from None
+    if state is None:
+        try:
+            state = read_tensors(pathlib.Path(path), lazy=True)
+        except Exception as error:  # torch and safetensors each raise their own
+            raise ValueError(f"cannot read it ({one_line(error)})") from None
     if isinstance(state.get("model"), dict) and "step" in state:  # DIR/last.pt
         state = state["model"]
     for pair in training.ties:

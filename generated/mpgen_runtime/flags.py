@@ -60,6 +60,8 @@ HELP = {
     "eval_every": "evaluate every K steps (0: at the end only, if there is evaluation data)",
     "samples": "size of the synthetic dataset (one epoch)",
     "merge": "write one state dict of {} from DIR's newest complete checkpoint to OUT and exit (no torchrun)",
+    "memory": "measure the peak memory of the run's second step (its first of one step) on each "
+    "device of this process and print it beside the build's plan",
     "pp_resume": "continue from DIR's newest complete checkpoint, on any --dp or layout; none yet: start "
     "at step 0 (one command line for the first launch and torchrun --max-restarts)",
 }
@@ -153,6 +155,7 @@ def parser(
     add("--eval-every", type=int, default=d("eval_every"), metavar="K", help=text)
     add("--samples", type=int, default=d("samples"), help=HELP["samples"])
     add("--workers", type=int, default=d("workers"), help="DataLoader worker processes")
+    add("--memory", action="store_true", help=HELP["memory"])
     if pipeline:
         text, names = HELP["merge"].format(name), ("DIR", "OUT")
         add("--merge", nargs=2, metavar=names, help=text)

@@ -176,7 +176,8 @@ class Log:
             idle = max(0.0, 1 - self.busy_total / self.timed)
             predicted = self.rates.get("predicted")
             said = (
-                f"; the cost model predicts a bubble of {predicted:.0%} for {self.rates['schedule']}"
+                f"; {self.rates.get('source', 'the cost model')} predicts a bubble of "
+                f"{predicted:.0%} for {self.rates['schedule']}"
                 if predicted is not None
                 else (
                     f"; no predicted bubble for {self.rates['schedule']}: {self.rates['unpredicted']}"
@@ -185,6 +186,11 @@ class Log:
                 )
             )
             each = ", ".join(f"{b / self.busy_steps:.4f}" for b in self.busy_ranks)
+            if self.rates.get("busy"):  # predicted beside measured, rank by rank
+                each = ", ".join(
+                    f"{b / self.busy_steps:.4f} (predicted {p:.4f})"
+                    for b, p in zip(self.busy_ranks, self.rates["busy"])
+                )
             self.say(
                 f"idle: {idle:.0%} of a step outside the stages' forward and backward "
                 f"(the bubble, gradient synchronisation, optimizer, data){said}; "

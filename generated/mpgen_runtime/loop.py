@@ -16,7 +16,7 @@ import sys
 import torch
 from torch import nn
 
-from . import checkpoint, flags
+from . import checkpoint, flags, memory
 from .data import as_batch, batches, epoch_batches, one_line, split_data, training_data
 from .log import Log
 from .spec import Training
@@ -284,9 +284,15 @@ def run(
         signal.signal(signum, defaults[signum])  # a second one stops at once
 
     previous = {s: signal.signal(s, on_signal) for s in handled}
+    probe = memory.probe(engine, done, last) if args.memory else None
     try:
         for step in range(done + 1, last + 1):
+            measured = probe is not None and probe.measured(step)
+            if measured:
+                probe.start()
             loss = engine.step(stream)
+            if measured:
+                print("\n".join(probe.stop()))
             if not torch.isfinite(loss):
                 kept = f" ({engine.where} keeps step {done})" if args.checkpoint else ""
                 engine.stop(f"step {step}: the loss is {loss.item()}; stopping{kept}")

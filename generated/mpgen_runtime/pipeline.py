@@ -758,6 +758,10 @@ class Pipelined:
             m,
         )
         self.rates["schedule"] = f"--schedule {args.schedule} with {m} micro-batches"
+        self.rates["source"] = timeline.source(stages.measured_on, self.device)
+        self.rates["busy"] = timeline.predicted_busy(
+            stages.costs, grid.ranks, self.part * args.accumulate
+        )
         if predicted is not None:
             self.rates["predicted"] = predicted[1]
         else:
@@ -936,7 +940,14 @@ def trains(module: nn.Module) -> bool:
 
 
 def train(stages: Stages, argv: list[str] | None = None) -> None:
-    """``pp_<name>.py``: parse the flags, start the process groups, train."""
+    """``pp_<name>.py``: parse the flags, start the process groups, train
+    (``--predict ...``: predict.pipeline, forward only)."""
+    given = argv if argv is not None else sys.argv[1:]
+    if "--predict" in given:
+        from .predict import pipeline as forward_only
+
+        forward_only(stages, [a for a in given if a != "--predict"])
+        return
     parser = flags.parser(stages.training, stages)
     args = parser.parse_args(argv)
     if args.merge:

@@ -50,6 +50,8 @@ class Training:
     dim_limits: tuple[tuple[str, int, str], ...] = ()
     data_kwargs: dict = field(default_factory=dict)  # for the spec's data factory
     eval_data_kwargs: dict = field(default_factory=dict)
+    #: The build's memory plan of this script's step: device -> peak bytes (--memory).
+    memory: dict = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -97,9 +99,15 @@ class Stages:
     #: the simulator's inputs for the predicted bubble (empty: not predicted).
     costs: tuple[tuple[float, float], ...] = ()
     transfers: tuple[float, ...] = ()
+    #: The hardware each stage's costs were measured on (``mpgen profile``;
+    #: empty: the cost model's FLOPs at a nominal speed).
+    measured_on: tuple[str, ...] = ()
     #: Training FLOPs of one sample (forward + backward, the cost model's
     #: matmuls and convolutions), for MFU (0: unknown).
     flops: float = 0.0
+    #: The build's memory plan of each stage's device under the spec's
+    #: schedule and micro-batches: device -> peak bytes (--memory).
+    memory: dict = field(default_factory=dict)
 
     @property
     def script(self) -> str:

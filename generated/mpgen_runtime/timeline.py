@@ -26,6 +26,7 @@ torch runs, and the busy time each rank measures.
 
 from __future__ import annotations
 
+import platform
 import time
 from typing import Optional
 
@@ -143,6 +144,51 @@ def predict(
     if step <= 0:
         return None
     return step, 1 - sum(busy.values()) / (len(busy) * step)
+
+
+def predicted_busy(costs, ranks: list[int], samples: float) -> Optional[list[float]]:
+    """Each pipeline rank's predicted busy seconds in a step of ``samples``
+    samples (its replica's): its stages' forward and backward of each
+    sample; None where the build gave no time for these stages."""
+    if not costs or len(costs) != len(ranks):
+        return None
+    busy = [0.0] * (max(ranks) + 1)
+    for (forward, backward), rank in zip(costs, ranks):
+        busy[rank] += (forward + backward) * samples
+    return busy
+
+
+def hardware(device: torch.device) -> str:
+    """The hardware as ``mpgen profile`` names it: a GPU's name, else the
+    CPU's model and torch's threads."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = platform.processor() or platform.machine() or "cpu"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    model = " ".join(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    threads = torch.get_num_threads()
+    return f"{model} ({threads} thread{'s' if threads != 1 else ''})"
+
+
+def source(measured_on: tuple, device: torch.device) -> str:
+    """Who predicts: the profile (and whether its hardware is this run's),
+    or the cost model."""
+    if not measured_on:
+        return "the cost model"
+    here = hardware(device)
+    others = sorted({name for name in measured_on if name != here})
+    if not others:
+        return "the profile (measured on this hardware)"
+    return (
+        f"the profile, measured on other hardware ({', '.join(others)}; this run: "
+        f"{here}; rerun mpgen profile here),"
+    )
 
 
 def time_stages(stages: list, busy: list, cuda: bool) -> None:

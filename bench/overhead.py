@@ -271,7 +271,7 @@ def build(spec: str | Path, folder: Path, device_map: str | None) -> nn.Module:
         argv[4:4] = ["--device-map", device_map]
     cpu_seconds(argv, cwd=ROOT)
     model_file = next(p for p in out.glob("*.py")
-                      if not p.name.startswith(("train_", "test_", "pp_")))
+                      if not p.name.startswith(("train_", "test_", "pp_", "predict_", "generate_")))
     module_spec = importlib.util.spec_from_file_location(f"bench_{uuid.uuid4().hex}", model_file)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)

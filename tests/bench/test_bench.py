@@ -48,7 +48,7 @@ def test_unknown_sections_and_rounds_are_usage_errors(capsys):
         with pytest.raises(SystemExit) as exc:
             bench_main.parse_args(argv)
         assert exc.value.code == 2
-    assert "choose from build, overhead, placement, pipeline, memory, gpu" in capsys.readouterr().err
+    assert "choose from build, overhead, placement, pipeline, stages, memory, generation, gpu" in capsys.readouterr().err
 
 
 def test_the_optimum_the_placement_table_divides_by_is_the_exact_one():

@@ -89,7 +89,7 @@ def test_runs_the_real_tests_in_a_hostile_tree(project):
                          cwd=project, capture_output=True, text=True, timeout=300, env=env)
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "FAKE" not in ran.stdout + ran.stderr
-    assert "9 passed, 1 skipped" in ran.stdout  # the skip: real GPUs this machine lacks
+    assert "10 passed, 2 skipped" in ran.stdout  # the skip: real GPUs this machine lacks
     assert ran.stderr == ""
     assert not (project / "out" / "__pycache__").exists()  # nothing written into out
     assert not (project / ".pytest_cache").exists()
@@ -102,7 +102,7 @@ def test_a_broken_generated_test_fails(project):
     test_file.write_text(text.replace("total_params = 430\n", "total_params = 431\n"))
     ran = mpgen_test(project, "out", "--", "-q")
     assert ran.returncode == 1
-    assert "2 failed, 7 passed, 1 skipped" in ran.stdout  # on the CPU and on virtual devices
+    assert "2 failed, 8 passed, 2 skipped" in ran.stdout  # on the CPU and on virtual devices
 
 
 def test_no_test_run_is_a_failure(project):
@@ -112,7 +112,7 @@ def test_no_test_run_is_a_failure(project):
         "mpgen test: no test ran (pytest: no tests collected); failing")
     some = mpgen_test(project, "out", "--", "-q", "-k", "parameters")
     assert some.returncode == 1
-    assert some.stderr.splitlines()[-1].startswith("mpgen test: 8 generated tests were "
+    assert some.stderr.splitlines()[-1].startswith("mpgen test: 10 generated tests were "
                                                    "deselected; mpgen test runs every one")
     collected = mpgen_test(project, "out", "--", "-q", "--collect-only")
     assert collected.returncode == 1
@@ -167,7 +167,7 @@ def test_a_forged_bytecode_cache_in_out_is_never_read(project):
     ran = mpgen_test(project, "out", "--", "-q")
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert "FORGED" not in ran.stdout
-    assert "9 passed, 1 skipped" in ran.stdout
+    assert "10 passed, 2 skipped" in ran.stdout
 
 
 def test_a_missing_folder_or_one_without_tests_is_one_line(project):

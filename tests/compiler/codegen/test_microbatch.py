@@ -243,4 +243,4 @@ def test_the_generated_tests_expect_each_transfer_once_per_micro_batch(tmp_path)
                           "test_net.py"], cwd=tmp_path / "out", capture_output=True,
                          text=True, timeout=300)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    assert "5 passed" in ran.stdout
+    assert "6 passed" in ran.stdout

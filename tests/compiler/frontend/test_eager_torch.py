@@ -47,8 +47,8 @@ def test_what_needs_the_real_dynamo_gets_it_and_the_stand_in_leaves_no_trace():
             stand_in = sys.modules["torch._dynamo"]
             torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
             wrapped = list(stand_in.wrapped)  # what torch._disable_dynamo handed it
-            before = "torch._dynamo.config" in sys.modules
-            import torch._dynamo.config  # a submodule: the real package is put back
+            before = "torch._dynamo.source" in sys.modules
+            import torch._dynamo.source  # a submodule: the real package is put back
             real = sys.modules["torch._dynamo"]
         cached = [fn.__name__ for fn in wrapped if getattr(fn, "__dynamo_disable", None) is fn]
         print(json.dumps({"stand_in": type(stand_in).__name__, "wrapped": len(wrapped) > 0,
@@ -59,6 +59,23 @@ def test_what_needs_the_real_dynamo_gets_it_and_the_stand_in_leaves_no_trace():
     """)
     assert got == {"stand_in": "_StandIn", "wrapped": True, "before": False, "real": True,
                    "after": True, "cached_wrapper_of_the_stand_in": []}
+
+
+def test_dynamo_config_is_the_real_file_without_dynamo():
+    # FakeTensorMode (the memory plan's) reads torch._dynamo.config when made.
+    got = _run("""
+        import json, sys, torch
+        from mpgen.compiler.frontend.eager_torch import eager_torch
+        with eager_torch():
+            from torch._subclasses.fake_tensor import FakeTensorMode
+            FakeTensorMode()
+            config = sys.modules["torch._dynamo.config"]
+            stand_in = type(sys.modules["torch._dynamo"]).__name__
+        import torch._dynamo
+        print(json.dumps({"stand_in": stand_in, "same": torch._dynamo.config is config,
+                          "flag": isinstance(config.fake_tensor_cache_enabled, bool)}))
+    """)
+    assert got == {"stand_in": "_StandIn", "same": True, "flag": True}
 
 
 def test_the_stand_in_is_removed_on_exit():

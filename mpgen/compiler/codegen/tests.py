@@ -181,8 +181,26 @@ def collection_code(name: str, value: tuple | list | dict, indent: int) -> str:
     one = value_code(value)
     if not value or not one.isascii() or fits(f"{name} = {one}", indent):
         return one  # black measures other characters by their display width
+    return _split(value, indent)
+
+
+def _split(value: tuple | list | dict, indent: int) -> str:
+    """``value`` one item a line at ``indent + 4`` columns; an item that is a
+    collection too long for its line split the same way, one level deeper,
+    as black splits it (the memory plan's per-device entries)."""
+    one = value_code(value)
     pad = " " * indent
-    body = "".join(f"{pad}    {item},\n" for item in _items_code(value))
+    if isinstance(value, dict):
+        entries = [(f"{value_code(k)}: ", v) for k, v in value.items()]
+    else:
+        entries = [("", v) for v in value]
+    body = ""
+    for prefix, item in entries:
+        code = prefix + value_code(item)
+        if (isinstance(item, (tuple, list, dict)) and item and code.isascii()
+                and not fits(code + ",", indent + 4)):
+            code = prefix + _split(item, indent + 4)
+        body += f"{pad}    {code},\n"
     return one[0] + "\n" + body + pad + one[-1]
 
 

@@ -16,9 +16,9 @@
 # real ones do outside a compiled region. Anything else asked of it (user
 # code calling ``torch.compile``, importing a submodule of dynamo) puts the
 # real ``torch._dynamo`` back first and answers from it, so behaviour never
-# differs, only the import is saved when it is not needed. One submodule is
-# served without it: ``torch._dynamo.config`` (flags FakeTensorMode reads when
-# made), the real file run on its own, kept for a real dynamo. On exit the
+# differs, only the import is saved when it is not needed. (The memory plan
+# after placement runs on FakeTensorMode, which does need it: the analysis
+# before placement is what runs without dynamo.) On exit the
 # stand-in is removed, and so is what ``torch._disable_dynamo`` cached on the
 # functions it wrapped (``fn.__dynamo_disable``), so that a later real dynamo
 # wraps them properly.
@@ -89,30 +89,6 @@ class _StandIn(types.ModuleType):
         self.wrapped.clear()
 
 
-def _config(stand_in: _StandIn) -> None:
-    """``torch._dynamo.config`` under the stand-in: FakeTensorMode (the memory
-    plan's) reads its flags when made. The module is the real file, run on
-    its own (it imports none of dynamo), and kept for a real dynamo later."""
-    name = f"{_NAME}.config"
-    module = sys.modules.get(name)
-    if module is None:
-        import importlib.util
-        from pathlib import Path
-
-        path = Path(torch.__file__).parent / "_dynamo" / "config.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        if spec is None or not path.is_file():
-            return
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception:
-            del sys.modules[name]
-            return
-    stand_in.config = module
-
-
 @contextlib.contextmanager
 def eager_torch() -> Iterator[None]:
     """Run torch eagerly without importing ``torch._dynamo`` unless something
@@ -123,7 +99,6 @@ def eager_torch() -> Iterator[None]:
         return
     stand_in = _StandIn()
     sys.modules[_NAME] = stand_in
-    _config(stand_in)
     try:
         yield
     finally:

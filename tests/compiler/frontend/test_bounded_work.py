@@ -246,7 +246,10 @@ def test_a_spec_asking_for_unbounded_work_is_refused_at_its_line(answers, name):
 
 def test_an_lstm_over_a_long_sequence_builds_as_fast_as_a_small_spec(answers):
     code, err, seconds, spec = answers["lstm_over_seq"]
-    assert (code, err) == (0, "")
+    # A token tagger reads as a decoder: the build's one note says why its
+    # generate_tagger.py runs without a KV cache (the LSTM), and nothing else.
+    assert code == 0
+    assert all("runs without a KV cache" in line for line in err.splitlines()), err
     assert bounded(answers, seconds), (seconds, answers["reference"][2])
     model = (Path(spec).parent / "out-lstm_over_seq" / "tagger.py").read_text()
     assert "# [batch, seq, 256]" in model

@@ -25,7 +25,7 @@ def seed(tmp_path) -> Path:
 def test_generated_tests_pass_on_virtual_devices(seed):
     run = run_pytest(seed / "test_simple_model.py")
     assert run.exit_code == 0, run.text[-3000:]
-    # Five checks pass on virtual devices; their real-GPU runs skip here,
+    # Six checks pass on virtual devices; their real-GPU runs skip here,
     # saying why.
     assert (len(run.passed), len(run.skipped), run.failed) == (6, 6, [])
     assert all(id.endswith("[virtual]") for id in run.passed)
@@ -33,7 +33,7 @@ def test_generated_tests_pass_on_virtual_devices(seed):
     assert run.reasons.count(
         "Skipped: real-GPU run skipped: SimpleModel needs 2 CUDA devices (cuda:0, cuda:1) "
         "and this machine has 0; the virtual run checks the same code on the CPU"
-    ) == 5
+    ) == 6
 
 
 def test_deleting_a_transfer_in_forward_fails(seed):

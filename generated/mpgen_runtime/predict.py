@@ -592,14 +592,19 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
         progress.close()
     if not samples:
         sys.exit(f"{named}: gives no batch")
-    seconds = time.perf_counter() - started
-    print(
-        f"{training.name}: {samples:,} samples of {named} from {where} in "
-        f"{seconds:.2f} s ({samples / max(seconds, 1e-9):,.1f} samples/s)"
-    )
+    said(training.name, samples, f"of {named} from {where}", started)
     if scores is not None:
         print(scores.line(predicting.outputs))
     finish(outputs.joined(), args.out)
+
+
+def said(name: str, samples: int, what: str, started: float) -> None:
+    """The run's line: how many samples went through, in how long, how fast."""
+    seconds = time.perf_counter() - started
+    print(
+        f"{name}: {samples:,} samples {what} in {seconds:.2f} s "
+        f"({samples / max(seconds, 1e-9):,.1f} samples/s)"
+    )
 
 
 def _count(data, size: int) -> Optional[int]:
@@ -800,10 +805,11 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
         if progress is not None:
             progress.close()
         if last:
-            seconds = time.perf_counter() - started
-            print(
-                f"{training.name}: {samples:,} samples of {named} through {count} stages from "
-                f"{where} in {seconds:.2f} s ({samples / max(seconds, 1e-9):,.1f} samples/s)"
+            said(
+                training.name,
+                samples,
+                f"of {named} through {count} stages from {where}",
+                started,
             )
             if scores is not None:
                 print(scores.line(predicting.outputs))

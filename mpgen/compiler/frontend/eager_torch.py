@@ -22,11 +22,20 @@
 # stand-in is removed, and so is what ``torch._disable_dynamo`` cached on the
 # functions it wrapped (``fn.__dynamo_disable``), so that a later real dynamo
 # wraps them properly.
+#
+# Importing the real one has a side effect on the process's environment:
+# dynamo's cache module sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ``
+# (torch/_inductor/runtime/cache_dir_utils.py). A spec's own module built
+# after that saw a variable the user never set (the contained child's
+# environment is kept to a fixed list). :func:`import_dynamo` imports it
+# where the build needs it and leaves ``os.environ`` as it found it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
+import os
 import sys
 import types
 from typing import Any, Callable, Iterator
@@ -74,7 +83,6 @@ class _StandIn(types.ModuleType):
                 del sys.modules[_NAME]
             if vars(torch).get("_dynamo") is self:
                 delattr(torch, "_dynamo")
-        import importlib
         return importlib.import_module(_NAME)
 
     def forget(self) -> None:
@@ -109,3 +117,21 @@ def eager_torch() -> Iterator[None]:
                 del sys.modules[_NAME]
             if vars(torch).get("_dynamo") is stand_in:
                 delattr(torch, "_dynamo")
+
+
+def import_dynamo() -> types.ModuleType:
+    """The real ``torch._dynamo``, imported (if it was not) without the
+    variables its import sets in ``os.environ`` (NOTE [No dynamo at build
+    time])."""
+    stand_in = sys.modules.get(_NAME)
+    before = dict(os.environ)
+    try:
+        if isinstance(stand_in, _StandIn):
+            return stand_in.restore()
+        return importlib.import_module(_NAME)
+    finally:
+        for name in set(os.environ) - set(before):
+            del os.environ[name]
+        for name, value in before.items():
+            if os.environ.get(name) != value:
+                os.environ[name] = value

@@ -102,6 +102,7 @@ from mpgen.compiler.analysis import meta
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.analysis.costs import human_bytes, optimizer_state
 from mpgen.compiler.analysis.schedule import BACKWARD, FORWARD, rank_orders, stage_ranks
+from mpgen.compiler.frontend.eager_torch import import_dynamo
 from mpgen.compiler.frontend.limits import OutOfBudget, active_budget
 from mpgen.compiler.ir import MEMORY_PARTS, DeviceMemory, Graph, MemoryPlan, Node
 from mpgen.compiler.placement.devices import map_device
@@ -308,6 +309,7 @@ class _Model:
 
     def __init__(self, graph: Graph, budget: Budget) -> None:
         self.graph = graph
+        import_dynamo()  # FakeTensorMode needs it; os.environ stays the user's
         self.fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         self.fake.cache_enabled = False  # hashing each call costs more than it saves here
         self.nodes = {n.name: n for n in graph.nodes}

@@ -87,3 +87,22 @@ def test_the_stand_in_is_removed_on_exit():
                           "attribute": "_dynamo" in vars(torch)}))
     """)
     assert got == {"shape": [3, 5], "dynamo": False, "attribute": False}
+
+
+def test_a_build_leaves_the_environment_as_it_found_it():
+    # Importing dynamo sets TORCHINDUCTOR_CACHE_DIR in os.environ; a spec's own
+    # module built by the memory plan after that saw a variable the user never
+    # set (in `mpgen check`'s child, whose environment is a fixed list, a
+    # module that asserted so made the plan fall back to the estimate and the
+    # committed code look stale).
+    got = _run(f"""
+        import json, os, sys
+        from mpgen.compiler import driver
+        before = dict(os.environ)
+        graph = driver.compile_spec({str(EXAMPLES / "seed.yaml")!r})
+        print(json.dumps({{"dynamo": "torch._dynamo" in sys.modules,
+                          "phase": graph.memory.train[0].phase,
+                          "added": sorted(set(os.environ) - set(before)),
+                          "changed": sorted(k for k in before if os.environ.get(k) != before[k])}}))
+    """)
+    assert got == {"dynamo": True, "phase": "backward", "added": [], "changed": []}

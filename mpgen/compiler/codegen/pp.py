@@ -165,11 +165,15 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                     parts.append(f"[{elsewhere}() for _ in range({step.start})]")
                 parts.append(copies(node, step.start, step.stop))
                 w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
+            copied: dict[str, str] = {}  # a tied parameter -> its copy on this stage
             for node, _ in held:
                 for tie in node.ties:
                     if owners[tie.owner] == stage.index:
                         w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
+                    elif tie.source in copied:  # one copy per stage, whatever reads it
+                        w.line(f"self.{node.name}.{tie.param} = self.{copied[tie.source]}")
                     else:
+                        copied[tie.source] = f"{node.name}.{tie.param}"
                         w.comment(f"{node.name}.{tie.param}: a copy of {tie.source} (stage "
                                   f"{owners[tie.owner]}), kept equal by the script (TIES)")
             initialization(w, dataclasses.replace(graph, nodes=tuple(n for n, _ in held)))
@@ -212,7 +216,8 @@ def _ties(graph: Graph, all_stages: tuple[Stage, ...]) -> str:
         for tie in node.ties:
             if owners[tie.owner] != owners[node.name]:
                 group = groups.setdefault(tie.source, [(owners[tie.owner], tie.source)])
-                group.append((owners[node.name], f"{node.name}.{tie.param}"))
+                if all(k != owners[node.name] for k, _ in group):  # the stage's one copy
+                    group.append((owners[node.name], f"{node.name}.{tie.param}"))
     entries = ["(" + ", ".join(f"({k}, {string_literal(key)})" for k, key in group) + ")"
                for group in groups.values()]
     return "(" + _tuple(entries) + ")"

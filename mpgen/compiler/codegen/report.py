@@ -30,6 +30,7 @@ from mpgen.compiler.ir import (
     DeviceMemory,
     Graph,
     MemoryPlan,
+    Node,
     device_runs,
     unit_labels,
 )
@@ -318,22 +319,46 @@ def _checkpoint_table(graph: Graph, costs: Costs) -> Optional[Table]:
 
 
 def _tie_notes(graph: Graph, costs: Costs) -> list[str]:
-    """One sentence per tied parameter: who owns it, where, what moves."""
-    notes = []
+    """One sentence per tied parameter: who owns it, where, what moves (one
+    copy per device that reads it, whatever the number of readers there)."""
+    readers: dict[str, list[tuple[Node, str]]] = {}  # tie.source -> (node, its param)
+    owners: dict[str, str] = {}
     for node in graph.nodes:
         for tie in node.ties:
-            owner = graph.node(tie.owner).devices[0]
-            here = node.devices[0]
-            text = (f"Tied: {md_code(f'{node.name}.{tie.param}')} is {md_code(tie.source)}, "
-                    f"one parameter owned by {md_code(tie.owner)} on {md_code(owner)} and "
-                    "counted there once")
-            if here != owner:
-                size = human_bytes(costs.nbytes(tie.source))
-                text += (f"; {md_code(node.name)} on {md_code(here)} reads a copy moved in "
-                         f"forward ({size} per step), and backward returns its gradient to "
+            readers.setdefault(tie.source, []).append((node, tie.param))
+            owners[tie.source] = tie.owner
+    notes = []
+    for source, tied in readers.items():
+        owner = owners[source]
+        where = graph.node(owner).devices[0]
+        keys = _and([md_code(f"{node.name}.{param}") for node, param in tied])
+        text = (f"Tied: {keys} {'is' if len(tied) == 1 else 'are'} {md_code(source)}, one "
+                f"parameter owned by {md_code(owner)} on {md_code(where)} and counted there "
+                "once")
+        elsewhere: dict[str, list[str]] = {}
+        for node, _ in tied:
+            if node.devices[0] != where:
+                elsewhere.setdefault(node.devices[0], []).append(node.name)
+        if elsewhere:
+            size = human_bytes(costs.nbytes(source))
+            moves = "; ".join(
+                f"{md_code(names[0])} on {md_code(device)} reads a copy moved in forward"
+                if len(names) == 1 else
+                f"{_and([md_code(n) for n in names])} on {md_code(device)} read one copy "
+                f"moved there in forward" for device, names in elsewhere.items())
+            if sum(map(len, elsewhere.values())) == 1:
+                text += (f"; {moves} ({size} per step), and backward returns its gradient to "
                          "the one parameter")
-            notes.append(text + ".")
+            else:
+                text += (f"; {moves} ({size} per step and device); backward returns the "
+                         "gradient of each use to the one parameter")
+        notes.append(text + ".")
     return notes
+
+
+def _and(items: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
 def _how(kind: str, choice, device_map) -> list[str]:

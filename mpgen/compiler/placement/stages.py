@@ -12,7 +12,9 @@ and what it passes on.
 # and what the micro-batched forward runs one micro-batch at a time. The
 # last stage gives the model's outputs, in ``outputs`` order. A variable a
 # stage reads includes the tensors whose sizes its expressions read
-# (``"=size(idx, 1)"``) and the copies of tied parameters.
+# (``"=size(idx, 1)"``) and the copies of tied parameters, which each stage
+# makes itself (a tied parameter moved once per forward to a device is moved
+# once per stage: ``_own_tie_copies``).
 """
 
 from __future__ import annotations
@@ -76,10 +78,27 @@ def _reads_and_defines(graph: Graph, section: Section) -> tuple[list[str], list[
     return list(reads), list(defined)
 
 
+def _own_tie_copies(sections: tuple[Section, ...]) -> list[Section]:
+    """``sections``, each making the copies of tied parameters its steps read:
+    forward moves a tied parameter to a device once, in its first section
+    there, and a later section on that device reuses the copy; a stage
+    makes its own instead of receiving it through the stages between (in
+    pp_<name>.py each stage holds its copy as a parameter)."""
+    moves = {t.dst_var: t for s in sections for t in s.transfers if t.src_var.startswith("self.")}
+    result = []
+    for section in sections:
+        made = {t.dst_var for t in section.transfers}
+        extra = {v: moves[v] for step in section.steps for _, v in step.tied
+                 if v in moves and v not in made}
+        result.append(Section(section.device, (*extra.values(), *section.transfers),
+                              section.steps) if extra else section)
+    return result
+
+
 def stages(graph: Graph, plan: ForwardPlan | None = None) -> tuple[Stage, ...]:
     """The stages of ``plan`` (default: the graph's), NOTE [Pipeline stages]."""
     plan = plan or graph.plan
-    sections = plan.sections
+    sections = _own_tie_copies(plan.sections)
     usage = [_reads_and_defines(graph, s) for s in sections]
     available = [t.var for t in graph.inputs]
     result = []

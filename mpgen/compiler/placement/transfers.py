@@ -14,8 +14,9 @@
 # it is tied to, on that layer's device; the state dict lists it under both
 # names and the optimizer sees it once. A tied layer on another device reads
 # a copy moved to its device in forward (a Transfer of ``wte.weight``, made
-# in the section of the reading layer), so backward sends the gradient of
-# that use back to the one parameter, where it adds to the owner's own. This
+# in the section of its first reading layer there; every later tied layer on
+# that device reads the same copy), so backward sends the gradient of those
+# uses back to the one parameter, where it adds to the owner's own. This
 # is the single-process form of what pipeline schedules do with first- and
 # last-stage embeddings; the transfer plan, the report and the memory costs
 # show the move.
@@ -97,6 +98,9 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
             if home[value] != device and device not in pending.setdefault(value, []):
                 pending[value].append(device)
     n_copies = {value: len(devices) for value, devices in pending.items()}
+    # (tied parameter, reading device) -> its copy there: one per forward,
+    # whatever the number of layers that read it on that device.
+    tied_copies: dict[tuple[str, str], str] = {}
     sections: list[Section] = []
     loop_names: dict[str, str] = {}
     for i, (node, start, stop, device, reads) in enumerate(steps):
@@ -118,10 +122,12 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
         for tie in node.ties:  # NOTE: [Tied parameters across devices]
             owner = graph.node(tie.owner).devices[0]
             if owner != device:
-                copy = ns.fresh(f"{tie.owner}_{tie.owner_param}".replace(".", "_"))
-                transfers.append(Transfer(ValueRef(tie.source), owner, device,
-                                          f"self.{tie.source}", copy, tie.type))
-                tied.append((tie.param, copy))
+                if (tie.source, device) not in tied_copies:
+                    copy = ns.fresh(f"{tie.owner}_{tie.owner_param}".replace(".", "_"))
+                    transfers.append(Transfer(ValueRef(tie.source), owner, device,
+                                              f"self.{tie.source}", copy, tie.type))
+                    tied_copies[(tie.source, device)] = copy
+                tied.append((tie.param, tied_copies[(tie.source, device)]))
         loop_var = None
         if node.repeat is not None and stop - start > 1:
             kind = "block" if node.op.kind.value == "block" else "layer"

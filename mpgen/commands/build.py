@@ -358,7 +358,8 @@ def _summary(graph: Graph) -> str:
     """``Model, N parameters on cuda:0 (a), cuda:1 (b); T transfers in forward``."""
     devices = ", ".join(f"{d} ({n:,})" for d, n in graph.params_by_device().items())
     moves = len(graph.plan.transfers)
-    return (f"{graph.name}, {graph.total_params:,} parameters on "
+    trainable = (f" ({graph.trainable_params:,} trainable)" if graph.frozen_params else "")
+    return (f"{graph.name}, {graph.total_params:,} parameters{trainable} on "
             f"{devices}; {moves} transfer{'s' if moves != 1 else ''} in forward")
 
 

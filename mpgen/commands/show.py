@@ -130,11 +130,13 @@ def to_table(graph: Graph) -> str:
     out += [line(r) for r in table[1:]]
     out.append("")
     totals = graph.params_by_device()
-    dw = max(len(d) for d in [*totals, "total"])
+    dw = max(len(d) for d in [*totals, "total", *["trainable"] * bool(graph.frozen_params)])
     for device, n in totals.items():
         share = n / graph.total_params * 100 if graph.total_params else 0.0
         out.append(f"{device.ljust(dw)}  {n:>14,}  {share:5.1f}%")
     out.append(f"{'total'.ljust(dw)}  {graph.total_params:>14,}")
+    if graph.frozen_params:  # requires_grad: false
+        out.append(f"{'trainable'.ljust(dw)}  {graph.trainable_params:>14,}")
     transfers = graph.plan.transfers
     out.append("")
     out.append(f"transfers in forward: {len(transfers)}")

@@ -506,9 +506,13 @@ class Node:
     # keeping its activations (``torch.utils.checkpoint``), each instance.
     checkpoint: bool = False
     tensor: Optional[OwnTensor] = None  # OpKind.TENSOR: the Parameter or Buffer
+    # ``requires_grad: false``: every parameter of the layer (of each copy,
+    # inside a block instance too) is frozen: made with requires_grad=False.
+    frozen: bool = False
     # Filled by analysis.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance
+    frozen_params: int = 0  # per instance, those of ``params`` that do not train
     flops: int = 0  # per instance, forward, at the symbolic sizes in ``dims``
     # Filled by compiler.placement: one device per instance.
     devices: tuple[str, ...] = ()
@@ -1176,6 +1180,15 @@ class Graph:
     @property
     def total_params(self) -> int:
         return sum(n.params * n.instances for n in self.nodes)
+
+    @property
+    def frozen_params(self) -> int:
+        """Of :attr:`total_params`, those that do not train (``requires_grad: false``)."""
+        return sum(n.frozen_params * n.instances for n in self.nodes)
+
+    @property
+    def trainable_params(self) -> int:
+        return self.total_params - self.frozen_params
 
     @property
     def test_dims(self) -> dict[str, int]:

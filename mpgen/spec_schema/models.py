@@ -504,6 +504,11 @@ class LayerSpec(_Model):
     checkpoint: Optional[StrictBool] = Field(default=None, description=(
         "`true`: recompute the layer in backward instead of keeping its activations "
         "(`torch.utils.checkpoint`; mpgen); each instance of a repeated layer."))
+    # mpgen extension: parameters that do not train (requires_grad=False).
+    requires_grad: Optional[StrictBool] = Field(default=None, description=(
+        "`false`: the layer's parameters do not train (`requires_grad_(False)`): a "
+        "Parameter's, every parameter of a module, every parameter inside a block "
+        "instance, each copy of a repeated layer. On a torch function, its own keyword."))
 
     _one_input = field_validator("in_", mode="before")(_one_or_many)
 
@@ -1008,7 +1013,7 @@ class Spec(_Model):
 FIELDS = {
     "Spec": list(Spec.model_fields),
     "LayerSpec": ["op", "in", "args", "repeat", "output", "outputs", "call", "tie", "init",
-                  "checkpoint"],
+                  "checkpoint", "requires_grad"],
     "BlockSpec": list(BlockSpec.model_fields),
     "InputSpec": list(InputSpec.model_fields),
     "AutoPlacementSpec": list(AutoPlacementSpec.model_fields),

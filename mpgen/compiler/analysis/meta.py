@@ -133,7 +133,8 @@ def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass
                 args, _ = call_args(node.init, params)
             except ArgumentError as exc:
                 raise MpgenError(node.pos, f"layer {label!r}: {exc}") from None
-            return MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
+            block = MetaBlock(blocks[node.op.target], args, blocks, hooks, f"{label}.")
+            return block.requires_grad_(False) if node.frozen else block
 
     if node.op.kind is OpKind.TENSOR:
         return hooks.build(node, label, params, lambda: OwnTensorLayer(node, params))
@@ -144,7 +145,8 @@ def build(node: Node, params: Mapping[str, Any], blocks: Mapping[str, BlockClass
         args, kwargs = call_args(node.init, params)
         with torch.device("meta"), hooks.budget.build(node, label, call_text(node, params)), \
                 user_code():
-            return node.op.target(*args, **kwargs)
+            module = node.op.target(*args, **kwargs)
+        return module.requires_grad_(False) if node.frozen else module
 
     return hooks.build(node, label, params, make)
 
@@ -343,7 +345,7 @@ class OwnTensorLayer(nn.Module):
         if spec.buffer:
             self.register_buffer("tensor", tensor, spec.persistent)
         else:
-            self.tensor = nn.Parameter(tensor)
+            self.tensor = nn.Parameter(tensor, requires_grad=not node.frozen)
 
     def forward(self) -> torch.Tensor:
         return self.tensor

@@ -381,7 +381,7 @@ class _Runner(meta.Hooks):
         result = []
         for node in nodes:
             try:
-                out, count = self.run_node(node, env)
+                out, (count, frozen) = self.run_node(node, env)
                 values = self.unpack(node, node.name, out)
             except OutOfBudget:
                 raise
@@ -394,10 +394,11 @@ class _Runner(meta.Hooks):
             if node.pattern:
                 elements = tuple(dataclasses.replace(e, type=self.symbols.type(values[e.name]))
                                  for e in node.elements)
-                result.append(dataclasses.replace(node, elements=elements, params=count))
+                result.append(dataclasses.replace(node, elements=elements, params=count,
+                                                  frozen_params=frozen))
             else:
                 result.append(dataclasses.replace(node, out=self.symbols.type(out),
-                                                  params=count))
+                                                  params=count, frozen_params=frozen))
         return result
 
     def unpack(self, node: Node, label: str, out: Any) -> dict[str, Any]:
@@ -435,21 +436,24 @@ class _Runner(meta.Hooks):
         return tuple(dataclasses.replace(t, type=self.symbols.type(owners[t.owner][t.owner_param]))
                      for t in node.ties)
 
-    def run_node(self, node: Node, env) -> tuple[torch.Tensor, int]:
+    def run_node(self, node: Node, env) -> tuple[torch.Tensor, tuple[int, int]]:
+        """The layer's output, and its parameters per instance: all, and the frozen."""
         inputs = [env[name] for name in node.inputs]
         module = meta.build(node, {}, self.blocks, self) if node.op.has_module else None
-        count = 0
+        count = frozen = 0
         if module is not None:
             self.modules[node.name] = module
             tied = self.tie(node, module) if node.ties else set()
-            count = sum(p.numel() for name, p in module.named_parameters(remove_duplicate=False)
-                        if name not in tied)
+            own = [p for name, p in module.named_parameters(remove_duplicate=False)
+                   if name not in tied]
+            count = sum(p.numel() for p in own)
+            frozen = sum(p.numel() for p in own if not p.requires_grad)
         out = meta.run(node, module, inputs, {}, self, env=env)
         if node.repeat and node.repeat > 1:
             self.check_chain(node, node.name, inputs[0], out)
         if node.per_copy:
             self.check_copies(node, module)
-        return out, count
+        return out, (count, frozen)
 
     def check_copies(self, node: Node, first: nn.Module) -> None:
         """Copies made with ``$index`` must each build and hold what the first

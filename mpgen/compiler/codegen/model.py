@@ -158,6 +158,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
                 continue
             if node.repeat:
                 w.line(f"self.{node.name} = nn.ModuleList({copies(node, 0, node.repeat)})")
+                freeze(w, node)
             else:
                 attribute(w, node)
             for rule in own_inits(node):
@@ -178,6 +179,8 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
     doc = [f"{graph.name}, split over {', '.join(graph.devices)}.", "", "Parameters per device:"]
     doc += [f"    {d}: {count(n)}" for d, n in graph.params_by_device().items()]
     doc += [f"    total: {count(graph.total_params)}"]
+    if graph.frozen_params:
+        doc += [f"    trainable: {count(graph.trainable_params)} (the rest requires_grad: false)"]
     nodes = {n.name: n for n in graph.nodes}
 
     def init() -> None:
@@ -205,6 +208,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                 continue
             parts = [copies(node, start, stop, d, one=True) for start, stop, d in runs]
             w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
+            freeze(w, node)
         for node in graph.nodes:
             for tie in node.ties:  # NOTE: [Tied parameters across devices]
                 owner, here = nodes[tie.owner].devices[0], node.devices[0]
@@ -387,6 +391,7 @@ def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,
         ctor = constructor(node, names)
         w.line(f'self.{node.name} = {ctor}.to("{device}")' if device else
                f"self.{node.name} = {ctor}")
+        freeze(w, node)
         return
     spec = node.tensor
     keywords: list[tuple[str, Any]] = []
@@ -405,10 +410,23 @@ def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,
         tensor = call(f"torch.{made}", shape, keywords)
     parent, _, attr = f"self.{node.name}".rpartition(".")
     if not spec.buffer:
-        w.line(f"{parent}.{attr} = nn.Parameter({tensor})")
+        frozen = ", requires_grad=False" if node.frozen else ""
+        w.line(f"{parent}.{attr} = nn.Parameter({tensor}{frozen})",
+               FROZEN if node.frozen else None)
     else:
         persistent = [] if spec.persistent else [("persistent", False)]
         w.line(call(f"{parent}.register_buffer", [repr(attr), tensor], persistent))
+
+
+#: The comment on a frozen layer's line.
+FROZEN = "frozen (requires_grad: false)"
+
+
+def freeze(w: PythonWriter, node: Node) -> None:
+    """``self.NAME.requires_grad_(False)`` after a module layer made frozen
+    (``requires_grad: false``): each of its parameters, every copy's."""
+    if node.frozen:
+        w.line(f"self.{node.name}.requires_grad_(False)", FROZEN)
 
 
 def _made_with(node: Node) -> str:

@@ -51,6 +51,7 @@ from mpgen.compiler.codegen.model import (
     checkpoint_runs,
     containers,
     copies,
+    freeze,
     imports,
     initialization,
     statements,
@@ -89,8 +90,9 @@ def pipeline_problem(graph: Graph, all_stages: tuple[Stage, ...]) -> Optional[st
     train = graph.train
     if not train.losses:
         return f"{graph.name} has no loss (train: loss:), so there is nothing to pipeline"
-    if graph.total_params == 0:
-        return f"{graph.name} has no parameters, so there is nothing to train"
+    if graph.trainable_params == 0:
+        what = "parameters that train" if graph.total_params else "parameters"
+        return f"{graph.name} has no {what}, so there is nothing to train"
     if train.closure:
         return (f"{train.optimizer} evaluates the loss several times per step (a closure); "
                 "a pipeline schedule runs each micro-batch's forward and backward once")
@@ -165,6 +167,7 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                     parts.append(f"[{elsewhere}() for _ in range({step.start})]")
                 parts.append(copies(node, step.start, step.stop))
                 w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
+                freeze(w, node)
             copied: dict[str, str] = {}  # a tied parameter -> its copy on this stage
             for node, _ in held:
                 for tie in node.ties:
@@ -176,6 +179,9 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                         copied[tie.source] = f"{node.name}.{tie.param}"
                         w.comment(f"{node.name}.{tie.param}: a copy of {tie.source} (stage "
                                   f"{owners[tie.owner]}), kept equal by the script (TIES)")
+                        if graph.node(tie.owner).frozen != node.frozen:  # trains as its owner
+                            trains = not graph.node(tie.owner).frozen
+                            w.line(f"self.{node.name}.{tie.param}.requires_grad_({trains})")
             initialization(w, dataclasses.replace(graph, nodes=tuple(n for n, _ in held)))
         w.line()
         params = ", ".join(["self", *(f"{v}: torch.Tensor" for v in stage.takes)])

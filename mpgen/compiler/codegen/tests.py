@@ -139,7 +139,7 @@ def memory_facts(graph: Graph) -> tuple[int, dict[str, tuple[int, dict[str, int]
     (phase ``estimate``: recurrent layers, very long specs; NOTE [Memory
     plan]), or where the step needs more than :data:`MEMORY_TEST_FLOPS`."""
     memory: Optional[MemoryPlan] = graph.memory
-    if memory is None or not memory.train or not graph.total_params:
+    if memory is None or not memory.train or not graph.trainable_params:
         return 0, {}
     if any(d.phase == "estimate" for d in memory.train) or not _step_simulated(graph):
         return 0, {}

@@ -175,9 +175,10 @@ def optimizer_code(graph: Graph) -> str:
     """The optimizer over ``model`` (or one pipeline stage), at ``args.lr``."""
     train = graph.train
     lr = Expr("args.lr")
-    if not train.no_decay:
-        return call(train.optimizer_callee, ["model.parameters()"],
-                    [("lr", lr), *train.optimizer_kwargs])
+    if not train.no_decay:  # the parameters that train (requires_grad: false leaves some out)
+        params = ("[p for p in model.parameters() if p.requires_grad]" if graph.frozen_params
+                  else "model.parameters()")
+        return call(train.optimizer_callee, [params], [("lr", lr), *train.optimizer_kwargs])
     kwargs = dict(train.optimizer_kwargs)
     kwargs.pop("weight_decay", None)  # in the groups: train.weight_decay, written or default
     groups = (f"{RUNTIME}.param_groups(model, {literal(train.weight_decay)}, "
@@ -317,7 +318,7 @@ def render_train(graph: Graph) -> str:
             code, _, comment = line.partition("  # ")
             w.line(code, comment)
 
-    trainable = graph.total_params > 0
+    trainable = graph.trainable_params > 0
     fields = [("model", graph.name), ("spec", literal(graph.spec_path)),
               ("devices", tuple_literal(graph.devices)),
               ("inputs", tuple_literal(t.var for t in graph.inputs)),

@@ -326,6 +326,8 @@ class _Resolver:
                      for i, v in enumerate(layer.args))
         kwargs = tuple((k, self.literal(v, (*lpath, k), scope, label, key=k))
                        for k, v in layer.kwargs.items())
+        if layer.requires_grad is not None and in_forward:  # a function's own keyword
+            kwargs += (("requires_grad", layer.requires_grad),)
         call_kwargs = tuple((k, self.literal(v, (*lpath, "call", k), Scope(params, known), label,
                                              key=k))
                             for k, v in (layer.call or {}).items())
@@ -358,7 +360,8 @@ class _Resolver:
         return Node(name=name, var=var, op=op, init=init, call=call, inputs=tuple(refs),
                     pos=self.key(*lpath), repeat=layer.repeat, output=layer.output, feed=feed,
                     pattern=pattern, elements=elements, factory=factory, ties=ties or (),
-                    inits=inits or (), checkpoint=bool(layer.checkpoint))
+                    inits=inits or (), checkpoint=bool(layer.checkpoint),
+                    frozen=layer.requires_grad is False and not in_forward)
 
     def tensor_layer(self, lpath, name: str, layer: LayerSpec, op: Op, params,
                      ns: Namespace) -> Optional[Node]:
@@ -371,20 +374,27 @@ class _Resolver:
                            ("repeat", layer.repeat is not None),
                            ("output", layer.output is not None),
                            ("outputs", layer.outputs is not None), ("call", layer.call),
-                           ("tie", layer.tie), ("checkpoint", layer.checkpoint)):
-            if given:
+                           ("tie", layer.tie), ("checkpoint", layer.checkpoint),
+                           ("requires_grad", buffer and layer.requires_grad is not None)):
+            if key == "requires_grad" and given:
+                self.errors.add(self.key(*lpath, key), f"{label}: a Buffer takes no "
+                                "requires_grad: (it never trains; a Parameter with "
+                                "requires_grad: false is one that does not train)")
+                ok = False
+            elif given:
                 self.errors.add(self.key(*lpath, key), f"{label}: a {op.spelled} takes no "
                                 f"{key}: (it reads no tensor; a block with it can be repeated)"
                                 if key == "repeat" else
                                 f"{label}: a {op.spelled} takes no {key}: (it reads no tensor)")
                 ok = False
         allowed = ["shape", "dtype", *(["persistent"] if buffer else [])]
+        takes = [*allowed, "init", *([] if buffer else ["requires_grad"])]
         extra = dict(layer.model_extra or {})
         for key in extra:
             if key not in allowed:
                 self.errors.add(self.key(*lpath, key), f"{label}: unknown key {key!r} for a "
-                                f"{op.spelled}{did_you_mean(key, [*allowed, 'init'])} (it takes "
-                                f"{', '.join(allowed)} and init)")
+                                f"{op.spelled}{did_you_mean(key, takes)} (it takes "
+                                f"{', '.join(takes[:-1])} and {takes[-1]})")
                 ok = False
         shape = extra.get("shape")
         if not isinstance(shape, list):
@@ -432,7 +442,8 @@ class _Resolver:
             return None
         tensor = OwnTensor(tuple(dims), dtype, buffer, persistent, values)
         return Node(name=name, var=ns.fresh(name), op=op, init=Args(), call=Args(), inputs=(),
-                    pos=self.key(*lpath), inits=inits, tensor=tensor)
+                    pos=self.key(*lpath), inits=inits, tensor=tensor,
+                    frozen=layer.requires_grad is False)
 
     def tensor_values(self, lpath, values: list, dims: list, dtype: str,
                       label: str) -> Optional[tuple]:
@@ -736,7 +747,7 @@ class _Resolver:
         for key, _ in kwargs:
             if key not in allowed:
                 hint = did_you_mean(key, [*allowed, "op", "in", "args", "repeat", "output",
-                                          "checkpoint"])
+                                          "checkpoint", "requires_grad"])
                 self.errors.add(self.key(*lpath, key), f"{self.label(lpath)}: unknown keyword "
                                 f"argument {key!r} for {op.spelled}{hint}")
                 ok = False
@@ -934,6 +945,8 @@ class _Splitter:
             n = self.renamed(n, f"{path}.", params, inner)
             if node.checkpoint and n.op.has_module and n.op.runs:  # each layer, recomputed
                 n = dataclasses.replace(n, checkpoint=True)
+            if node.frozen and n.op.has_module:  # every parameter inside, frozen
+                n = dataclasses.replace(n, frozen=True)
             for old, new in zip(_plain_names(n, f"{path}."), n.value_names):
                 inner[old] = new
             if n.name in self.wanted:

@@ -21,12 +21,13 @@ _FLOATING = {"float16", "bfloat16", "float32", "float64"}
 def check_training(graph: Graph) -> None:
     """Raise MpgenError when the training script of ``graph`` cannot train."""
     train = graph.train
-    if train is None or graph.total_params == 0:  # the script runs forward and the loss only
+    if train is None or graph.trainable_params == 0:  # the script runs forward and the loss only
         return
     errors = Collector()
-    learns: dict[str, bool] = {}  # value -> computed from a parameter
+    learns: dict[str, bool] = {}  # value -> computed from a parameter that trains
     for node in graph.nodes:  # in order: a node reads only earlier values
-        reaches = node.params > 0 or bool(node.ties) or any(learns.get(v) for v in node.inputs)
+        trains = node.params > node.frozen_params or bool(node.ties)
+        reaches = trains or any(learns.get(v) for v in node.inputs)
         learns.update(dict.fromkeys(node.value_names, reaches))
     dead = []
     for loss in train.losses:
@@ -47,7 +48,7 @@ def check_training(graph: Graph) -> None:
     for node in reversed(graph.nodes):
         if used & set(node.value_names):
             used.update(node.inputs)
-        elif node.params:
+        elif node.params > node.frozen_params:
             errors.add(node.pos, f"layer {node.name!r}: no output depends on it, so training "
                        "would never update its parameters; read it in a later layer, list it "
                        "in outputs, or remove it")
@@ -57,7 +58,8 @@ def check_training(graph: Graph) -> None:
             errors.add(node.pos, f"layer {name!r} of block {block.name!r}: no output of the "
                        "block depends on it, so training would never update its parameters; "
                        "read it in a later layer, list it in the block's outputs, or remove it")
-    devices = sorted({d for node in graph.nodes if node.params for d in node.devices})
+    devices = sorted({d for node in graph.nodes if node.params > node.frozen_params
+                      for d in node.devices})
     if train.one_device and len(devices) > 1:
         errors.add(train.optimizer_pos, f"train.optimizer: {train.optimizer} treats all "
                    "parameters as one vector, so it needs them on one device, but they are on "

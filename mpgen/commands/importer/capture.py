@@ -107,7 +107,9 @@ def _path(stack_path: str) -> str:
     """``L['self'].model.layers[0]`` -> ``model.layers.0``."""
     path = re.sub(r"^L\['(self|args)'\](\[0\])?\.?", "", stack_path)
     path = re.sub(r"\[(\d+)\]", r".\1", path)
-    return re.sub(r"\._modules\['([^']+)'\]", r".\1", path).strip(".")
+    # ``.__dict__['_modules']['conv_in']``: a class with its own __getattr__ (diffusers')
+    return re.sub(r"(?:^|\.)(?:__dict__\['_modules'\]|_modules)\['([^']+)'\]", r".\1",
+                  path).strip(".")
 
 
 @contextlib.contextmanager
@@ -152,6 +154,7 @@ def capture(root: nn.Module, inputs: Sequence[InputSpec]) -> Captured:
     finally:
         dynamo.reset()
     gm.graph.eliminate_dead_code()
+    _probes_at_readers(root, gm)
     with _recording_calls(root, calls), torch.no_grad():
         root(**{k: v.clone() for k, v in samples.items()})
     names = {}
@@ -247,6 +250,30 @@ def _scopes(root: nn.Module, gm: fx.GraphModule, calls: dict, attributes: dict) 
         else:
             scope.items.append(node)
     return top
+
+
+def _probes_at_readers(root: nn.Module, gm: fx.GraphModule) -> None:
+    """A parameter first read where no module of the stack holds it, then by
+    the module that does: its node moved to that reader, in its stack.
+
+    ``self.dtype`` in a diffusers model's forward is its first parameter's
+    dtype (``next(self.parameters()).dtype``): TorchDynamo folds the dtype to
+    a constant but keeps the parameter's node, made at the probe, for the
+    parameter's own read later (``conv_in``'s). The probe disappears; the
+    read is the holder's. (``self.device`` likewise: placement decides.)"""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or not node.users:
+            continue
+        tensor = getattr(gm, node.target)
+        stack = list((node.meta.get("nn_module_stack") or {}).items())
+        if holds(root, tensor) or _owner_stack(root, stack, tensor) is not stack:
+            continue  # a module of its stack holds it
+        reader = min(node.users, key=order.__getitem__)
+        theirs = list((reader.meta.get("nn_module_stack") or {}).items())
+        if theirs and _owner_stack(root, theirs, tensor) is not theirs:
+            reader.prepend(node)
+            node.meta["nn_module_stack"] = dict(reader.meta["nn_module_stack"])
 
 
 def holds(module: nn.Module, tensor: torch.Tensor) -> Optional[str]:

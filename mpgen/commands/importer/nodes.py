@@ -49,6 +49,8 @@ _METHOD_NAMES = {"view": "reshape", "expand": "broadcast_to"}
 _VARARG_METHODS = frozenset({"view", "reshape", "permute", "flip", "tile", "expand"})
 #: Methods that return their input's values unchanged.
 _IDENTITY_METHODS = frozenset({"contiguous"})
+#: Factories whose sizes may come as separate arguments: ``torch.ones(n)``.
+_VARARG_FACTORIES = frozenset({"ones", "zeros", "empty", "rand", "randn"})
 
 
 class Importer:
@@ -307,6 +309,9 @@ class Importer:
         for prefix, namespace in (("torch", torch), ("F", F)):
             if name and getattr(namespace, name, None) is target \
                     and name in ops.function_names(prefix):
+                if prefix == "torch" and name in _VARARG_FACTORIES and args and not (
+                        isinstance(args[0], (list, tuple)) or self.is_size_list(args[0])):
+                    args = [list(args)]  # torch.ones(n) -> torch.ones([n])
                 return f"{prefix}.{name}", args
         spelled = f"{getattr(target, '__module__', None) or '?'}.{name or target}"
         raise node_error(node, f"{spelled} is not a torch.NAME or F.NAME tensor function a "

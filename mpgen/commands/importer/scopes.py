@@ -579,8 +579,8 @@ class ScopeImporter(Importer):
             return 0
         module = self.scope.module.get_submodule(container)
         count = len(module)
-        if k + count > len(self.layers):
-            return 0
+        if count < 2 or k + count > len(self.layers):
+            return 0  # one child is no repeat (its key keeps the ``.0``)
         run = self.layers[k:k + count]
         for i, layer in enumerate(run):
             if self.relative.get(id(layer)) != f"{container}.{i}" or layer.op != first.op:

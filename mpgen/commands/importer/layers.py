@@ -13,6 +13,8 @@ import torch.fx as fx
 import yaml
 from torch import nn
 
+from mpgen.errors import MpgenError
+
 
 #: Ops whose layer is a tensor of its own (no ``in:``).
 TENSOR_OPS = frozenset({"Parameter", "Buffer"})
@@ -49,7 +51,23 @@ class Layer:
     def key(self) -> tuple:
         """What makes two module layers copies of each other."""
         return (self.op, repr(self.args), repr(sorted(self.kwargs.items())),
-                repr(sorted(self.call.items())))
+                repr(sorted(self.call.items())), frozen(self))
+
+
+def frozen(layer: Layer) -> bool:
+    """Whether a module layer's parameters are all frozen (``requires_grad=False``:
+    ``requires_grad: false`` on its line). A torch.nn module freezing some of its
+    parameters alone is refused: a spec freezes whole layers."""
+    params = dict(layer.module.named_parameters()) if layer.module is not None else {}
+    still = [name for name, p in params.items() if not p.requires_grad]
+    if not still or len(still) == len(params):
+        return bool(still)
+    if type(layer.module).__module__.startswith("torch."):
+        trains = [name for name in params if name not in still]
+        raise MpgenError(None, f"layer {layer.name!r}: {layer.op} trains {', '.join(trains)} "
+                         f"but not {', '.join(still)} (requires_grad=False), which a spec "
+                         "cannot write: requires_grad: false freezes a whole layer")
+    return False  # a block: its layers say which of them are frozen
 
 
 def swap(value: Any, names: dict[str, str]) -> Any:
@@ -142,4 +160,6 @@ def _layer_line(layer: Layer, default_input: Optional[str],
         fields["repeat"] = layer.repeat
     if layer.tie:
         fields["tie"] = layer.tie
+    if layer.op not in TENSOR_OPS and frozen(layer):
+        fields["requires_grad"] = False
     return f"  {layer.name}: {scalar(fields)}"

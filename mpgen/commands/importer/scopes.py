@@ -385,6 +385,8 @@ class ScopeImporter(Importer):
         layer.kwargs["shape"] = list(value.shape)
         if value.dtype != torch.float32:
             layer.kwargs["dtype"] = str(value.dtype).removeprefix("torch.")
+        if layer.op == "Parameter" and not value.requires_grad:
+            layer.kwargs["requires_grad"] = False  # frozen: it does not train
         if layer.op == "Buffer" and attr in module._non_persistent_buffers_set:
             layer.kwargs["persistent"] = False  # not loaded: its values written
             layer.kwargs["init"] = {"values": value.flatten().tolist()}

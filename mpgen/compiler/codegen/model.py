@@ -482,7 +482,12 @@ def _apply(node: Node, reads: Sequence[str], target: str, names: Names,
         given = [f"[{', '.join(tensors)}]"] if node.op.seq_input else tensors
         if node.factory and device is not None:
             keywords.append(("device", device))
-        code = _call(node.op.callee, given, node.call, names, keywords)
+        if node.op.callee.startswith("torch.Tensor."):  # a cast: x.to(torch.int64)
+            method = node.op.callee.removeprefix("torch.Tensor.")
+            dtypes = [literal(v, names) for k, v in node.call.keyword if k == "dtype"]
+            code = call(f"{given[0]}.{method}", [*given[1:], *dtypes], [], names)
+        else:
+            code = _call(node.op.callee, given, node.call, names, keywords)
     elif tied:
         # NOTE: [Tied parameters across devices] (placement.transfers)
         params = "{" + ", ".join(f"{p!r}: {v}" for p, v in tied) + "}"

@@ -64,7 +64,7 @@ def function_names(prefix: str) -> frozenset[str]:
 
 def candidates(blocks: Iterable[str]) -> list[str]:
     """Every op name, for did-you-mean suggestions."""
-    return [*nn_module_names(), *TENSOR_OPS, *blocks,
+    return [*nn_module_names(), *TENSOR_OPS, *CASTS, *blocks,
             *(f"{prefix}.{name}" for prefix in ("torch", "F")
               for name in sorted(function_names(prefix)))]
 
@@ -74,6 +74,13 @@ def candidates(blocks: Iterable[str]) -> list[str]:
 FACTORIES = frozenset({"arange", "zeros", "ones", "full", "eye", "empty", "linspace",
                        "logspace", "tril_indices", "triu_indices", "rand", "randn",
                        "randint", "randperm", "tensor"})
+
+
+#: The casts (docs/spec.md, "Casts"): tensor methods, applied as methods in
+#: the generated ``forward`` (``x.to(torch.int64)``, ``x.type_as(ref)``).
+#: ``torch.Tensor.NAME`` is the very function applied, and no dotted user
+#: op can be spelled so (``torch`` is never a user module).
+CASTS = {"torch.Tensor.to": torch.Tensor.to, "torch.Tensor.type_as": torch.Tensor.type_as}
 
 
 def resolve_op(spelled: str, blocks: Iterable[str],
@@ -88,6 +95,13 @@ def resolve_op(spelled: str, blocks: Iterable[str],
             raise OpError(f"{spelled} makes a new tensor: mark the layer as a factory with "
                           "'in: []' (it is then created on its layer's device)")
         return Op(OpKind.FUNCTION, spelled, spelled, target=getattr(torch, name))
+    if spelled in CASTS:
+        if factory:
+            raise OpError(f"{spelled} casts the tensor it reads: remove 'in: []'")
+        return Op(OpKind.FUNCTION, spelled, spelled, target=CASTS[spelled])
+    if spelled.startswith("torch.Tensor."):
+        raise OpError(f"unknown op {spelled!r}: the tensor methods a layer applies are the "
+                      f"casts, {' and '.join(CASTS)}; other methods are torch.NAME")
     if spelled in blocks:
         return Op(OpKind.BLOCK, spelled, spelled, target=spelled)
     if spelled in TENSOR_OPS:

@@ -338,7 +338,10 @@ class _Resolver:
                                     f"both as a keyword and in call:")
                     ok = False
         n_inputs = len(refs) if feed is None else len(feed.positional)
-        ok = self.check_call(op, lpath, name, args, kwargs, n_inputs) and ok
+        if op.spelled in ops.CASTS:
+            ok = self.check_cast(lpath, layer, op, refs, feed) and ok
+        else:
+            ok = self.check_call(op, lpath, name, args, kwargs, n_inputs) and ok
         pattern, elements = self.elements(lpath, layer, ns, input_names, all_names, earlier)
         if layer.outputs is not None and pattern is None:
             ok = False
@@ -697,6 +700,47 @@ class _Resolver:
         elif name not in scope.params:
             self.errors.add(self.value(*path), f"{label}: unknown block parameter "
                             f"{shown!r}{did_you_mean(name, scope.params)}")
+
+    def check_cast(self, lpath, layer: LayerSpec, op: Op, refs, feed) -> bool:
+        """``{op: torch.Tensor.to, dtype: int64}`` casts the one tensor it reads;
+        ``{op: torch.Tensor.type_as, in: [x, ref]}`` casts ``x`` to ``ref``'s
+        dtype. Nothing else is given: the device is placement's."""
+        label, ok = self.label(lpath), True
+        to = op.spelled == "torch.Tensor.to"
+        form = ("{op: torch.Tensor.to, dtype: int64}" if to else
+                "{op: torch.Tensor.type_as, in: [x, ref]}")
+        want = 1 if to else 2
+        plain = feed is None or (not feed.keyword and all(
+            isinstance(item, int) for item in feed.positional))
+        if len(refs) != want or not plain:
+            what = ("casts the one tensor it reads" if to else "reads two tensors: the one "
+                    "it casts, then the one whose dtype it takes")
+            where = self.value(*lpath, "in") if layer.in_ is not None else self.key(*lpath)
+            self.errors.add(where, f"{label}: {op.spelled} {what} ({form})")
+            ok = False
+        extra = dict(layer.model_extra or {})
+        allowed = ["dtype"] if to else []
+        why = ("its one key is dtype" if to else
+               "it takes the dtype of the tensor it reads second")
+        for key, given in (("args", bool(layer.args)), ("call", bool(layer.call)),
+                           ("output", layer.output is not None),
+                           ("outputs", layer.outputs is not None),
+                           ("requires_grad", getattr(layer, "requires_grad", None) is not None),
+                           *((k, k not in allowed) for k in extra)):
+            if given:
+                hint = did_you_mean(key, allowed) if key in extra else ""
+                self.errors.add(self.key(*lpath, key), f"{label}: {op.spelled} takes no "
+                                f"{key}:{hint} ({why}: {form})")
+                ok = False
+        if to and "dtype" not in extra:
+            self.errors.add(self.key(*lpath), f"{label}: {op.spelled} needs dtype:, the "
+                            f"dtype it casts to ({', '.join(DTYPES)})")
+            ok = False
+        elif to and not isinstance(extra["dtype"], str):
+            self.errors.add(self.value(*lpath, "dtype"), f"{label}: dtype: expected one of "
+                            f"{', '.join(DTYPES)}, got {shown(extra['dtype'])}")
+            ok = False
+        return ok
 
     def check_call(self, op: Op, lpath, name, args, kwargs, n_inputs) -> bool:
         if op.kind is OpKind.BLOCK:

@@ -299,9 +299,10 @@ def _import_command(sub) -> None:
                      help="a Hugging Face model class's configuration (its config_class's "
                           "keyword arguments), instead of --args")
     cmd.add_argument("--trace", choices=("fx", "dynamo"),
-                     help="the tracer: torch.fx (default for your own classes) or "
-                          "TorchDynamo, keeping the module hierarchy as blocks (default for "
-                          "installed libraries' models)")
+                     help="the tracer: torch.fx (default for your own classes of torch.nn "
+                          "layers) or TorchDynamo, keeping the module hierarchy as blocks "
+                          "(default for installed libraries' models and your classes that "
+                          "hold them, and where torch.fx fails)")
     cmd.add_argument("--input", action="append", required=True, metavar="NAME=D0,D1,...",
                      help="a forward argument's shape, dims as sizes or names (batch), "
                           "optionally :DTYPE (idx=batch,seq:int64); once per argument")
@@ -327,7 +328,7 @@ def _import(args: argparse.Namespace) -> int:
         raise MpgenError(None, f"--devices {args.devices}: expected a number of GPUs from 1 "
                                f"to {MAX_IMPORT_DEVICES}")
     root = importer.load_module(args.target, args.args, args.config)
-    tracer = args.trace or importer.default_tracer(args.target)
+    tracer = args.trace or importer.default_tracer(args.target, root)
     command = ["mpgen", "import", args.target]
     if args.args is not None:
         command += ["--args", args.args]
@@ -340,7 +341,7 @@ def _import(args: argparse.Namespace) -> int:
     if args.devices:
         command += ["--devices", str(args.devices)]
     imported = importer.import_module(root, inputs, shlex.join(command), args.devices,
-                                      args.time_limit, tracer)
+                                      args.time_limit, tracer, fallback=args.trace is None)
     for note in imported.notes:
         _say(f"mpgen import: note: {note}", sys.stderr)
     if args.out is None:

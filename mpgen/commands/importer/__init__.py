@@ -31,6 +31,7 @@ on samples), :mod:`.arguments` (constructor and function arguments),
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -45,14 +46,14 @@ from mpgen.commands.importer.nodes import Importer
 from mpgen.commands.importer.order import param_order, reorder
 from mpgen.commands.importer.scopes import import_hierarchy
 from mpgen.commands.importer.trace import (
-    MAX_ARGS_DEPTH, SAMPLE_BATCH, SAMPLE_DIM, InputSpec, default_tracer, load_module,
-    parse_input)
+    MAX_ARGS_DEPTH, SAMPLE_BATCH, SAMPLE_DIM, InputSpec, TraceFailure, default_tracer,
+    library_modules, load_module, parse_input)
 from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.errors import MpgenError
 
 __all__ = ["LAYER_FIELDS", "MAX_ARGS_DEPTH", "SAMPLE_BATCH", "SAMPLE_DIM", "Imported",
-           "InputSpec", "constructor", "default_tracer", "import_module", "load_module",
-           "parse_input", "write_spec"]
+           "InputSpec", "TRY_INSTEAD", "TraceFailure", "constructor", "default_tracer",
+           "import_module", "library_modules", "load_module", "parse_input", "write_spec"]
 
 
 @dataclass(frozen=True)
@@ -78,14 +79,62 @@ class Imported:
         return key
 
 
+#: What a failed trace says to try: the other tracer, and why it may do.
+TRY_INSTEAD = {
+    "fx": "try --trace dynamo (TorchDynamo runs forward's Python: control flow, library "
+          "code)",
+    "dynamo": "try --trace fx (torch.fx traces forward symbolically, your modules through)",
+}
+
+
 def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
                   devices: Optional[int] = None,
                   time_limit: Optional[float] = DEFAULT_TIME_LIMIT,
-                  tracer: str = "fx") -> Imported:
+                  tracer: str = "fx", fallback: bool = False) -> Imported:
     """The spec of ``root`` traced with torch.fx (``tracer="fx"``) or, its
     module hierarchy kept as blocks, with TorchDynamo (``"dynamo"``);
     raises MpgenError. The spec is compiled before it is returned, so it
-    builds."""
+    builds. With ``fallback`` (fx the default, not asked for), a model fx
+    cannot import is traced with TorchDynamo instead, and a note says so
+    (docs/import.md, "Which tracer")."""
+    try:
+        if not fallback or tracer != "fx":
+            imported, checked = _unchecked(root, inputs, command, devices, tracer)
+        else:
+            imported, checked = _fx_or_dynamo(root, inputs, command, devices)
+    except TraceFailure as failed:
+        raise failed.hinted(TRY_INSTEAD[failed.tracer]) from None
+    # A spec that does not build is the model's (a table read along a
+    # symbolic dim) or mpgen's to report: the other tracer is not tried.
+    text = check_builds(imported.text, time_limit, checked)
+    return dataclasses.replace(imported, text=text)
+
+
+def _fx_or_dynamo(root: nn.Module, inputs: Sequence[InputSpec], command: str,
+                  devices: Optional[int]) -> tuple[Imported, list[InputSpec]]:
+    """torch.fx's import of ``root``, else TorchDynamo's with a note that says
+    why; where both fail, torch.fx's failure and TorchDynamo's in one line."""
+    try:
+        return _unchecked(root, inputs, command, devices, "fx")
+    except MpgenError as fx_failed:
+        first = str(fx_failed).splitlines()[0]
+        try:
+            imported, checked = _unchecked(root, inputs, command, devices, "dynamo")
+        except MpgenError as also:
+            if str(also) == str(fx_failed):  # not the tracers' (an --input's)
+                raise fx_failed from None
+            again = str(also).splitlines()[0]
+            raise MpgenError(fx_failed.pos, f"{fx_failed.message.splitlines()[0]}; --trace "
+                                            f"dynamo, tried next, fails too: {again}") from None
+    said = first if "fx" in first else f"with torch.fx, {first}"
+    note = f"{said}; traced with TorchDynamo instead (--trace dynamo)"
+    return dataclasses.replace(imported, notes=(note, *imported.notes)), checked
+
+
+def _unchecked(root: nn.Module, inputs: Sequence[InputSpec], command: str,
+               devices: Optional[int], tracer: str) -> tuple[Imported, list[InputSpec]]:
+    """The spec of ``root`` traced with ``tracer``, not yet compiled, and the
+    inputs in the order of its ``inputs:``."""
     if tracer == "dynamo":
         captured = capture(root, inputs)
         name = model_name(type(root))
@@ -93,8 +142,8 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
         total = sum(p.numel() for p in root.parameters())
         text = spec_text(root, "TorchDynamo", captured.inputs, blocks.imports, blocks.lines,
                          top.layers, top.outputs, command, devices, blocks.split(total))
-        text = check_builds(text, time_limit, captured.inputs)
-        return Imported(text, name, len(top.layers), tuple(blocks.notes), blocks.renamed)
+        return (Imported(text, name, len(top.layers), tuple(blocks.notes), blocks.renamed),
+                captured.inputs)
     importer = Importer(root, inputs)
     importer.run()
     notes = []
@@ -116,5 +165,4 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
     layers, blocks = fold_blocks(layers, importer, model_name(type(root)))
     layers = fold_repeats(layers, importer)
     text = render(root, importer, layers, blocks, command, devices)
-    text = check_builds(text, time_limit, inputs)
-    return Imported(text, model_name(type(root)), len(layers), tuple(notes))
+    return Imported(text, model_name(type(root)), len(layers), tuple(notes)), list(inputs)

@@ -23,9 +23,8 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from mpgen.commands.importer.trace import InputSpec, check_placeholders, library_frame
+from mpgen.commands.importer.trace import InputSpec, TraceFailure, check_placeholders
 from mpgen.compiler.frontend import ops
-from mpgen.errors import MpgenError
 
 # NOTE: [Module hierarchy]
 # The generated model's state-dict keys are the original's when every
@@ -148,9 +147,7 @@ def capture(root: nn.Module, inputs: Sequence[InputSpec]) -> Captured:
             warnings.simplefilter("ignore")
             gm, _ = dynamo.export(root, tracing_mode="symbolic")(**samples)
     except Exception as exc:  # whatever the library's code raised: its line
-        raise MpgenError(library_frame(exc), f"TorchDynamo cannot trace {cls}.forward: "
-                                             f"{type(exc).__name__}: "
-                                             f"{_first_line(exc)}") from None
+        raise TraceFailure(exc, "dynamo", cls) from None
     finally:
         dynamo.reset()
     gm.graph.eliminate_dead_code()
@@ -173,11 +170,6 @@ def capture(root: nn.Module, inputs: Sequence[InputSpec]) -> Captured:
     ordered, placeholders = _placeholders(gm, inputs)
     scope = _scopes(root, gm, calls, attributes)
     return Captured(gm, ordered, scope, values, attributes, placeholders)
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else ""
 
 
 def _check_arguments(root: nn.Module, inputs: Sequence[InputSpec]) -> None:

@@ -10,6 +10,7 @@ import inspect
 import json
 import linecache
 import math
+import os
 import re
 import sys
 import traceback
@@ -185,12 +186,42 @@ def _config_args(target: str, cls: Any, config_json: str, args: Union[dict, list
     return [built]
 
 
-def default_tracer(target: str) -> str:
-    """``dynamo`` for a model of an installed library (its hierarchy kept as
-    blocks), ``fx`` for the project's own classes (docs/import.md)."""
+def default_tracer(target: str, root: Optional[nn.Module] = None) -> str:
+    """``dynamo`` for a model of an installed library, or for a class of the
+    project that holds one (a wrapper: ``self.body = GPT2Model(config)``),
+    their hierarchy kept as blocks; ``fx`` for the project's own classes of
+    ``torch.nn`` layers (docs/import.md, "Which tracer")."""
     module = sys.modules.get(target.partition(":")[0])
-    origin = Path(getattr(module, "__file__", None) or ".").resolve()
-    return "fx" if Path.cwd().resolve() in origin.parents else "dynamo"
+    if not _in_project(getattr(module, "__file__", None)):
+        return "dynamo"
+    return "dynamo" if root is not None and library_modules(root) else "fx"
+
+
+def library_modules(root: nn.Module) -> list[str]:
+    """The paths of ``root``'s modules whose class comes from an installed
+    package other than torch (transformers, torchvision, timm), not from the
+    project: code torch.fx does not follow."""
+    found = []
+    for path, module in root.named_modules():
+        origin = getattr(sys.modules.get(type(module).__module__), "__file__", None)
+        if origin and not _in_project(origin) and not _inside(origin, _TORCH_DIR):
+            found.append(path)
+    return found
+
+
+def _in_project(file: Optional[str]) -> bool:
+    """A source file of the working directory's project: under it, and not in
+    an installed package's folder (a virtual environment inside the project)."""
+    if not file:
+        return False
+    path = Path(file).resolve()
+    if any(part in ("site-packages", "dist-packages") for part in path.parts):
+        return False
+    return Path.cwd().resolve() in path.parents
+
+
+def _inside(file: str, folder: str) -> bool:
+    return str(Path(file).resolve()).startswith(folder + os.sep)
 
 
 #: How deeply ``--args`` may nest lists and objects (as a spec's YAML).
@@ -255,18 +286,43 @@ def _user_frame(exc: BaseException) -> Optional[Position]:
     return found
 
 
-def library_frame(exc: BaseException) -> Optional[Position]:
-    """Where a traced library's (or the user's) code failed: the innermost
-    frame outside torch and mpgen of the traceback, or of the user-code
-    frames TorchDynamo quotes in its message."""
-    quoted = re.findall(r'File "([^"]+)", line (\d+)', str(exc))
-    outside = [(f, int(n)) for f, n in quoted
-               if not str(Path(f).resolve()).startswith(_TORCH_DIR)]
-    if outside:
-        file, line = outside[-1]
+def _frames(exc: BaseException) -> list[tuple[str, int, Optional[int]]]:
+    """``(file, line, column)`` of the frames outside torch and mpgen where
+    ``exc`` went through, outermost first: TorchDynamo's quoted user frames
+    (its message), else the traceback's."""
+    quoted = [(f, int(n), None) for f, n in re.findall(r'File "([^"]+)", line (\d+)', str(exc))]
+    mpgen_dir = str(Path(__file__).resolve().parents[2])  # mpgen/
+    frames = quoted or [(f.filename, f.lineno, f.colno)
+                        for f in traceback.extract_tb(exc.__traceback__) if f.lineno]
+    return [(f, n, c) for f, n, c in frames if f and not str(Path(f).resolve()).startswith(
+        (_TORCH_DIR, mpgen_dir))]
+
+
+def _position(file: str, line: int, col: Optional[int]) -> Position:
+    if col is None:  # the statement's indentation
         source = linecache.getline(file, line)
-        return Position(_display(file), line, len(source) - len(source.lstrip()) + 1)
-    return _user_frame(exc)
+        col = len(source) - len(source.lstrip())
+    return Position(_display(file), line, col + 1)
+
+
+class TraceFailure(MpgenError):
+    """A tracer's own refusal of ``forward`` (torch.fx's, TorchDynamo's), at the
+    innermost line of the library's (or the user's) source it stopped at."""
+
+    def __init__(self, exc: BaseException, tracer: str, cls: str) -> None:
+        frames = _frames(exc)
+        pos = _position(*frames[-1]) if frames else None
+        name = "torch.fx" if tracer == "fx" else "TorchDynamo"
+        message = f"{name} cannot trace {cls}.forward: {failure(exc)}"
+        mine = [f for f in frames if _in_project(f[0])]
+        if frames and mine and mine[-1] != frames[-1]:  # a library's line, called from one of theirs
+            message += f" (called from {_position(*mine[-1])})"
+        super().__init__(pos, message)
+        self.tracer = tracer
+
+    def hinted(self, hint: str) -> MpgenError:
+        """The same failure, its message ending with what to try."""
+        return MpgenError(self.pos, f"{self.message}; {hint}")
 
 
 def node_position(node: fx.Node) -> Optional[Position]:
@@ -275,7 +331,8 @@ def node_position(node: fx.Node) -> Optional[Position]:
     frames = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n([^\n]*)', trace)
     if not frames:
         return None
-    frames = [f for f in frames if not str(Path(f[0]).resolve()).startswith(_TORCH_DIR)]
+    # torch's own frames out (torchvision's folder starts with torch's name, and stays)
+    frames = [f for f in frames if not Path(f[0]).resolve().is_relative_to(_TORCH_DIR)]
     if not frames:
         return None
     file, line, _ = frames[-1]
@@ -325,8 +382,7 @@ def trace(root: nn.Module, inputs: Sequence[InputSpec]
     try:
         graph = tracer.trace(root)
     except Exception as exc:
-        raise MpgenError(_user_frame(exc), f"torch.fx cannot trace {cls}.forward: "
-                                           f"{failure(exc)}") from None
+        raise TraceFailure(exc, "fx", cls) from None
     gm = fx.GraphModule(root, graph, cls)
     gm.graph.eliminate_dead_code()
     inputs = _check_placeholders(root, gm.graph, inputs)

@@ -130,3 +130,80 @@ def test_imports_and_reproduces(case, tmp_path):
     generated.load_state_dict(state, strict=True)
     _compare(root, generated, imported, specs, training=False)
     _compare(root, generated, imported, specs, training=True)
+
+
+TABLES = '''\
+import torch
+from torch import nn
+
+
+class Bias(nn.Module):
+    """Tables read at index tensors, as Swin's relative position bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 3))
+        self.register_buffer("index", torch.tensor([[1, 2, 3, 4], [0, 9, 8, 7]]))
+        self.pair = nn.Parameter(torch.randn(4, 5, 3))
+        self.register_buffer("rows", torch.tensor([0, 3, 1]))
+        self.register_buffer("cols", torch.tensor([4, 4, 0]))
+
+    def forward(self, x):
+        bias = self.table[self.index]
+        flat = self.table[self.index.view(-1)]
+        picked = self.pair[self.rows, self.cols]
+        return x * bias.sum(0).sum(0) + flat.mean(0) + picked.sum(0)
+
+
+class Columns(nn.Module):
+    def forward(self, x, idx):
+        return x[:, idx] * 2
+
+
+class Apart(nn.Module):
+    def forward(self, x, idx):
+        return x[idx, :, idx]
+'''
+
+
+@pytest.mark.parametrize("cls, inputs, tracer", [
+    ("Bias", ["x=batch,3"], "dynamo"),
+    ("Columns", ["x=batch,5,4", "idx=3:int64"], "fx"),
+    ("Columns", ["x=batch,5,4", "idx=3:int64"], "dynamo"),
+])
+def test_tables_indexed_with_tensors(cls, inputs, tracer, tmp_path, monkeypatch):
+    """``table[idx]`` (an index of two dims), ``table[idx.view(-1)]``,
+    ``x[a, b]`` of a table of three dims and ``x[:, idx]``: index_select,
+    reshaped where the index has other than one dim; the same outputs and
+    gradients as the original."""
+    from mpgen.commands import importer
+
+    (tmp_path / "tables.py").write_text(TABLES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    root = importer.load_module(f"tables:{cls}", None, None)
+    specs = [importer.parse_input(text) for text in inputs]
+    imported = importer.import_module(root, specs, "mpgen import", tracer=tracer)
+    assert "torch.index_select" in imported.text
+    generated = _generated(imported, tmp_path)
+    generated.load_state_dict(root.state_dict(), strict=True)
+    x = torch.randn(2, *specs[0].dims[1:], requires_grad=True)
+    samples = [x, torch.tensor([4, 0, 2])][:len(specs)]
+    expected, got = root(*samples), generated(*samples)
+    assert torch.equal(expected, got)
+    theirs = torch.autograd.grad(expected.sum(), [x, *root.parameters()])
+    mine = torch.autograd.grad(got.sum(), [x, *generated.parameters()])
+    assert len(theirs) == len(mine)
+    for a, b in zip(theirs, mine):
+        assert torch.equal(a, b)
+
+
+def test_an_index_a_spec_cannot_write_names_its_line(tmp_path):
+    """Index tensors at dims apart (whose result's dims PyTorch moves first)
+    are refused at the source line that indexes."""
+    (tmp_path / "tables.py").write_text(TABLES)
+    ran = mpgen("import", "tables:Apart", "--input", "x=batch,5,4", "--input", "idx=3:int64",
+                "--trace", "dynamo", cwd=tmp_path)
+    assert ran.returncode == 2
+    line = TABLES.splitlines().index("        return x[idx, :, idx]") + 1
+    assert ran.stderr.startswith(f"tables.py:{line}:9: "), ran.stderr
+    assert "index tensors at adjacent dims" in ran.stderr

@@ -266,6 +266,9 @@ class Importer:
         """``x[:, 0]`` is ``torch.select``; ``x[:, 1:3]`` is ``torch.narrow``."""
         source, index = node.args
         index = index if isinstance(index, tuple) else (index,)
+        if any(self.is_tensor_ref(i) for i in index):
+            self.tensor_index(node, source, list(index))
+            return
         full = slice(None, None, None)
         picked = [(d, i) for d, i in enumerate(index) if i != full]
         if len(picked) != 1 or any(i is Ellipsis or i is None for i in index):
@@ -288,6 +291,74 @@ class Importer:
             return
         raise node_error(node, "indexing a spec cannot write (a step, a negative bound or "
                                "a tensor index)")
+
+    def tensor_index(self, node: fx.Node, source: fx.Node, index: list) -> None:
+        """``table[idx]``, ``x[:, idx]``, ``x[a, b]``: index tensors at adjacent
+        dims, full slices around them. ``torch.index_select`` along the dim,
+        of the index flattened (several index tensors: their flat index into
+        those dims, ``a * size(x, 1) + b``, of ``x`` flattened there), and the
+        result reshaped to the index's shape where it has other than one dim."""
+        full = slice(None, None, None)
+        at = [d for d, item in enumerate(index) if self.is_tensor_ref(item)]
+        rank = self.values[source].dim()
+        if (any(item != full for d, item in enumerate(index) if d not in at)
+                or at != list(range(at[0], at[0] + len(at))) or len(index) > rank):
+            raise node_error(node, "indexing with tensors a spec cannot write: it writes "
+                                   "index tensors at adjacent dims, the other dims full "
+                                   "slices (table[idx], x[:, idx], x[a, b])")
+        for item in (index[d] for d in at):
+            dtype = self.values[item].dtype
+            if dtype == torch.bool:
+                raise node_error(node, "indexing with a boolean mask, whose result's size "
+                                       "depends on the mask's values, which a spec cannot "
+                                       "write (torch.where keeps the shape)")
+            if dtype not in (torch.int64, torch.int32):
+                raise node_error(node, f"indexing with a tensor of {dtype}, which is no "
+                                       "index")
+        first, last = at[0], at[-1]
+        table = self.ref_name(self.refs[source])
+        indices = [self.ref_name(self.refs[index[d]]) for d in at]
+
+        def step(op: str, inputs: list, reads: list, args: tuple = (), final: bool = False,
+                 **kwargs) -> str:
+            layer = Layer(self.layer_name(node) if final else self.names.fresh(node.name),
+                          op, node)
+            for ref in inputs:
+                if isinstance(ref, dict):
+                    layer.keyword_inputs.update(ref)
+                else:
+                    layer.inputs.append(ref)
+            layer.reads.extend([*flat(inputs[0]), *reads,
+                                *(v for r in inputs[1:] if isinstance(r, dict) for v in r.values())])
+            layer.args = list(args)
+            layer.kwargs.update(kwargs)
+            if final:
+                self.add_layer(layer, node)
+            else:
+                self.layers.append(layer)
+            return layer.name
+
+        flat_index = indices[-1]
+        for k in range(len(at) - 2, -1, -1):  # a * size(x, 1) + b
+            stride = " * ".join(f"size({table}, {d})" for d in range(at[k] + 1, last + 1))
+            scaled = step("torch.mul", [indices[k]], [table], [f"={stride}"])
+            flat_index = step("torch.add", [scaled, flat_index], [])
+        if len(at) > 1:
+            table = step("torch.flatten", [table], [], start_dim=first, end_dim=last)
+        index_rank = max(self.values[index[d]].dim() for d in at)
+        final = index_rank == 1
+        if index_rank != 1:
+            shape_of = flat_index
+            flat_index = step("torch.flatten", [flat_index], [])
+        picked = step("torch.index_select", [table, {"index": flat_index}], [],
+                      final=final, dim=first)
+        if final:
+            return
+        source_name = self.ref_name(self.refs[source])
+        shape = ([f"=size({source_name}, {d})" for d in range(first)]
+                 + [f"=size({shape_of}, {d})" for d in range(index_rank)]
+                 + [f"=size({source_name}, {d})" for d in range(last + 1, rank)])
+        step("torch.reshape", [picked], [source_name, shape_of], final=True, shape=shape)
 
     def function_op(self, node: fx.Node, args: list) -> tuple[str, list]:
         target = node.target

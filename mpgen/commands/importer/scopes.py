@@ -269,6 +269,9 @@ class ScopeImporter(Importer):
         if len(index) == rank and all(self.is_tensor_ref(i) for i in index):
             self.gather_all(node, source, index)
             return
+        if any(self.is_tensor_ref(i) for i in index):
+            self.tensor_index(node, source, index)
+            return
         if Ellipsis in index:
             at = index.index(Ellipsis)
             used = sum(1 for i in index if i is not None and i is not Ellipsis)

@@ -22,7 +22,7 @@ from torch import nn
 from mpgen.compiler.analysis.budget import Budget
 from mpgen.compiler.frontend import expressions
 from mpgen.compiler.frontend.imports import user_code
-from mpgen.errors import MpgenError, shown
+from mpgen.errors import MpgenError, did_you_mean, shown
 from mpgen.compiler.ir import (
     Args,
     BinOp,
@@ -35,6 +35,7 @@ from mpgen.compiler.ir import (
     OpKind,
     Param,
     Size,
+    Tie,
     Training,
     expression_text,
 )
@@ -251,6 +252,27 @@ def share_parameter(module: nn.Module, name: str, parameter: nn.Parameter) -> No
     setattr(module.get_submodule(parent) if parent else module, attr, parameter)
 
 
+def share_tied(module: nn.Module, owner: nn.Module, node: Node, tie: Tie, label: str) -> None:
+    """``node``'s ``tie``: ``module``'s parameter made the very parameter of
+    ``owner`` (the layer it is tied to), in the model or in a block; errors
+    at the tie."""
+    owned = dict(owner.named_parameters())
+    mine = dict(module.named_parameters())
+    where = f"layer {label!r}: tie: {tie.param}"
+    if tie.owner_param not in owned:
+        raise MpgenError(tie.pos, f"{where}: {tie.owner!r} has no parameter "
+                         f"{tie.owner_param!r}{did_you_mean(tie.owner_param, owned)}")
+    if tie.param not in mine:
+        raise MpgenError(tie.pos, f"{where}: {node.op.spelled} has no parameter "
+                         f"{tie.param!r}{did_you_mean(tie.param, mine)}")
+    theirs = owned[tie.owner_param]
+    if mine[tie.param].shape != theirs.shape or mine[tie.param].dtype != theirs.dtype:
+        raise MpgenError(tie.pos, f"{where}: {tuple(mine[tie.param].shape)} cannot be "
+                         f"{tie.owner}.{tie.owner_param}, which is "
+                         f"{tuple(theirs.shape)}")
+    share_parameter(module, tie.param, theirs)
+
+
 class OutputError(Exception):
     """``output:`` does not fit what the layer returns (message is user-facing)."""
 
@@ -295,6 +317,10 @@ class MetaBlock(nn.Module):
                     for k in range(node.repeat)))
             else:
                 self.add_module(node.name, build(node, self.values, blocks, hooks, where))
+        for node in block.nodes:  # as the generated class, once its layers are made
+            for tie in node.ties:
+                share_tied(getattr(self, node.name), self.get_submodule(tie.owner), node,
+                           tie, f"{where}{node.name}")
         self.__class__ = _named_class(block.name)
 
     def forward(self, *inputs: torch.Tensor):

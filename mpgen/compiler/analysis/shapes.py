@@ -83,7 +83,7 @@ from mpgen.compiler.ir import (
     SymDim,
     TensorType,
 )
-from mpgen.errors import Collector, ErrorList, MpgenError, did_you_mean
+from mpgen.errors import Collector, ErrorList, MpgenError
 
 _PRIMES = (10007, 10009, 10037, 10039, 10061, 10067, 10069, 10079, 10091, 10093,
            10099, 10103, 10111, 10133, 10139, 10141, 10151, 10159, 10163, 10169)
@@ -411,22 +411,7 @@ class _Runner(meta.Hooks):
         """Make ``node``'s tied parameters its owners' (NOTE: ties); returns their names."""
         tied = set()
         for tie in node.ties:
-            owner = self.modules[tie.owner]
-            owned = dict(owner.named_parameters())
-            mine = dict(module.named_parameters())
-            where = f"layer {node.name!r}: tie: {tie.param}"
-            if tie.owner_param not in owned:
-                raise MpgenError(tie.pos, f"{where}: {tie.owner!r} has no parameter "
-                                 f"{tie.owner_param!r}{did_you_mean(tie.owner_param, owned)}")
-            if tie.param not in mine:
-                raise MpgenError(tie.pos, f"{where}: {node.op.spelled} has no parameter "
-                                 f"{tie.param!r}{did_you_mean(tie.param, mine)}")
-            theirs = owned[tie.owner_param]
-            if mine[tie.param].shape != theirs.shape or mine[tie.param].dtype != theirs.dtype:
-                raise MpgenError(tie.pos, f"{where}: {tuple(mine[tie.param].shape)} cannot be "
-                                 f"{tie.owner}.{tie.owner_param}, which is "
-                                 f"{tuple(theirs.shape)}")
-            meta.share_parameter(module, tie.param, theirs)
+            meta.share_tied(module, self.modules[tie.owner], node, tie, node.name)
             tied.add(tie.param)
         return tied
 
@@ -444,8 +429,8 @@ class _Runner(meta.Hooks):
         if module is not None:
             self.modules[node.name] = module
             tied = self.tie(node, module) if node.ties else set()
-            own = [p for name, p in module.named_parameters(remove_duplicate=False)
-                   if name not in tied]
+            # once each: a tie inside a block instance shares one parameter
+            own = [p for name, p in module.named_parameters() if name not in tied]
             count = sum(p.numel() for p in own)
             frozen = sum(p.numel() for p in own if not p.requires_grad)
         out = meta.run(node, module, inputs, {}, self, env=env)

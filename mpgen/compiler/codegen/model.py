@@ -163,6 +163,10 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
                 attribute(w, node)
             for rule in own_inits(node):
                 _init_line(w, _init_target(node, rule), rule, guard=False)
+        for node in block.nodes:  # a parameter shared inside the block, as PyTorch does
+            for tie in node.ties:
+                w.comment(f"Tied: {node.name}.{tie.param} is {tie.source}")
+                w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
 
     def forward() -> None:
         for node in block.nodes:

@@ -544,11 +544,10 @@ class _Resolver:
         if not layer.tie:
             return ()
         label = self.label(lpath)
-        if params is not None or not op.has_module or layer.repeat is not None:
-            why = ("inside a block" if params is not None else
-                   "on a function layer" if not op.has_module else "on a repeated layer")
+        if not op.has_module or layer.repeat is not None:
+            why = "on a function layer" if not op.has_module else "on a repeated layer"
             self.errors.add(self.key(*lpath, "tie"), f"{label}: tie: is not supported {why}; "
-                            "tie a layer of the model to an earlier one")
+                            "tie a layer to an earlier one of the model or of its block")
             return None
         ties = []
         owners = {n.name: n for n in earlier if n.op.has_module and n.op.runs}
@@ -954,7 +953,8 @@ class _Splitter:
                 name=prefix + node.name, var=self.ns.fresh(node.name), elements=elements,
                 pattern=_renamed_pattern(node.pattern, prefix),
                 inits=tuple(dataclasses.replace(r, layer=prefix + node.name)
-                            for r in node.inits))
+                            for r in node.inits),
+                ties=tuple(dataclasses.replace(t, owner=prefix + t.owner) for t in node.ties))
             if node.tensor is not None:
                 changes["tensor"] = dataclasses.replace(node.tensor, shape=tuple(
                     _folded_value(substitute(d, params)) for d in node.tensor.shape))

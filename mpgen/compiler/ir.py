@@ -1103,6 +1103,9 @@ class Graph:
     placement: PlacementRequest = ExplicitPlacement()  # what the spec asks for
     init_rules: tuple[InitRule, ...] = ()  # the top-level ``init:``
     splits: tuple[Split, ...] = ()  # block instances split by placement, outer first
+    #: A model output that is a block instance placement splits -> the value
+    #: it became (``model`` -> ``model.norm``): the output keeps its name.
+    aliases: tuple[tuple[str, str], ...] = ()
     # Filled by analysis.costs: per-unit costs at the training sizes.
     costs: Optional[Costs] = field(default=None, compare=False, repr=False)
     # Filled by placement:
@@ -1142,8 +1145,13 @@ class Graph:
         """Node name -> ``repeat``, for :func:`unit_labels`."""
         return {n.name: n.repeat for n in self.nodes}
 
+    def value_name(self, name: str) -> str:
+        """The value a name stands for: itself, or what a split output became."""
+        return dict(self.aliases).get(name, name)
+
     def producer(self, name: str) -> Optional[Node]:
         """The node whose result is the value ``name`` (None: a model input)."""
+        name = self.value_name(name)
         for node in self.nodes:
             if name in node.value_names:
                 return node
@@ -1151,6 +1159,7 @@ class Graph:
 
     def type_of(self, name: str) -> Optional[TensorType]:
         """The type of a value: a model input, a layer's output or a named element."""
+        name = self.value_name(name)
         for t in self.inputs:
             if t.name == name:
                 return t.type

@@ -150,7 +150,7 @@ def measure(graph: Graph, dims: Mapping[str, int], optimizer: str = "SGD",
         env[t.name] = _meta_tensor(t.type, dims)
         value_bytes[t.name] = t.type.nbytes(dims)
     units: list[UnitCost] = []
-    outputs = set(graph.outputs)
+    outputs = {graph.value_name(out) for out in graph.outputs}
     modules: dict[str, nn.Module] = {}
     for i, node in enumerate(graph.nodes):
         fallback_out = node.out.nbytes(dims) if node.out is not None else 0

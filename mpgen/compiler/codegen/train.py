@@ -129,6 +129,7 @@ def loss_code(graph: Graph) -> tuple[list[str], str]:
     ns = Namespace(module_level(graph) | set(_LOSS_PARAMS))
     train = graph.train
     devices = {v: node.devices[-1] for node in graph.nodes for v in node.value_names}
+    devices |= {out: devices[v] for out, v in graph.aliases if v in devices}
     out_vars = [ns.fresh(o) for o in graph.outputs]
     outputs = _tuple(out_vars) if len(out_vars) > 1 else out_vars[0]
     lines = [f"{outputs} = model(*inputs){untrained_note(graph, out_vars)}"]

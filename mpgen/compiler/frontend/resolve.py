@@ -138,8 +138,9 @@ class _Resolver:
         )
         outputs = self.outputs(("outputs",), spec.outputs, nodes)
         splits: list[Split] = []
+        splitter = _Splitter(self, {b.name: b for b in blocks}, outputs, ns)
         if not self.errors.errors:
-            nodes = _Splitter(self, {b.name: b for b in blocks}, outputs, ns).split(nodes, splits)
+            nodes = splitter.split(nodes, splits)
         init_rules = self.model_inits()
         self.errors.raise_if_any()
         return Graph(
@@ -153,6 +154,7 @@ class _Resolver:
             pos=self.value("name"),
             init_rules=tuple(init_rules),
             splits=tuple(splits),
+            aliases=splitter.aliases,
         )
 
     def model_inits(self) -> list[InitRule]:
@@ -830,7 +832,10 @@ class _Resolver:
 # block's call. A key that reaches inside one copy of a repeated block
 # (``model.layers.3.mlp``) is refused: the copies are made alike in one loop.
 # Splitting is asked only by explicit placement keys; a split is by path, so
-# nested instances split as far as the keys reach.
+# nested instances split as far as the keys reach. An instance that is a
+# model output (a body without a head) keeps the output's name: the graph's
+# ``aliases`` say which value it became (``model`` -> ``model.norm``), and
+# ``Graph.value_name`` is how every stage finds the value an output names.
 
 
 class _Splitter:
@@ -841,7 +846,10 @@ class _Splitter:
                  outputs: list[str], ns: Namespace) -> None:
         self.r = resolver
         self.blocks = blocks
-        self.outputs = set(outputs)
+        self.outputs = list(outputs)
+        #: a model output that is a split instance (or its element) -> the value
+        #: it became: the output keeps its name (Graph.aliases)
+        self.aliases: tuple[tuple[str, str], ...] = ()
         self.ns = ns
         self.top: dict[str, Node] = {}  # the model's layers, by name
         self.wanted: dict[str, str] = {}  # instance path -> the key that splits it
@@ -910,6 +918,7 @@ class _Splitter:
                 result += self.expand(node, splits, rename)
             else:
                 result.append(node)
+        self.aliases = tuple((out, rename[out]) for out in self.outputs if out in rename)
         return [self.retied(node, result) if node.ties else node for node in result]
 
     def retied(self, node: Node, nodes: list[Node]) -> Node:
@@ -972,12 +981,6 @@ class _Splitter:
                 isinstance(i, tuple) for i in node.feed.positional)):
             self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} takes a "
                               "tuple or keyword input, so it cannot be split")
-            return [node]
-        if (node.name if not node.pattern else None) in self.outputs or any(
-                e.name in self.outputs for e in node.elements):
-            self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} is a model "
-                              "output, so it cannot be split: add a layer after it to be the "
-                              "output")
             return [node]
         params = dict(zip(block.params, node.init.positional))
         inner = {t.name: node.inputs[i] for i, t in

@@ -437,6 +437,7 @@ class _Model:
         """The training script's loss over ``outputs`` (by name)."""
         train = self.graph.train
         devices = {v: n.devices[-1] for n in self.graph.nodes for v in n.value_names}
+        devices |= {out: devices[v] for out, v in self.graph.aliases if v in devices}
         parts = []
         loss_device = devices.get(train.losses[0].output, "cpu") if train.losses else "cpu"
         for loss, target in zip(train.losses, targets):

@@ -34,7 +34,7 @@ def check_training(graph: Graph) -> None:
         dtype = graph.type_of(loss.output).dtype
         if dtype not in _FLOATING:
             dead.append(f"output {loss.output!r} is {dtype}, which carries no gradient")
-        elif not learns.get(loss.output):
+        elif not learns.get(graph.value_name(loss.output)):
             dead.append(f"output {loss.output!r} is computed without any parameter")
     if train.losses and len(dead) == len(train.losses):
         # At the layer to change: the loss may be the default, written nowhere.
@@ -44,7 +44,7 @@ def check_training(graph: Graph) -> None:
                    + "; ".join(dead))
     # Values some output depends on: an output without a loss is returned, so
     # the layers only it reads are kept, untrained (docs/spec.md, "Training").
-    used = set(graph.outputs)
+    used = {graph.value_name(out) for out in graph.outputs}
     for node in reversed(graph.nodes):
         if used & set(node.value_names):
             used.update(node.inputs)

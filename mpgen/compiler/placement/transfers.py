@@ -89,8 +89,8 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
         for value in reads:
             if home[value] == device:
                 last_home_read[value] = i
-    for name in graph.outputs:
-        last_home_read[refs[name]] = len(steps)
+    for name in graph.outputs:  # a split block instance's: the value it became
+        last_home_read[refs[graph.value_name(name)]] = len(steps)
     copies: dict[tuple[ValueRef, str], str] = {}
     pending: dict[ValueRef, list[str]] = {}  # value -> devices it still has to reach
     for node, _, _, device, reads in steps:
@@ -139,7 +139,7 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
             sections[-1] = Section(device, last.transfers + tuple(transfers), last.steps + (step,))
         else:
             sections.append(Section(device, tuple(transfers), (step,)))
-    returns = tuple(var[refs[o]] for o in graph.outputs)
+    returns = tuple(var[refs[graph.value_name(o)]] for o in graph.outputs)
     return ForwardPlan(tuple(sections), returns)
 
 

@@ -154,12 +154,14 @@ def test_mistakes(tmp_path, placement, message):
     assert message in str(info.value).replace(f"{tmp_path}/", "")
 
 
-def test_an_instance_that_is_a_model_output_is_not_split(tmp_path):
+def test_an_instance_that_is_a_model_output_splits(tmp_path):
+    """The output keeps its name; its value is the one the block returns."""
     text = SPEC.replace("  lm_head: {op: Linear, args: [16, 64], bias: false}\n", "") + \
         "placement:\n  model.norm: cuda:1\n"
-    with pytest.raises(MpgenError) as info:
-        driver.compile_spec(write_spec(tmp_path, text))
-    assert "block instance 'model' is a model output, so it cannot be split" in str(info.value)
+    graph = driver.compile_spec(write_spec(tmp_path, text))
+    assert graph.outputs == ("model",) and graph.aliases == (("model", "model.norm"),)
+    assert graph.node("model.norm").devices == ("cuda:1",)
+    assert graph.type_of("model") == graph.node("model.norm").out
 
 
 def test_automatic_placement_splits_the_instances_it_is_told_to(tmp_path):
@@ -271,12 +273,18 @@ def test_an_instance_split_inside_a_split_instance(tmp_path):
     assert torch.allclose(model(x), model.head(a + model.model.inner.b(a)))
 
 
-def test_an_instance_whose_element_is_a_model_output_is_not_split(tmp_path):
+def test_an_instance_whose_elements_are_model_outputs_splits(tmp_path):
     text = NESTED.replace("layers:\n  model: {op: Outer}\n  head: {op: Linear, args: [4, 2]}\n",
                           "layers:\n  pre: {op: Linear, args: [4, 4]}\n"
                           "  inner: {op: Inner, outputs: [p, q]}\n"
                           "outputs: [p, q]\n").replace("split: [model, model.inner]",
                                                        "split: [inner]")
-    with pytest.raises(MpgenError) as info:
-        driver.compile_spec(write_spec(tmp_path, text))
-    assert "block instance 'inner' is a model output, so it cannot be split" in str(info.value)
+    result = build_to(write_spec(tmp_path, text), tmp_path / "out", {"*": "cpu"})
+    graph = result.graph
+    assert graph.outputs == ("p", "q")
+    assert graph.aliases == (("p", "inner.a"), ("q", "inner.b"))
+    model = import_generated(tmp_path / "out" / "nest.py").Nest()
+    x = torch.randn(2, 4)
+    p, q = model(x)
+    a = model.inner.a(model.pre(x))
+    assert torch.equal(p, a) and torch.equal(q, model.inner.b(a))

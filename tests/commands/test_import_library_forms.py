@@ -49,6 +49,14 @@ TOKENS = ["input_ids=batch,16:int64"]
 #: name -> (MODULE:NAME, --args, --config, inputs)
 CASES = {
     "unet": ("diffusers:UNet2DModel", UNET, None, ["sample=batch,3,16,16", "timestep=batch"]),
+    "whisper_encoder": ("transformers.models.whisper.modeling_whisper:WhisperEncoder", None,
+                        WHISPER, ["input_features=batch,8,32"]),
+    "gpt_neox": ("transformers:GPTNeoXForCausalLM", None, NEOX, TOKENS),
+    "qwen2": ("transformers:Qwen2ForCausalLM", None, QWEN2, TOKENS),
+    "timm_vit": ("timm:create_model", VIT, None, IMAGES),
+    "densenet121": ("torchvision.models:densenet121", {}, None, IMAGES),
+    "shufflenet_v2_x0_5": ("torchvision.models:shufflenet_v2_x0_5", {}, None, IMAGES),
+    "regnet_y_400mf": ("torchvision.models:regnet_y_400mf", {}, None, IMAGES),
 }
 
 
@@ -111,8 +119,9 @@ def _compare(root, generated, imported, specs, training: bool) -> None:
     theirs = dict(root.named_parameters())
     for name, param in generated.named_parameters():
         original = theirs[imported.original_key(name)]
+        assert param.requires_grad == original.requires_grad, name  # frozen stays frozen
         if original.grad is None:
-            assert param.grad is None or not param.grad.any(), name
+            assert param.grad is None, name
             continue
         torch.testing.assert_close(param.grad, original.grad, **TOLERANCE, msg=name)
 

@@ -6,10 +6,12 @@ line."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
-from helpers import build_to, import_generated, write_spec
+from helpers import build_to, import_generated, mpgen, write_spec
 from mpgen.compiler import driver
 from mpgen.errors import MpgenError
 
@@ -117,6 +119,19 @@ def test_counts_and_the_memory_plan_leave_frozen_ones_untrained(built):
     assert train["cpu"].gradients == 612 * 4  # simulated: none for a frozen parameter
     # AdamW's two moments and a step count for each of the 6 tensors that train.
     assert train["cpu"].optimizer == 2 * 612 * 4 + 6 * 4
+
+
+def test_the_report_show_and_the_build_line_say_what_trains(built, tmp_path):
+    out, _ = built
+    report = (out / "frozen.placement.md").read_text()
+    assert "612 of the 1,628 parameters train; the others are frozen" in report
+    spec = write_spec(tmp_path, SPEC)
+    shown = mpgen("show", str(spec), "--device-map", "cpu")
+    assert shown.returncode == 0, shown.stderr
+    assert re.search(r"^total +1,628$", shown.stdout, re.M)
+    assert re.search(r"^trainable +612$", shown.stdout, re.M)
+    ran = mpgen("build", str(spec), "-o", str(tmp_path / "out"), "--device-map", "cpu")
+    assert "Frozen, 1,628 parameters (612 trainable) on cpu" in ran.stdout + ran.stderr
 
 
 def test_a_model_whose_parameters_are_all_frozen_has_nothing_to_step(tmp_path):

@@ -159,7 +159,7 @@ def report_context(graph: Graph) -> ReportContext:
         header=header,
         title=f"Placement of {md_text(graph.name)}",
         how=how,
-        estimates=_estimates(costs),
+        estimates=_estimates(costs, graph),
         devices=_device_table(graph, costs, devices, capacity),
         charts=_charts(graph, costs, devices),
         transfers=_transfer_table(graph, costs),
@@ -419,13 +419,16 @@ def _balance_amount(balance: str, value: float) -> str:
     return f"{flops_text(value)} ({count(value)} FLOPs)"
 
 
-def _estimates(costs: Costs) -> str:
+def _estimates(costs: Costs, graph: Graph) -> str:
     sizes = ", ".join(f"{md_text(k)}={v}" for k, v in costs.dims) or "no symbolic dims"
+    frozen = (f" {count(graph.trainable_params)} of the {count(graph.total_params)} parameters "
+              "train; the others are frozen (`requires_grad: false`), with no gradients or "
+              "optimizer state." if graph.frozen_params else "")
     return (f"Estimates at the training sizes ({sizes}) with optimizer "
             f"{md_code(costs.optimizer)} (optimizer state: {costs.state_factor}x the parameters). "
             "Memory = weights + gradients + optimizer state + activations saved for backward "
             "(measured on the meta device); see `docs/placement.md` for what is and is not "
-            "counted.")
+            f"counted.{frozen}")
 
 
 def _device_table(graph: Graph, costs: Costs, devices: list[str],

@@ -216,3 +216,16 @@ def test_an_index_a_spec_cannot_write_names_its_line(tmp_path):
     line = TABLES.splitlines().index("        return x[idx, :, idx]") + 1
     assert ran.stderr.startswith(f"tables.py:{line}:9: "), ran.stderr
     assert "index tensors at adjacent dims" in ran.stderr
+
+
+def test_a_diffusers_model_from_its_config(tmp_path):
+    """``--config`` of a diffusers model is its constructor's keywords (its
+    registered configuration); its ``self.dtype`` probe imports."""
+    let_torchvision_import()
+    pytest.importorskip("diffusers")
+    spec = tmp_path / "unet.yaml"
+    ran = mpgen("import", "diffusers:UNet2DModel", "--config", json.dumps(UNET),
+                "--input", "sample=batch,3,16,16", "--input", "timestep=batch",
+                "-o", str(spec), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "UNet2DModel" in spec.read_text()

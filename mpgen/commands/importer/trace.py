@@ -161,12 +161,24 @@ def load_module(target: str, args_json: Optional[str] = None,
     return built
 
 
-def _config_args(target: str, cls: Any, config_json: str, args: Union[dict, list]) -> list:
+def _config_args(target: str, cls: Any, config_json: str,
+                 args: Union[dict, list]) -> Union[dict, list]:
     """``--config``: the class's configuration (``cls.config_class``), built
     from the JSON object, as the one positional argument. A cache of past
     keys and values is no tensor a spec returns: ``use_cache`` is false
-    unless the JSON sets it."""
+    unless the JSON sets it. A diffusers model (``from_config`` and a
+    ``config_name``) registers its constructor's keywords as its
+    configuration: the JSON object is those keywords."""
     config_class = getattr(cls, "config_class", None)
+    if (config_class is None and inspect.isclass(cls) and hasattr(cls, "from_config")
+            and getattr(cls, "config_name", None)):
+        if args:
+            raise MpgenError(None, "--config and --args: give one of them")
+        config = _json_args(config_json)
+        if not isinstance(config, dict):
+            raise MpgenError(None, "--config: expected a JSON object (the configuration's "
+                                   "keyword arguments)")
+        return config
     if config_class is None or not inspect.isclass(cls):
         raise MpgenError(None, f"{target}: --config builds a Hugging Face model class from "
                                "its configuration; this has no config_class (use --args)")

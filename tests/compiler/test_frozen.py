@@ -180,3 +180,37 @@ def test_mistakes_are_reported_at_their_line(tmp_path, layer, where, message):
         driver.compile_spec(write_spec(tmp_path, text))
     assert f"spec.yaml:{where}: " in str(info.value)
     assert message in str(info.value)
+
+
+TIED = """
+mpgen: 1
+name: Tied
+inputs:
+  idx: {shape: [batch, 8], dtype: int64}
+layers:
+  wte: {op: Embedding, args: [32, 16], requires_grad: false}
+  fc: {op: Linear, args: [16, 16]}
+  lm_head: {op: Linear, args: [16, 32], tie: {weight: wte.weight}}
+  proj: {op: Linear, args: [32, 16], requires_grad: false}
+  back: {op: Linear, args: [16, 16], tie: {weight: fc.weight}, requires_grad: false}
+placement:
+  wte: cuda:0
+  lm_head: cuda:1
+train:
+  loss: MSELoss
+  optimizer: {op: SGD, lr: 0.1}
+  batch_size: 4
+"""
+
+
+def test_a_tied_parameter_trains_as_its_owner_on_every_stage(tmp_path):
+    build_to(write_spec(tmp_path, TIED), tmp_path / "out", {"*": "cpu"})
+    model = import_generated(tmp_path / "out" / "tied.py").Tied()
+    # wte's weight (lm_head's too) is frozen; fc's (back's too) trains, back's bias not.
+    assert frozen_names(model) == {"wte.weight", "proj.weight", "proj.bias", "back.bias"}
+    assert model.back.weight.requires_grad and not model.lm_head.weight.requires_grad
+    pp = import_generated(tmp_path / "out" / "pp_tied.py")
+    stages = [stage() for stage in pp.STAGES.stages]
+    frozen = set().union(*(frozen_names(stage) for stage in stages))
+    # The second stage's copies of wte.weight and fc.weight follow their owners.
+    assert frozen == {"wte.weight", "lm_head.weight", "proj.weight", "proj.bias", "back.bias"}

@@ -181,7 +181,8 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                                   f"{owners[tie.owner]}), kept equal by the script (TIES)")
                         if graph.node(tie.owner).frozen != node.frozen:  # trains as its owner
                             trains = not graph.node(tie.owner).frozen
-                            w.line(f"self.{node.name}.{tie.param}.requires_grad_({trains})")
+                            w.line(f"self.{node.name}.{tie.param}.requires_grad_({trains})",
+                                   f"as {tie.source}: {'trains' if trains else 'frozen'}")
             initialization(w, dataclasses.replace(graph, nodes=tuple(n for n, _ in held)))
         w.line()
         params = ", ".join(["self", *(f"{v}: torch.Tensor" for v in stage.takes)])

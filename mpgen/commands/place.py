@@ -122,8 +122,34 @@ def shortest_entries(graph: Graph, current: Sequence[tuple[str, str]] = ()
             key = unit_labels([node.unit(k) for k in range(first, last)], graph.repeats,
                               whole=True)[0]
         entries.append((key, device))
+    entries = _inside_splits(graph, entries, position)
     _check_resolves(graph, entries)
     return entries
+
+
+def _inside_splits(graph: Graph, entries: list[tuple[str, str]], position: Mapping
+                   ) -> list[tuple[str, str]]:
+    """``entries`` with a key for each layer of a split block instance that
+    the bookmarks leave elsewhere: inside one, a layer no key names is on the
+    instance's device, not the run's (NOTE [Placement inside a block
+    instance]; ``model.norm`` after ``model.layers.2-3: cuda:1``)."""
+    while True:
+        request = ExplicitPlacement(tuple(PlacementEntry(k, d, Position("<mpgen place>"))
+                                          for k, d in entries))
+        got = {n.name: n.devices for n in place_explicit(graph, request).nodes}
+        wrong = next(((node, k) for node in graph.nodes
+                      for k, device in enumerate(node.devices) if got[node.name][k] != device),
+                     None)
+        if wrong is None:
+            return entries
+        node, k = wrong
+        start, stop, device = next(r for r in device_runs(node.devices) if r[0] <= k < r[1])
+        key = unit_labels([node.unit(i) for i in range(start, stop)], graph.repeats,
+                          whole=True)[0]
+        if any(key == old for old, _ in entries):  # pragma: no cover - a bug in mpgen
+            return entries  # _check_resolves says so
+        entries = sorted([*entries, (key, device)],
+                         key=lambda entry: _span(graph, entry[0], position)[0])
 
 
 def _span(graph: Graph, key: str, position: Mapping) -> Optional[tuple[int, int]]:
@@ -803,7 +829,11 @@ def _written_lines(placed: Placed, indent: str, old_lines: list[str],
     if n == 0:
         form = f"the default (no entries: every layer on {DEFAULT_DEVICE})"
     else:
+        runs = len(device_runs([d for node in placed.graph.nodes for d in node.devices]))
         form = f"{n} bookmark{'s' if n > 1 else ''}, one per device run"
+        if n > runs:  # inside a split instance, a layer off the instance's device
+            form = (f"{n} bookmarks, one per device run and per layer of a split block "
+                    "instance placed apart from it")
         if placed.kept:
             form += f", keeping {placed.kept} key{'s' if placed.kept > 1 else ''} of the old block"
     replaced = placed.auto and old_lines

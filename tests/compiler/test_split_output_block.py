@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from helpers import EXAMPLES, build_to, import_generated, mpgen, write_spec
+from mpgen.compiler import driver
 from mpgen.testing import virtual_devices
 
 pytestmark = pytest.mark.slow  # builds a Llama body several times; imports Hugging Face's
@@ -239,3 +240,18 @@ def test_a_users_class_whose_output_is_the_body(tmp_path, monkeypatch):
     torch.manual_seed(0)
     graph = _imported_matches(tmp_path, wrapper.Body(), text)
     assert graph.outputs == ("model",) and dict(graph.aliases)["model"] == "model.norm"
+
+
+def test_place_writes_the_split_body_back(tmp_path):
+    """``mpgen place --write`` names the body's layers that the bookmarks
+    leave off the instance's device (model.norm after model.layers.2-3):
+    inside a split instance, a layer no key names is on the instance's."""
+    spec = write_spec(tmp_path, _body(AUTO, "BodyPlaced"), "body_placed.yaml")
+    auto = driver.compile_spec(spec)
+    ran = mpgen("place", str(spec), "--write", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    text = spec.read_text()
+    assert "  model.layers.2-3: cuda:1\n  model.norm: cuda:1\n" in text, text
+    written = driver.compile_spec(spec)
+    assert written.layout.method == "explicit"
+    assert _devices(written) == _devices(auto)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from helpers import build_to, import_generated, write_spec
 from test_pipeline_program import losses, torchrun
@@ -95,7 +96,7 @@ def test_the_model_freezes_them_with_the_same_keys(frozen):
 
 def test_train_script_keeps_them_and_resumes(frozen):
     script = frozen / "train_frozen_net.py"
-    common = ["--data", "data.pt", "--init", "init.pt", "--batch-size", "8"]
+    common = ["--data", "data.pt", "--init", "init.pt", "--batch-size", "8", "--grad-clip", "0.5"]
     straight = run(script, *common, "--steps", "4", "--checkpoint", "straight")
     assert straight.returncode == 0, straight.stderr
     init = load(frozen / "init.pt")
@@ -118,7 +119,7 @@ def test_train_script_keeps_them_and_resumes(frozen):
 @pytest.mark.parametrize("dp, mode", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
 def test_pipeline_script_keeps_them_and_resumes(frozen, dp, mode):
     name = f"pp_{dp}_{mode}"
-    common = ["--data", "data.pt", "--init", "init.pt", "--batch-size", "8",
+    common = ["--data", "data.pt", "--init", "init.pt", "--batch-size", "8", "--grad-clip", "0.5",
               "--microbatches", "2", "--dp", str(dp), "--dp-mode", mode, "--schedule", "gpipe",
               "--checkpoint", name]
     ran = torchrun(2 * dp, frozen / "pp_frozen_net.py", *common, "--steps", "2")
@@ -126,6 +127,12 @@ def test_pipeline_script_keeps_them_and_resumes(frozen, dp, mode):
     again = torchrun(2 * dp, frozen / "pp_frozen_net.py", *common, "--steps", "4", "--resume")
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resumed from" in again.stdout
+    # The checkpoint holds every weight, and optimizer state for those that train only.
+    saved = FileSystemReader(str(frozen / name / "step_4")).read_metadata().state_dict_metadata
+    held = {key.split(".", 2)[2].rsplit(".", 1)[0] for key in saved
+            if key.startswith("optim.state.")}
+    assert held == {"l1.weight", "l1.bias", "l3.weight", "l3.bias"}
+    assert {f"model.{key}" for key in FROZEN_KEYS} <= set(saved)
     merged = frozen / f"{name}.pt"
     done = run(frozen / "pp_frozen_net.py", "--merge", name, merged.name)
     assert done.returncode == 0, done.stderr
@@ -134,7 +141,8 @@ def test_pipeline_script_keeps_them_and_resumes(frozen, dp, mode):
     # The single-process script's weights after the same four steps.
     single = frozen / f"single_{name}"
     ran = run(frozen / "train_frozen_net.py", "--data", "data.pt", "--init", "init.pt",
-              "--batch-size", "8", "--steps", "4", "--checkpoint", single.name)
+              "--batch-size", "8", "--grad-clip", "0.5", "--steps", "4", "--checkpoint",
+              single.name)
     assert ran.returncode == 0, ran.stderr
     assert losses(frozen / name / "log.csv")[-2:] == pytest.approx(
         losses(single / "log.csv")[-2:], rel=1e-5, abs=1e-7)

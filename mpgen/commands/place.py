@@ -133,7 +133,7 @@ def _inside_splits(graph: Graph, entries: list[tuple[str, str]], position: Mappi
     the bookmarks leave elsewhere: inside one, a layer no key names is on the
     instance's device, not the run's (NOTE [Placement inside a block
     instance]; ``model.norm`` after ``model.layers.2-3: cuda:1``)."""
-    while True:
+    while graph.splits:
         request = ExplicitPlacement(tuple(PlacementEntry(k, d, Position("<mpgen place>"))
                                           for k, d in entries))
         got = {n.name: n.devices for n in place_explicit(graph, request).nodes}
@@ -150,6 +150,7 @@ def _inside_splits(graph: Graph, entries: list[tuple[str, str]], position: Mappi
             return entries  # _check_resolves says so
         entries = sorted([*entries, (key, device)],
                          key=lambda entry: _span(graph, entry[0], position)[0])
+    return entries
 
 
 def _span(graph: Graph, key: str, position: Mapping) -> Optional[tuple[int, int]]:

@@ -96,6 +96,33 @@ placement:
   head1: cuda:1
 """
 
+#: Ties inside a block (a library's model held in a user's class), the
+#: instance split and the model's output: the heads' copy crosses once.
+INNER = """
+mpgen: 1
+name: InnerTie
+inputs:
+  idx: {shape: [batch, 8], dtype: int64}
+blocks:
+  LM:
+    inputs: [ids]
+    layers:
+      wte: {op: Embedding, args: [50, 16], in: ids}
+      mix: {op: Linear, args: [16, 16]}
+      head1: {op: Linear, args: [16, 50], bias: false, tie: {weight: wte.weight}}
+      t: {op: torch.tanh, in: mix}
+      head2: {op: Linear, args: [16, 50], bias: false, tie: {weight: wte.weight}}
+      out: {op: torch.add, in: [head1, head2]}
+layers:
+  lm: {op: LM}
+placement:
+  lm.wte: cuda:0
+  lm.head1: cuda:1
+  lm.t: cuda:1
+  lm.head2: cuda:1
+  lm.out: cuda:1
+"""
+
 
 def _build(tmp_path, text: str, name: str, extra: str = ""):
     """Build ``text`` as the model ``name`` (its files' stem) into a folder of its own."""
@@ -117,6 +144,7 @@ def _moves(code: str, source: str) -> list[str]:
     (TWO_HEADS, "two_heads", "wte.weight"),
     (APART, "apart", "wte.weight"),
     (SPLIT, "split_tied", "body.embed.weight"),
+    (INNER, "inner_tie", "lm.wte.weight"),
 ])
 def test_the_tied_weight_moves_once_per_device(tmp_path, text, name, source):
     result, _ = _build(tmp_path, text, name)
@@ -132,7 +160,8 @@ def test_the_tied_weight_moves_once_per_device(tmp_path, text, name, source):
     report = result.files[f"{name}.placement.md"]
     assert len(re.findall(rf"^\| `{re.escape(source)}` \| `cuda:0` \| `cuda:1` \|", report,
                           re.M)) == 1, report
-    assert (f"Tied: `head1.weight` and `head2.weight` are `{source}`" in report
+    heads = "lm." if name == "inner_tie" else ""
+    assert (f"Tied: `{heads}head1.weight` and `{heads}head2.weight` are `{source}`" in report
             and "read one copy moved there in forward" in report), report
 
 
@@ -157,7 +186,7 @@ def _run(model_class, idx, merge: bool):
 
 
 @pytest.mark.parametrize("text, name", [(TWO_HEADS, "two_heads"), (APART, "apart"),
-                                        (SPLIT, "split_tied")])
+                                        (SPLIT, "split_tied"), (INNER, "inner_tie")])
 def test_outputs_and_gradients_equal_the_unsplit_model(tmp_path, text, name):
     result, folder = _build(tmp_path, text, name)
     model_class = getattr(import_generated(folder / f"{name}.py"), result.graph.name)
@@ -201,6 +230,8 @@ def test_the_pipeline_program_keeps_one_copy_per_stage(tmp_path):
     pp = result.files["pp_two_heads_pp.py"]
     assert "self.head2.weight = self.head1.weight" in pp
     assert 'ties=(((0, "wte.weight"), (1, "head1.weight")),)' in pp
+    inner, _ = _build(tmp_path, INNER, "inner_tie_pp")
+    assert "self.lm.head2.weight = self.lm.head1.weight" in inner.files["pp_inner_tie_pp.py"]
     module = import_generated(folder / "pp_two_heads_pp.py")
     model = getattr(import_generated(folder / "two_heads_pp.py"), result.graph.name)
     first, last = (stage() for stage in module.STAGES.stages)

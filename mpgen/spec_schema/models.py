@@ -537,6 +537,15 @@ class LayerSpec(_Model):
         """The layer's own initializers: parameter -> initializer."""
         return self.init_ if isinstance(self.init_, dict) else {}
 
+    @model_serializer(mode="wrap")
+    def _without_unset_requires_grad(self, handler):
+        # No requires_grad: is no key, so the digest of a spec without one is
+        # what it was before the key existed (NOTE [Spec digest]).
+        data = handler(self)
+        if isinstance(data, dict) and data.get("requires_grad") is None:
+            data.pop("requires_grad", None)
+        return data
+
 
 class BlockSpec(_Model):
     """An entry of ``blocks``: a reusable sub-graph, generated as its own

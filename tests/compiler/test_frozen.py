@@ -14,6 +14,9 @@ import torch
 from helpers import build_to, import_generated, mpgen, write_spec
 from mpgen.compiler import driver
 from mpgen.errors import MpgenError
+from mpgen.spec_schema.digest import canonical, spec_digest
+from mpgen.spec_schema.load import load_text
+from mpgen.spec_schema.validate import validate
 
 SPEC = """
 mpgen: 1
@@ -214,3 +217,17 @@ def test_a_tied_parameter_trains_as_its_owner_on_every_stage(tmp_path):
     frozen = set().union(*(frozen_names(stage) for stage in stages))
     # The second stage's copies of wte.weight and fc.weight follow their owners.
     assert frozen == {"wte.weight", "lm_head.weight", "proj.weight", "proj.bias", "back.bias"}
+
+
+def test_the_digest_of_a_spec_without_the_key_is_unchanged():
+    def digest(layer: str) -> str:
+        text = f"mpgen: 1\nname: M\ninputs:\n  x: [batch, 2]\nlayers:\n  fc: {layer}\n"
+        return spec_digest(validate(load_text(text, "spec.yaml")))
+
+    plain = digest("{op: Linear, args: [2, 2]}")
+    assert b"requires_grad" not in canonical(
+        validate(load_text("mpgen: 1\nname: M\ninputs:\n  x: [batch, 2]\nlayers:\n"
+                           "  fc: {op: Linear, args: [2, 2]}\n", "spec.yaml")))
+    assert digest("{op: Linear, args: [2, 2], requires_grad: false}") != plain
+    # true stays in: on a torch function it is a keyword of the call (torch.zeros).
+    assert digest("{op: Linear, args: [2, 2], requires_grad: true}") != plain

@@ -318,3 +318,16 @@ def test_the_pipeline_program_trains_as_the_single_process_script(tmp_path):
     assert torch.equal(merged["head2.weight"], merged["emb.weight"])
     expected = torch.load(tmp_path / "single" / "last.pt", weights_only=True)["model"]
     torch.testing.assert_close(merged["emb.weight"], expected["emb.weight"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text, name", [(APART, "apart_suite"), (INNER, "inner_suite")])
+def test_the_generated_checks_pass_on_virtual_devices(tmp_path, text, name):
+    """test_<name>.py's own checks, among them that forward makes exactly the
+    planned transfers and that a training step peaks as the memory plan says."""
+    from run_generated import run_suite_on_virtual_devices
+
+    _build(tmp_path, text, name)
+    ran = run_suite_on_virtual_devices(tmp_path / name / f"test_{name}.py")
+    assert "test_forward_makes_exactly_the_planned_transfers" in ran
+    assert "test_a_training_step_peaks_as_planned" in ran

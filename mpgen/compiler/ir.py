@@ -509,6 +509,10 @@ class Node:
     # ``requires_grad: false``: every parameter of the layer (of each copy,
     # inside a block instance too) is frozen: made with requires_grad=False.
     frozen: bool = False
+    # A block's layer named otherwise than an identifier (``0``, ``block1-0``:
+    # an nn.Sequential's child): its module's index in the block's class, an
+    # nn.Sequential (``self[2]``; NOTE [Layers named by position] in resolve.py).
+    position: Optional[int] = None
     # Filled by analysis.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance
@@ -586,6 +590,11 @@ class BlockClass:
     params_count: Optional[int] = None  # when all uses agree
     shapes: tuple[tuple[str, Optional[TensorType]], ...] = ()  # node -> shape comment
     unused: tuple[str, ...] = ()  # layers with parameters no output of the block reads
+
+    @property
+    def sequential(self) -> bool:
+        """Whether a layer is named by position: the class is an nn.Sequential."""
+        return any(n.position is not None for n in self.nodes)
 
 
 @dataclass(frozen=True)

@@ -281,8 +281,10 @@ def _check_in_item(item: Any, depth: int = 0) -> Any:
             if not isinstance(name, str):
                 raise _error("in", f"keyword {key!r} must name a tensor, got {shown(name)}")
         return item
+    quoted = (f' (a layer named {item} is read as "{item}", quoted)'
+              if isinstance(item, int) and not isinstance(item, bool) and item >= 0 else "")
     raise _error("in", f"expected a name, a list of names or {{keyword: name}}, "
-                 f"got {shown(item)}")
+                 f"got {shown(item)}{quoted}")
 
 
 def _check_in_order(items: list) -> list:

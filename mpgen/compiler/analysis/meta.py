@@ -298,25 +298,26 @@ class MetaBlock(nn.Module):
                  blocks: Mapping[str, BlockClass], hooks: Hooks = PLAIN,
                  where: str = "") -> None:
         super().__init__()
-        self.block = block
-        self.values = dict(zip(block.params, args))
-        self.hooks = hooks
-        self.where = where
+        # private (self._MetaBlock__block): a block's layers may be named block or values
+        self.__block = block
+        self.__values = dict(zip(block.params, args))
+        self.__hooks = hooks
+        self.__where = where
         for node in block.nodes:
             if not node.op.has_module:
                 continue
             if node.tensor is not None:  # registered under its own name, as generated
-                layer = build(node, self.values, blocks, hooks, where)
+                layer = build(node, self.__values, blocks, hooks, where)
                 if node.tensor.buffer:
                     self.register_buffer(node.name, layer.tensor, node.tensor.persistent)
                 else:
                     self.register_parameter(node.name, layer.tensor)
             elif node.repeat:
                 self.add_module(node.name, nn.ModuleList(
-                    build(node, self.values, blocks, hooks, where, k)
+                    build(node, self.__values, blocks, hooks, where, k)
                     for k in range(node.repeat)))
             else:
-                self.add_module(node.name, build(node, self.values, blocks, hooks, where))
+                self.add_module(node.name, build(node, self.__values, blocks, hooks, where))
         for node in block.nodes:  # as the generated class, once its layers are made
             for tie in node.ties:
                 share_tied(getattr(self, node.name), self.get_submodule(tie.owner), node,
@@ -324,20 +325,20 @@ class MetaBlock(nn.Module):
         self.__class__ = _named_class(block.name)
 
     def forward(self, *inputs: torch.Tensor):
-        env = {t.name: x for t, x in zip(self.block.inputs, inputs)}
-        for node in self.block.nodes:
+        env = {t.name: x for t, x in zip(self.__block.inputs, inputs)}
+        for node in self.__block.nodes:
             xs = [env[name] for name in node.inputs]
             module = getattr(self, node.name) if node.op.has_module else None
             if node.repeat:
-                out = self.hooks.chain(
-                    node, f"{self.where}{node.name}", module, xs[0],
-                    lambda layer, x: run(node, layer, [x, *xs[1:]], self.values, self.hooks,
-                                         self.where, env))
+                out = self.__hooks.chain(
+                    node, f"{self.__where}{node.name}", module, xs[0],
+                    lambda layer, x: run(node, layer, [x, *xs[1:]], self.__values,
+                                         self.__hooks, self.__where, env))
             else:
-                out = run(node, module, xs, self.values, self.hooks, self.where, env)
+                out = run(node, module, xs, self.__values, self.__hooks, self.__where, env)
             env.update(unpack(node, out))
-        self.hooks.block_done(self.block, self.values, env, self)
-        outs = [env[name] for name in self.block.outputs]
+        self.__hooks.block_done(self.__block, self.__values, env, self)
+        outs = [env[name] for name in self.__block.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 

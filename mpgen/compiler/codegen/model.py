@@ -105,13 +105,13 @@ def imports(graph: Graph) -> list[str]:
 
 def _class(w: PythonWriter, name: str, doc: list[str], init_params: Sequence[str],
            init, forward_params: Sequence[str], n_returns: int, forward,
-           attributes=None, methods=None) -> None:
-    """``class name(nn.Module)`` with ``__init__`` and ``forward`` bodies
+           attributes=None, methods=None, base: str = "nn.Module") -> None:
+    """``class name(base)`` with ``__init__`` and ``forward`` bodies
     written by ``init()`` and ``forward()``; ``attributes()`` writes class
     attributes after the docstring and ``methods()`` methods before forward."""
     w.line()
     w.line()
-    with w.block(f"class {name}(nn.Module)"):
+    with w.block(f"class {name}({base})"):
         w.docstring(doc)
         w.line()
         if attributes:
@@ -157,7 +157,7 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
             if not node.op.has_module:
                 continue
             if node.repeat:
-                w.line(f"self.{node.name} = nn.ModuleList({copies(node, 0, node.repeat)})")
+                w.line(assignment(node, f"nn.ModuleList({copies(node, 0, node.repeat)})"))
                 freeze(w, node)
             else:
                 attribute(w, node)
@@ -176,7 +176,8 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
         w.line(f"return {', '.join(var[o] for o in block.outputs)}")
 
     _class(w, block.name, doc, block.params, init, [t.var for t in block.inputs],
-           len(block.outputs), forward)
+           len(block.outputs), forward,
+           base="nn.Sequential" if block.sequential else "nn.Module")
 
 
 def _model_class(w: PythonWriter, graph: Graph) -> None:
@@ -218,7 +219,7 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                 owner, here = nodes[tie.owner].devices[0], node.devices[0]
                 w.comment(f"Tied: {node.name}.{tie.param} is {tie.source}, owned on {owner}"
                           + ("" if owner == here else f"; forward moves a copy to {here}"))
-                w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
+                w.line(f"self.{node.name}.{tie.param} = {source_code(graph, tie.source)}")
         initialization(w, graph)
 
     var = variables(graph.inputs, graph.nodes)
@@ -387,14 +388,60 @@ def containers(w: PythonWriter, graph: Graph, node: Node, made: set[str]) -> boo
     return wrote
 
 
+# NOTE: [Layers named by position]
+# A block's layer may be named as an nn.Sequential names its children (``0``,
+# RegNet's ``block1-0``), so the state-dict keys are the library's
+# (``conv1.0.weight``). Such a block is written as torchvision writes one: a
+# subclass of nn.Sequential whose modules are added by name,
+# ``self.add_module("0", nn.Conv2d(...))``, and called by index, ``self[0](x)``
+# (the front end's ``Node.position``: the module's index among the class's
+# modules, in the order they are added). Its forward is written out as any
+# block's. A tie's source path reaches such a layer by index too
+# (``self.conv1[0].weight``).
+
+
+def member(node: Node) -> str:
+    """``self.fc``; ``self[2]`` for a layer named by position (NOTE [Layers
+    named by position])."""
+    return f"self.{node.name}" if node.position is None else f"self[{node.position}]"
+
+
+def assignment(node: Node, value: str) -> str:
+    """``self.fc = VALUE``; ``self.add_module("0", VALUE)`` for a layer named
+    by position."""
+    if node.position is None:
+        return f"self.{node.name} = {value}"
+    return f"self.add_module({literal(node.name)}, {value})"
+
+
+def source_code(graph: Graph, path: str, nodes: Optional[Sequence[Node]] = None) -> str:
+    """``self.transformer.wte.weight``: a tied parameter's source path as code,
+    through layers named by position (``self.conv1[0].weight``) and the
+    copies of a repeated layer (``self.h[3]``); the path of the model's
+    layers, or of ``nodes`` (a block's)."""
+    blocks = {b.name: b for b in graph.blocks}
+    scope: Optional[dict[str, Node]] = {n.name: n for n in (graph.nodes if nodes is None
+                                                             else nodes)}
+    code = "self"
+    for part in path.split("."):
+        node = scope.get(part) if scope is not None else None
+        if node is not None and node.position is not None:
+            code += f"[{node.position}]"
+        else:
+            code += f"[{part}]" if part.isdigit() else f".{part}"
+        scope = ({n.name: n for n in blocks[node.op.target].nodes}
+                 if node is not None and node.op.kind is OpKind.BLOCK and node.repeat is None
+                 else None)
+    return code
+
+
 def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,
               names: Optional[Names] = None) -> None:
     """``self.NAME = ...``: a layer's module, or its Parameter or Buffer, made
     on ``device`` (None: where the class is moved, in a block class)."""
     if node.tensor is None:
         ctor = constructor(node, names)
-        w.line(f'self.{node.name} = {ctor}.to("{device}")' if device else
-               f"self.{node.name} = {ctor}")
+        w.line(assignment(node, f'{ctor}.to("{device}")' if device else ctor))
         freeze(w, node)
         return
     spec = node.tensor
@@ -430,7 +477,7 @@ def freeze(w: PythonWriter, node: Node) -> None:
     """``self.NAME.requires_grad_(False)`` after a module layer made frozen
     (``requires_grad: false``): each of its parameters, every copy's."""
     if node.frozen:
-        w.line(f"self.{node.name}.requires_grad_(False)", FROZEN)
+        w.line(f"{member(node)}.requires_grad_(False)", FROZEN)
 
 
 def _made_with(node: Node) -> str:
@@ -453,7 +500,7 @@ def own_inits(node: Node) -> tuple[InitRule, ...]:
 
 def _init_target(node: Node, rule: InitRule) -> str:
     """``self.fc.weight``; ``self.gamma`` for a Parameter's own initializer."""
-    return f"self.{node.name}" + (f".{rule.param}" if rule.param else "")
+    return member(node) + (f".{rule.param}" if rule.param else "")
 
 
 def _call(callee: str, tensors: Sequence[str], args: Args, names: Optional[Names] = None,
@@ -549,12 +596,12 @@ def statements(w: PythonWriter, node: Node, step: Step, names: Names,
     comment = _comment(node, shapes)
     out = _target(node, step)
     if node.repeat is None:
-        code = _apply(node, step.reads, f"self.{node.name}", names, device, step.tied,
+        code = _apply(node, step.reads, member(node), names, device, step.tied,
                       checkpoint)
         w.line(f"{out} = {code}", comment)
         return
     if step.stop - step.start == 1:
-        target = f"self.{node.name}[{step.start}]"
+        target = f"{member(node)}[{step.start}]"
         w.line(f"{out} = {_apply(node, step.reads, target, names, device, checkpoint=checkpoint)}",
                comment)
         return
@@ -562,9 +609,9 @@ def statements(w: PythonWriter, node: Node, step: Step, names: Names,
     if first != out:
         w.line(f"{out} = {first}")
     if step.start == 0 and step.stop == node.repeat:
-        modules = f"self.{node.name}"
+        modules = member(node)
     else:
-        modules = f"self.{node.name}[{step.start}:{step.stop}]"
+        modules = f"{member(node)}[{step.start}:{step.stop}]"
     with w.block(f"for {step.loop_var} in {modules}"):
         code = _apply(node, [out, *extra], step.loop_var, names, device, checkpoint=checkpoint)
         w.line(f"{out} = {code}", comment)

@@ -54,6 +54,7 @@ from mpgen.compiler.codegen.model import (
     freeze,
     imports,
     initialization,
+    source_code,
     statements,
     variables,
 )
@@ -172,7 +173,8 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
             for node, _ in held:
                 for tie in node.ties:
                     if owners[tie.owner] == stage.index:
-                        w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
+                        w.line(f"self.{node.name}.{tie.param} = "
+                               f"{source_code(graph, tie.source)}")
                     elif tie.source in copied:  # one copy per stage, whatever reads it
                         w.line(f"self.{node.name}.{tie.param} = self.{copied[tie.source]}")
                     else:

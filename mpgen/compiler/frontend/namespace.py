@@ -83,6 +83,26 @@ def identifier_problem(name: str) -> str | None:
     return None
 
 
+#: A layer name that is not an identifier: an ``nn.Sequential``'s or
+#: ``nn.ModuleList``'s child (``0``, ``12``) or a module name torchvision
+#: gives one (RegNet's ``block1-0``). NOTE [Layers named by position]
+_POSITIONAL = re.compile(r"[A-Za-z0-9_]+(?:-[A-Za-z0-9_]+)*")
+
+
+def positional_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot name a layer of an ``nn.Sequential`` block (a
+    layer that is not an identifier), or None."""
+    if not isinstance(name, str) or not _POSITIONAL.fullmatch(name) or not name.isascii():
+        return (f"{name!r} is not a valid layer name: an identifier, or a child's name in "
+                "an nn.Sequential (digits, letters, '_' and '-', as 0 or block1-0)")
+    if re.fullmatch(r"0\d+", name):
+        return f"{name!r}: a number names a layer without leading zeros ({int(name)})"
+    if re.fullmatch(r"\d+-\d+", name):
+        return (f"{name!r} reads as a range of instances (h.0-3) in placement keys; name the "
+                "layer otherwise")
+    return None
+
+
 class Namespace:
     """A set of taken identifiers; hands out new ones without clashes."""
 

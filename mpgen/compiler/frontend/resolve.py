@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Collection, Optional
@@ -55,6 +56,7 @@ from mpgen.compiler.frontend.namespace import (
     Namespace,
     identifier_problem,
     model_name_problem,
+    positional_name_problem,
 )
 from mpgen.errors import Collector, Position, did_you_mean, shown
 from mpgen.spec_schema.digest import display_path, spec_digest
@@ -237,6 +239,13 @@ class _Resolver:
         for index, (name, layer) in enumerate(layers.items()):
             where = self.key(*path, name)
             problem = identifier_problem(name)
+            if problem is not None and not name.isidentifier():
+                # NOTE: [Layers named by position]
+                if params is not None:
+                    problem = positional_name_problem(name)
+                elif positional_name_problem(name) is None:
+                    problem += (" (a layer named like an nn.Sequential's child, 0 or "
+                                "block1-0, belongs in a block)")
             if problem is None and name in _MODULE_ATTRS:
                 problem = f"{name!r} would shadow nn.Module.{name}"
             if problem is None and name in input_names:
@@ -256,6 +265,11 @@ class _Resolver:
                 known.update(dict.fromkeys(node.value_names))
                 if node.pattern:
                     tuples[node.name] = node
+        if any(not n.name.isidentifier() for n in nodes):
+            modules = (n for n in nodes if n.op.has_module and n.op.runs)
+            at = {n.name: i for i, n in enumerate(modules)}
+            nodes = [n if n.name.isidentifier() else dataclasses.replace(n, position=at[n.name])
+                     for n in nodes]
         return nodes
 
     def layer(self, path, name, layer: LayerSpec, index, earlier: list[Node],
@@ -272,6 +286,12 @@ class _Resolver:
                 hint = " (a block can only use blocks defined before it)" if params is not None \
                     else ""
             self.errors.add(self.value(*lpath, "op"), f"{self.label(lpath)}: {exc}{hint}")
+            return None
+        if not name.isidentifier() and not (op.has_module and op.runs):
+            what = op.spelled if op.kind is OpKind.TENSOR else "function"
+            self.errors.add(self.key(*lpath), f"{self.label(lpath)}: a {what} layer is named "
+                            f"by an identifier, not {name!r} (names like 0 or block1-0 are "
+                            "for modules: an nn.Sequential's children)")
             return None
         if op.kind is OpKind.TENSOR:
             return self.tensor_layer(lpath, name, layer, op, params, ns)
@@ -356,7 +376,9 @@ class _Resolver:
         if layer.repeat is not None:  # $repeat is N: written as the number
             args = tuple(substitute(a, {REPEAT: layer.repeat}) for a in args)
             kwargs = tuple((k, substitute(v, {REPEAT: layer.repeat})) for k, v in kwargs)
-        var = ns.fresh(name)
+        # a layer named by position holds its output in a variable named for its op
+        var = ns.fresh(name if name.isidentifier() else re.sub(
+            r"(?<=[a-z0-9])(?=[A-Z][a-z])", "_", op.spelled.rpartition(".")[2]).lower())
         if op.kind is OpKind.FUNCTION:
             init, call = Args(), Args(args, _train_mode(op, n_inputs, args,
                                                          kwargs + call_kwargs))
@@ -977,6 +999,11 @@ class _Splitter:
         auto = self.r.spec.placement.auto
         where = (self.r.value("placement", "auto", "split", auto.split.index(key))
                  if auto is not None else self.r.key("placement", key))
+        if block.sequential:  # NOTE [Layers named by position]
+            self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} has layers "
+                              f"named by position ({block.name} is an nn.Sequential), so it "
+                              f"cannot be split; place {path!r} whole")
+            return [node]
         if node.feed is not None and (node.feed.keyword or any(
                 isinstance(i, tuple) for i in node.feed.positional)):
             self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} takes a "

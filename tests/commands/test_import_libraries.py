@@ -3,11 +3,10 @@ transformers' classes (tiny configurations) and torchvision's classification
 models, traced with TorchDynamo and their module hierarchy kept as blocks.
 
 Each case imports the model as ``mpgen import`` does, builds the spec for the
-CPU, loads the original's ``state_dict()`` into the generated model strictly
-(keys as they are, or, where the spec language cannot name a module as the
-original does, through :attr:`Imported.renamed`), and compares the eval
-outputs exactly and the gradients of a backward pass; then an automatic
-split over two devices builds.
+CPU, loads the original's ``state_dict()`` into the generated model strictly,
+by name (its keys are the original's: docs/import.md, "State-dict keys"), and
+compares the eval outputs exactly and the gradients of a backward pass; then an
+automatic split over two devices builds.
 """
 
 from __future__ import annotations
@@ -111,9 +110,8 @@ def _check(case: str, table: dict, hf: bool, tmp_path) -> None:
         for param in root.parameters():
             param.normal_(0, 0.1)
     generated = _generated(imported, tmp_path)
-    renamed = {imported.original_key(k): k for k in generated.state_dict()}
-    state = {renamed.get(k, k): v for k, v in root.state_dict().items()}
-    generated.load_state_dict(state, strict=True)
+    assert not imported.renamed
+    generated.load_state_dict(root.state_dict(), strict=True)
     root.eval()
     generated.eval()
     samples = _samples(specs)
@@ -124,7 +122,7 @@ def _check(case: str, table: dict, hf: bool, tmp_path) -> None:
     got.sum().backward()
     theirs = dict(root.named_parameters())
     for name, param in generated.named_parameters():
-        original = theirs[imported.original_key(name)]
+        original = theirs[name]
         if case in ROUNDED_GRADIENTS:
             torch.testing.assert_close(param.grad, original.grad, rtol=1e-4, atol=1e-4)
         else:

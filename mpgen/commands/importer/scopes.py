@@ -21,7 +21,7 @@ from mpgen.commands.importer.layers import Layer, Leaf, layer_lines, rename_read
 from mpgen.commands.importer.nodes import Importer
 from mpgen.commands.importer.trace import node_error, node_position
 from mpgen.compiler.frontend import ops
-from mpgen.compiler.frontend.namespace import Namespace
+from mpgen.compiler.frontend.namespace import Namespace, positional_name_problem
 from mpgen.errors import MpgenError
 
 #: Tensor methods that return their input when the dtype (and device) stay.
@@ -59,11 +59,21 @@ class Blocks:
         return [path for path, count in self.instances.items()
                 if 2 * count > total and "." not in path]
 
-    def add(self, cls: type, lines: list[str]) -> str:
+    def add(self, cls: type, lines: list[str], path: str = "") -> str:
+        """The block of these lines: a known one, or a new one named after
+        ``cls`` (a plain nn.Sequential after its ``path``: ``conv1``'s is
+        ``Conv1``, ``features.1``'s ``Features1``)."""
         for name, known in self.lines.items():
             if known == lines:
                 return name
         base = cls.__name__ if cls.__name__.isidentifier() else "Block"
+        if cls in (nn.Sequential, nn.ModuleList):
+            parts = path.split(".")
+            while len(parts) > 1 and not parts[-1][:1].isalpha():
+                parts[-2:] = ["_".join(parts[-2:])]
+            camel = "".join(w[:1].upper() + w[1:] for w in re.findall(r"[A-Za-z0-9]+",
+                                                                        parts[-1]))
+            base = camel if camel.isidentifier() else base
         name, i = base, 2
         while name in self.taken or name in self.lines:
             name, i = f"{base}{i}", i + 1
@@ -408,7 +418,7 @@ class ScopeImporter(Importer):
         first = call.nodes[0]
         rel = self.rel(call.path)
         again = self.by_module.get(id(call.module))  # a module called again (relu)
-        name = rel if rel.isidentifier() and again is None else self.names.fresh(
+        name = rel if self.nameable(rel) and again is None else self.names.fresh(
             rel.replace(".", "_"))
         dotted = library_leaf(type(call.module))
         op = dotted or type(call.module).__name__
@@ -492,26 +502,31 @@ class ScopeImporter(Importer):
             if layer.elements[hits[0]].name is None:
                 layer.elements[hits[0]].name = self.names.fresh(_base(node.name))
 
+    def nameable(self, rel: str) -> bool:
+        """Whether a layer can have the name ``rel`` (a module's path here): an
+        identifier, or in a block a child's name in an nn.Sequential (``0``,
+        ``block1-0``; NOTE [Layers named by position] in codegen/model.py)."""
+        return rel.isidentifier() or (self.scope.parent is not None and "." not in rel
+                                      and positional_name_problem(rel) is None)
+
     def scope_layer(self, child: Scope) -> None:
-        if isinstance(child.module, nn.Sequential) and not all(
-                name.isidentifier() for name, _ in child.module.named_children()):
-            for item in child.items:  # its children are named under its own path
-                if isinstance(item, LeafCall):
-                    self.leaf_layer(item)
-                elif isinstance(item, Scope):
-                    self.scope_layer(item)
-                else:
-                    self.function_node(item)
-            return
         rel = self.rel(child.path)
-        name = rel if rel.isidentifier() else self.names.fresh(rel.replace(".", "_"))
+        name = rel if self.nameable(rel) else self.names.fresh(rel.replace(".", "_"))
         inner = ScopeImporter(self.captured, child, self.blocks, self.root,
                               f"{self.generated_path}.{name}".lstrip("."))
         inner.run()
-        lines = inner.block_lines()
-        block = self.blocks.add(type(child.module), lines)
         first = child.nodes()[0]
-        layer = Layer(name, block, first, child.module)
+        copies = inner.copies()
+        if copies:  # an nn.Sequential of alike children: one repeated layer
+            model = copies[0]
+            layer = Layer(name, model.op, first, child.module, args=list(model.args),
+                          kwargs=dict(model.kwargs), call=dict(model.call), repeat=len(copies))
+            for copy in copies:  # placed as copies, each whole
+                self.blocks.instances.pop(f"{inner.generated_path}.{copy.name}", None)
+        else:
+            lines = inner.block_lines()
+            block = self.blocks.add(type(child.module), lines, child.path)
+            layer = Layer(name, block, first, child.module)
         for node in inner.input_nodes:
             layer.inputs.append(self.tensor(node, first, layer.reads))
         outs = inner.external_outputs()
@@ -525,7 +540,11 @@ class ScopeImporter(Importer):
                 leaf.name = self.names.fresh(_base(node.name))
         self.relative[id(layer)] = rel
         self.layers.append(layer)
-        if layer.elements is None:  # (a split of one with outputs: fails to build yet)
+        # Placed layer by layer when large: not a repeated layer, whose copies are
+        # placed whole, nor (yet) one with outputs or an nn.Sequential's, whose
+        # layers are named by position (placement does not split those).
+        if layer.elements is None and layer.repeat == 1 and all(
+                inner_layer.name.isidentifier() for inner_layer in inner.layers):
             self.blocks.instances[inner.generated_path] = sum(
                 p.numel() for p in child.module.parameters())
 
@@ -538,6 +557,27 @@ class ScopeImporter(Importer):
         return lines
 
     # -- ModuleList / Sequential children ----------------------------------------------
+    def copies(self) -> list[Layer]:
+        """This call's layers when it is an nn.Sequential's (``0`` ... ``N-1``)
+        and they are its alike children, each reading only the one before:
+        the copies of one repeated layer (``layer1: {op: Bottleneck, repeat:
+        3}``, keys ``layer1.0.conv1.weight`` as in the original); else none."""
+        module, layers = self.scope.module, self.layers
+        if (not isinstance(module, nn.Sequential) or len(layers) < 2
+                or len(layers) != len(module) or self.outputs != [layers[-1].name]):
+            return []
+        previous = self.input_names[0] if len(self.input_names) == 1 else None
+        for i, layer in enumerate(layers):
+            if (layer.name != str(i) or layer.key() != layers[0].key() or layer.tie
+                    or layer.elements is not None or layer.keyword_inputs
+                    or layer.inputs != [previous] or layer.module is None):
+                return []
+            previous = layer.name
+        readers = [r for layer in layers for r in layer.reads]
+        if any(readers.count(layer.name) != 1 for layer in layers[:-1]):
+            return []
+        return layers
+
     def fold_repeats(self) -> None:
         """``layers.0`` ... ``layers.N-1``, alike and chained: ``layers`` with
         ``repeat: N`` (NOTE [Module hierarchy])."""
@@ -749,23 +789,35 @@ _NUMBER = re.compile(r"(?<![\w.$\"])-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?(?![\w.])")
 MAX_PARAMS = 6
 
 
+#: A layer's name at the start of its line (``0:``, ``block1-0:``): no number of its own.
+_KEY = re.compile(r"\s*[\w-]+:(?=\s)")
+
+
+def _parts(line: str) -> list[str]:
+    """The line in parts, numbers only in the even ones: what its layer's name
+    and its quoted strings (expressions) leave."""
+    key = _KEY.match(line)
+    head = key.end() if key else 0
+    return ["", line[:head], *re.split(r'("(?:[^"\\]|\\.)*")', line[head:])]
+
+
 def _numbers(line: str) -> list[tuple[int, int, str]]:
-    """The numbers of a line outside its quoted strings (expressions): their
-    start, end and text."""
-    found, quoted, offset = [], False, 0
-    for part in re.split(r'("(?:[^"\\]|\\.)*")', line):
-        if not quoted:
+    """The numbers of a line outside its layer's name and its quoted strings
+    (expressions): their start, end and text."""
+    found, offset = [], 0
+    for i, part in enumerate(_parts(line)):
+        if i % 2 == 0:
             found += [(offset + m.start(), offset + m.end(), m.group())
                       for m in _NUMBER.finditer(part)]
-        quoted, offset = not quoted, offset + len(part)
+        offset += len(part)
     return found
 
 
 def _skeleton(lines: list[str]) -> tuple[tuple[str, ...], list[str]]:
-    """The lines with each number outside quotes a ``#``, and the numbers."""
+    """The lines with each number outside names and quotes a ``#``, and the numbers."""
     skeleton, numbers = [], []
     for line in lines:
-        parts = re.split(r'("(?:[^"\\]|\\.)*")', line)
+        parts = _parts(line)
         for i in range(0, len(parts), 2):
             numbers += _NUMBER.findall(parts[i])
             parts[i] = _NUMBER.sub("#", parts[i])

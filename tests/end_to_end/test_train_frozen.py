@@ -99,6 +99,8 @@ def test_train_script_keeps_them_and_resumes(frozen):
     common = ["--data", "data.pt", "--init", "init.pt", "--batch-size", "8", "--grad-clip", "0.5"]
     straight = run(script, *common, "--steps", "4", "--checkpoint", "straight")
     assert straight.returncode == 0, straight.stderr
+    assert ("FrozenNet: 492 parameters (212 train, the rest frozen); 4 steps of 8 samples\n"
+            in straight.stdout)
     init = load(frozen / "init.pt")
     saved = load(frozen / "straight" / "last.pt")
     assert_frozen_kept(saved["model"], init)

@@ -463,9 +463,9 @@ class LayerSpec(_Model):
 
     op: StrictStr = Field(description=(
         "What the layer is: a `torch.nn` class (`Linear`), a block, `torch.NAME` or `F.NAME` "
-        "(a tensor function), the dotted path of your own `nn.Module` class, or `Parameter` / "
-        "`Buffer` (a tensor of the layer's own: `shape`, `dtype`, `init`, a Buffer's "
-        "`persistent`)."))
+        "(a tensor function), a cast (`torch.Tensor.to` with `dtype`, `torch.Tensor.type_as`), "
+        "the dotted path of your own `nn.Module` class, or `Parameter` / `Buffer` (a tensor of "
+        "the layer's own: `shape`, `dtype`, `init`, a Buffer's `persistent`)."))
     # Names, nested lists (tuple arguments) and a last mapping (keywords);
     # ``in: []`` marks a factory.
     in_: Optional[Annotated[list[Annotated[Any, AfterValidator(_check_in_item)]],

@@ -165,13 +165,13 @@ class Branchy(nn.Module):
         return x
 
 
-class ToHalf(nn.Module):
+class ToDouble(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x):
-        return self.fc(x).half()
+        return self.fc(x).double()
 
 
 class RawParameter(nn.Module):
@@ -347,8 +347,9 @@ def test_constructor_arguments(project):
     ("Branchy", "importmodels.py:{line}:{col}: torch.fx cannot trace Branchy.forward: "
                 "TraceError: symbolically traced variables cannot be used as inputs to "
                 "control flow"),
-    ("ToHalf", "importmodels.py:{line}:{col}: fx node 'half' (call_method half): the tensor "
-               "method 'half' has no torch function a spec can apply (torch.NAME)"),
+    ("ToDouble", "importmodels.py:{line}:{col}: fx node 'double' (call_method double): casts "
+                 "float32 to float64, a dtype a spec does not have (float32, float16, "
+                 "bfloat16, int64, int32, bool)"),
     ("RawParameter", "importmodels.py:{line}:{col}: fx node 'scale' (get_attr scale): forward "
                      "reads a parameter of the module as a tensor (self.scale)"),
 ])
@@ -360,7 +361,7 @@ def test_what_cannot_be_expressed_is_an_error_at_its_line(project, cls, expected
     source = MODELS.splitlines()
     start = source.index(f"class {cls}(nn.Module):")
     line = next(i for i in range(start, len(source))
-                if "if x.sum()" in source[i] or "half()" in source[i] or "self.scale\n" in
+                if "if x.sum()" in source[i] or "double()" in source[i] or "self.scale\n" in
                 source[i] + "\n")
     col = len(source[line]) - len(source[line].lstrip()) + 1
     if cls == "Branchy":

@@ -19,6 +19,7 @@ from mpgen.commands.importer.arguments import (
     LAYER_FIELDS, MISSING, argument_names, constructor, drop_defaults, yaml_value)
 from mpgen.commands.importer.layers import Layer, Leaf, Ref, flat, rename_reads, swap
 from mpgen.commands.importer.trace import InputSpec, node_error, node_position, trace
+from mpgen.compiler.analysis import meta
 from mpgen.compiler.frontend import ops
 from mpgen.compiler.frontend.namespace import Namespace
 from mpgen.compiler.frontend.resolve import _TRAINING_FLAG  # the dropout-like functions
@@ -51,6 +52,11 @@ _VARARG_METHODS = frozenset({"view", "reshape", "permute", "flip", "tile", "expa
 _IDENTITY_METHODS = frozenset({"contiguous"})
 #: Factories whose sizes may come as separate arguments: ``torch.ones(n)``.
 _VARARG_FACTORIES = frozenset({"ones", "zeros", "empty", "rand", "randn"})
+#: Casts (docs/spec.md, "Casts"): tensor methods, and the functions that
+#: cast a tensor they are given (``torch.as_tensor(x, dtype=...)``).
+_CAST_METHODS = frozenset({"to", "type", "type_as", "float", "double", "half", "bfloat16",
+                           "long", "int", "short", "bool"})
+_CAST_FUNCTIONS = (torch.as_tensor, torch.asarray, torch.Tensor.to, torch.Tensor.type_as)
 
 
 class Importer:
@@ -211,6 +217,11 @@ class Importer:
         if node.op == "call_method" and target in _IDENTITY_METHODS:
             self.refs[node] = self.refs[args[0]]
             return
+        if (isinstance(value, torch.Tensor) and args and self.is_tensor_ref(args[0]) and (
+                (node.op == "call_method" and target in _CAST_METHODS)
+                or (node.op == "call_function" and target in _CAST_FUNCTIONS))):
+            self.cast(node, args[0], value.dtype)
+            return
         if self.size_node(node, value):
             return
         if target is operator.getitem and isinstance(args[0], fx.Node):
@@ -225,6 +236,24 @@ class Importer:
                 return
         op, args = self.function_op(node, args)
         self.function_layer(node, op, args, dict(node.kwargs))
+
+    def cast(self, node: fx.Node, source: fx.Node, dtype: torch.dtype) -> None:
+        """``x.long()``, ``x.to(torch.float16)``, ``x.type_as(y)``,
+        ``torch.as_tensor(x, dtype=...)``: a ``torch.Tensor.to`` layer of the
+        dtype the trace gave (none where the dtype stays: ``x.to(device)``)."""
+        before = self.values[source].dtype
+        if before == dtype:
+            self.refs[node] = self.refs[source]
+            return
+        written = meta.DTYPE_NAMES.get(dtype)
+        if written is None:
+            raise node_error(node, f"casts {str(before).removeprefix('torch.')} to "
+                                   f"{str(dtype).removeprefix('torch.')}, a dtype a spec does "
+                                   f"not have ({', '.join(meta.TORCH_DTYPES)})")
+        layer = Layer(self.layer_name(node), "torch.Tensor.to", node)
+        layer.inputs.append(self.tensor(source, node, layer.reads))
+        layer.kwargs["dtype"] = written
+        self.add_layer(layer, node)
 
     def size_node(self, node: fx.Node, value: Any) -> bool:
         """Sizes and shapes become expressions; True when ``node`` was one."""

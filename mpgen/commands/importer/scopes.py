@@ -24,11 +24,6 @@ from mpgen.compiler.frontend import ops
 from mpgen.compiler.frontend.namespace import Namespace, positional_name_problem
 from mpgen.errors import MpgenError
 
-#: Tensor methods that return their input when the dtype (and device) stay.
-_CASTS = frozenset({"to", "float", "type", "type_as", "double", "half", "bfloat16", "long",
-                    "int", "bool"})
-
-
 #: ``x.new_ones(...)``: the factory, with ``x``'s dtype unless given.
 _NEW_TENSORS = {"new_ones": "ones", "new_zeros": "zeros", "new_full": "full",
                 "new_empty": "empty", "new_tensor": "tensor"}
@@ -254,12 +249,7 @@ class ScopeImporter(Importer):
         return super().value(arg, user, reads)
 
     def function_node(self, node: fx.Node) -> None:
-        value = self.values.get(node)
         args = node.args
-        if (node.op == "call_method" and node.target in _CASTS and args
-                and self.is_tensor_ref(args[0]) and isinstance(value, torch.Tensor)):
-            self.cast(node, args[0], value.dtype)
-            return
         if node.op == "call_method" and node.target in _NEW_TENSORS:
             source, *rest = args  # x.new_ones(size): torch.ones(size, dtype=x.dtype)
             kwargs = {"dtype": self.values[source].dtype, **node.kwargs}
@@ -365,24 +355,6 @@ class ScopeImporter(Importer):
             return f"{size} - {-value}"
         return str(value)
 
-    def cast(self, node: fx.Node, source: fx.Node, dtype: torch.dtype) -> None:
-        """``x.float()``, ``x.to(torch.bool)``: the torch function that gives
-        the same values in that dtype (none where the dtype stays)."""
-        before = self.values[source].dtype
-        if before == dtype:
-            self.refs[node] = self.refs[source]
-            return
-        if dtype == torch.get_default_dtype() and not before.is_floating_point:
-            self.function_layer(node, "torch.mul", [source, 1.0], {})  # int * 1.0: float32
-        elif dtype == torch.bool:
-            self.function_layer(node, "torch.ne", [source, 0], {})
-        elif dtype == torch.int64 and before == torch.bool:
-            self.function_layer(node, "torch.mul", [source, 1], {})  # bool * 1: int64
-        else:
-            raise node_error(node, f"casts {str(before).removeprefix('torch.')} to "
-                                   f"{str(dtype).removeprefix('torch.')}, which a spec "
-                                   "cannot write")
-
     def tensor_layer(self, node: fx.Node) -> None:
         """A parameter or buffer of this module: a ``Parameter``/``Buffer`` layer."""
         value = self.values[node]
@@ -473,9 +445,11 @@ class ScopeImporter(Importer):
         for name, param in self.root.named_parameters():
             canonical[id(param)] = name
         for pname, param in call.module.named_parameters():
-            owner = self.blocks.written.get(id(param), canonical.get(id(param)))
+            owner = self.blocks.written.get(id(param))
             if owner and owner != f"{call.path}.{pname}":
                 layer.tie[pname] = self.rel(owner)
+            else:  # the first layer to hold it (T5's shared: a module forward never calls)
+                self.blocks.written.setdefault(id(param), f"{call.path}.{pname}")
 
     def leaf_outputs(self, layer: Layer, call: LeafCall, group: set) -> None:
         read = [n for n in call.nodes if any(u not in group for u in n.users)

@@ -440,10 +440,7 @@ class ScopeImporter(Importer):
         self.leaf_outputs(layer, call, group)
 
     def tie_params(self, layer: Layer, call: LeafCall, read: list) -> None:
-        """A parameter another module holds (``lm_head.weight = wte.weight``)."""
-        canonical = {}
-        for name, param in self.root.named_parameters():
-            canonical[id(param)] = name
+        """A parameter a layer before it holds (``lm_head.weight = wte.weight``)."""
         for pname, param in call.module.named_parameters():
             owner = self.blocks.written.get(id(param))
             if owner and owner != f"{call.path}.{pname}":

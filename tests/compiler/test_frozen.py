@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 
+import black
 import pytest
 import torch
 
 from helpers import build_to, import_generated, mpgen, write_spec
 from mpgen.compiler import driver
+from mpgen.compiler.codegen import format
 from mpgen.errors import MpgenError
 from mpgen.spec_schema.digest import canonical, spec_digest
 from mpgen.spec_schema.load import load_text
@@ -93,6 +95,13 @@ def test_the_generated_code_says_it_in_init(built):
         assert f"self.{layer}.requires_grad_(False)  # frozen (requires_grad: false)" in text
     assert "self.body.requires_grad_" not in text and "self.head.requires_grad_" not in text
     assert "trainable: 612 (the rest requires_grad: false)" in text
+
+
+def test_every_generated_file_is_in_blacks_layout(built):
+    _, result = built
+    for name, text in result.files.items():
+        if name.endswith(".py"):
+            assert black.format_str(text, mode=format.black_mode()) == text, name
 
 
 def test_the_pipeline_stages_freeze_them_too(built):

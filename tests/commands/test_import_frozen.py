@@ -119,3 +119,39 @@ def test_whispers_position_table_stays_frozen(tmp_path):
     generated, text, _ = reproduce(root, ["input_features=batch,8,32"], tmp_path)
     assert "embed_positions: {op: Embedding, args: [16, 32], requires_grad: false}" in text
     assert frozen_names(generated) == {"embed_positions.weight"}
+
+
+class Stack(nn.Module):
+    def __init__(self, frozen: tuple[int, ...]) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 16)
+        self.stem.requires_grad_(False)
+        self.blocks = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16))
+        for k in frozen:
+            self.blocks[k].requires_grad_(False)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(self.stem(x)))
+
+
+@pytest.mark.parametrize("frozen", [(1,), (0, 1, 2)])
+def test_torch_fx_too_and_copies_repeat_only_when_alike(tmp_path, frozen):
+    root = Stack(frozen)
+    specs = [importer.parse_input("x=batch,8")]
+    text = importer.import_module(root, specs, "mpgen import", tracer="fx").text
+    lines = [line.strip() for line in text.splitlines() if "op: Linear" in line]
+    assert lines[0] == "stem: {op: Linear, args: [8, 16], requires_grad: false}"
+    if frozen == (1,):  # the frozen copy breaks the run: no repeat
+        assert "repeat" not in text
+        assert [("requires_grad: false" in line) for line in lines] == [
+            True, False, True, False, False]
+    else:
+        assert "blocks: {op: Linear, args: [16, 16], repeat: 3, requires_grad: false}" in lines
+    path = tmp_path / "imported.yaml"
+    path.write_text(text)
+    result = build_to(path, tmp_path / "out", {"*": "cpu"})
+    model = import_generated(tmp_path / "out" / file_names(result.graph)["model"])
+    generated = getattr(model, result.graph.name)()
+    trains = [p.requires_grad for p in generated.parameters()]
+    assert trains == [p.requires_grad for p in root.parameters()]

@@ -110,6 +110,9 @@ class ScopeImporter(Importer):
         self.outputs: list[str] = []
         self.symbols: dict[str, str] = {}
         self.relative: dict[int, str] = {}  # id(layer) -> its module's path in this scope
+        #: ties whose owner is outside this scope: a parameter's path in it
+        #: (``embed_tokens.weight``) -> the owner's path, for the parent's layer
+        self.hoisted: dict[str, str] = {}
         self.inside = set(scope.nodes())
         module = scope.module
         self.names = Namespace(set())
@@ -443,10 +446,16 @@ class ScopeImporter(Importer):
         """A parameter a layer before it holds (``lm_head.weight = wte.weight``)."""
         for pname, param in call.module.named_parameters():
             owner = self.blocks.written.get(id(param))
-            if owner and owner != f"{call.path}.{pname}":
+            if owner and owner != f"{call.path}.{pname}" and not self.holds(owner):
+                self.hoisted[f"{layer.name}.{pname}"] = owner  # T5's decoder.embed_tokens
+            elif owner and owner != f"{call.path}.{pname}":
                 layer.tie[pname] = self.rel(owner)
             else:  # the first layer to hold it (T5's shared: a module forward never calls)
                 self.blocks.written.setdefault(id(param), f"{call.path}.{pname}")
+
+    def holds(self, path: str) -> bool:
+        """Whether ``path`` is inside this scope (the root's holds every path)."""
+        return not self.scope.path or path.startswith(self.scope.path + ".")
 
     def leaf_outputs(self, layer: Layer, call: LeafCall, group: set) -> None:
         read = [n for n in call.nodes if any(u not in group for u in n.users)
@@ -498,6 +507,11 @@ class ScopeImporter(Importer):
             lines = inner.block_lines()
             block = self.blocks.add(type(child.module), lines, child.path)
             layer = Layer(name, block, first, child.module)
+            for param, owner in inner.hoisted.items():  # tied on the instance
+                if self.holds(owner):
+                    layer.tie[param] = self.rel(owner)
+                else:
+                    self.hoisted[f"{name}.{param}"] = owner
         for node in inner.input_nodes:
             layer.inputs.append(self.tensor(node, first, layer.reads))
         outs = inner.external_outputs()

@@ -444,3 +444,22 @@ def test_a_failed_trace_in_a_librarys_code_names_its_line_and_the_callers(tmp_pa
     assert f"(called from hf_wrappers.py:{line}:" in message
     assert message.endswith("; try --trace dynamo (TorchDynamo runs forward's Python: "
                             "control flow, library code)\n")
+
+
+def test_a_wrapped_model_splits_over_two_devices_inside_the_librarys(tmp_path):
+    """With --devices 2, the library's model held whole (``lm``) and its body
+    inside (``lm.transformer``) are split: both devices hold parameters,
+    and the head's tie follows its owner, inside the split instance."""
+    pytest.importorskip("transformers")
+    let_torchvision_import()
+    (tmp_path / "hf_split.py").write_text(textwrap.dedent(HUGGING_FACE), encoding="utf-8")
+    ran = mpgen("import", "hf_split:WrappedLM", "--input", TOKENS, "--devices", "2", "-o",
+                "wrapped.yaml", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    text = (tmp_path / "wrapped.yaml").read_text()
+    assert "split: [lm, lm.transformer]" in text
+    result = build_to(tmp_path / "wrapped.yaml", tmp_path / "out")  # for two GPUs, none needed
+    by_device = result.graph.params_by_device()
+    assert set(by_device) == {"cuda:0", "cuda:1"} and all(by_device.values()), by_device
+    ties = {(n.name, t.param): t.source for n in result.graph.nodes for t in n.ties}
+    assert ties == {("lm.lm_head", "weight"): "lm.transformer.wte.weight"}

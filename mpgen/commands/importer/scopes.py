@@ -49,10 +49,14 @@ class Blocks:
         """The block instances an automatic placement places layer by layer:
         those of the model holding more than half of the ``total``
         parameters (a Llama's ``model``), else one device would hold them
-        whole. (Not yet instances inside them, ``bert.encoder``: the build
-        fails on such a split.)"""
-        return [path for path, count in self.instances.items()
-                if 2 * count > total and "." not in path]
+        whole, and such instances inside them (a wrapper's ``lm``, then its
+        ``lm.transformer``), outer first."""
+        chosen: list[str] = []
+        for path, count in sorted(self.instances.items(), key=lambda i: i[0].count(".")):
+            outer = path.rpartition(".")[0]
+            if 2 * count > total and (not outer or outer in chosen):
+                chosen.append(path)
+        return chosen
 
     def add(self, cls: type, lines: list[str], path: str = "") -> str:
         """The block of these lines: a known one, or a new one named after

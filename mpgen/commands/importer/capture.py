@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from mpgen.commands.importer.trace import InputSpec, TraceFailure, check_placeholders
@@ -168,6 +169,7 @@ def capture(root: nn.Module, inputs: Sequence[InputSpec]) -> Captured:
         else:
             values[node] = node.meta.get("example_value")
     ordered, placeholders = _placeholders(gm, inputs)
+    _functional_calls(root, gm, calls)
     scope = _scopes(root, gm, calls, attributes)
     return Captured(gm, ordered, scope, values, attributes, placeholders)
 
@@ -268,6 +270,41 @@ def _probes_at_readers(root: nn.Module, gm: fx.GraphModule) -> None:
             node.meta["nn_module_stack"] = dict(reader.meta["nn_module_stack"])
 
 
+def _functional_calls(root: nn.Module, gm: fx.GraphModule, calls: dict) -> None:
+    """``F.linear(x, self.qkv.weight, self.qkv.bias)`` (torchvision's Swin
+    attention) for an ``nn.Linear`` forward never calls: a call of that
+    module, its nodes on its stack and the call's arguments stood in for
+    by tensors of their shapes (what a leaf's layer is matched by)."""
+    linears = {id(m.weight): (path, m) for path, m in root.named_modules()
+               if type(m) is nn.Linear and path not in calls}
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (F.linear, torch._C._nn.linear):
+            continue
+        weight = node.args[1] if len(node.args) > 1 else node.kwargs.get("weight")
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        if not isinstance(weight, fx.Node) or weight.op != "get_attr":
+            continue
+        path, module = linears.get(id(getattr(gm, weight.target)), (None, None))
+        params = [weight] + ([bias] if isinstance(bias, fx.Node) else [])
+        if module is None or (module.bias is None) != (bias is None) or (
+                bias is not None and (not isinstance(bias, fx.Node) or bias.op != "get_attr"
+                                      or getattr(gm, bias.target) is not module.bias)) or any(
+                len(p.users) != 1 for p in params):
+            continue
+        stack = dict(node.meta.get("nn_module_stack") or {})
+        stack[f"functional {path}"] = (f"L['self'].{path}", nn.Linear)
+        for item in (*params, node):
+            node.prepend(item) if item is not node else None
+            item.meta["nn_module_stack"] = dict(stack)
+        x, out = node.args[0].meta.get("example_value"), node.meta.get("example_value")
+        calls[path] = [((_stand_in(x),), {}, _stand_in(out))]
+
+
+def _stand_in(value: torch.Tensor) -> torch.Tensor:
+    return torch.zeros([s.node.hint if isinstance(s, torch.SymInt) else s for s in value.shape],
+                       dtype=value.dtype)
+
+
 def holds(module: nn.Module, tensor: torch.Tensor) -> Optional[str]:
     """The name under which ``module`` holds ``tensor`` itself, if it does."""
     for name, own in [*module.named_parameters(recurse=False),
@@ -306,7 +343,7 @@ def sym_expression(value: Union[int, torch.SymInt], symbols: dict) -> Optional[s
 def _sympy_text(expr: Any, symbols: dict) -> Optional[str]:
     import sympy  # noqa: PLC0415
 
-    from torch.utils._sympy.functions import FloorDiv  # noqa: PLC0415
+    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod  # noqa: PLC0415
 
     def text(e: Any) -> Optional[str]:
         if isinstance(e, sympy.Integer):
@@ -316,6 +353,9 @@ def _sympy_text(expr: Any, symbols: dict) -> Optional[str]:
         if isinstance(e, FloorDiv):
             parts = [text(a) for a in e.args]
             return None if None in parts else f"({parts[0]}) // ({parts[1]})"
+        if isinstance(e, (Mod, PythonMod, sympy.Mod)):  # padding to a multiple: (7 - w % 7) % 7
+            parts = [text(a) for a in e.args]
+            return None if None in parts else f"({parts[0]}) % ({parts[1]})"
         if isinstance(e, (sympy.Add, sympy.Mul)):
             parts = [text(a) for a in e.args]
             if None in parts:

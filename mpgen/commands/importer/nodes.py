@@ -224,6 +224,9 @@ class Importer:
             return
         if self.size_node(node, value):
             return
+        if target is operator.setitem:
+            self.setitem(node)
+            return
         if target is operator.getitem and isinstance(args[0], fx.Node):
             source = self.refs.get(args[0])
             if isinstance(source, list) and isinstance(args[1], int):
@@ -321,6 +324,74 @@ class Importer:
         raise node_error(node, "indexing a spec cannot write (a step, a negative bound or "
                                "a tensor index)")
 
+    def setitem(self, node: fx.Node) -> None:
+        """``mask[a:b, c:d] = 3`` (Swin's shifted-window mask): the tensor
+        written anew without writing in place: the region narrowed dim by
+        dim, filled (``torch.full_like``) and scattered back
+        (``torch.slice_scatter``); later reads of the tensor read the new one."""
+        target, index, fill = node.args
+        index = list(index) if isinstance(index, tuple) else [index]
+        if not self.is_tensor_ref(target) or not isinstance(self.refs[target], str):
+            raise node_error(node, "assigns into a value that is not a tensor a spec names")
+        if isinstance(fill, bool) or not isinstance(fill, (int, float)):
+            raise node_error(node, "assigns a value other than a number into a tensor, which "
+                                   "a spec cannot write")
+        parts = []
+        for dim, item in enumerate(index):
+            if not isinstance(item, slice) or item.step not in (None, 1) or not all(
+                    v is None or (isinstance(v, int) and not isinstance(v, bool))
+                    or (isinstance(v, fx.Node) and v in self.sizes)
+                    for v in (item.start, item.stop)):
+                raise node_error(node, "assigns into a tensor at an index other than slices "
+                                       "(x[a:b, c:d] = 1), which a spec cannot write")
+            if item != slice(None):
+                parts.append((dim, item.start, item.stop))
+        earlier = node.prev
+        while earlier is not target and earlier.op != "root":
+            if earlier in target.users and earlier.target is not operator.setitem:
+                raise node_error(node, f"assigns into {target.name} after reading it, which "
+                                       "a spec cannot write (its tensors are not written in "
+                                       "place)")
+            earlier = earlier.prev
+
+        def bound(value: Any, tensor: str, dim: int, reads: list) -> str:
+            if isinstance(value, fx.Node):
+                return str(self.value(value, node, reads)).removeprefix("=")
+            return f"size({tensor}, {dim}) - {-value}" if value < 0 else str(value)
+
+        def filled(tensor: str, parts: list) -> str:
+            if not parts:
+                return self.added_layer(node, "torch.full_like", [tensor], [], [fill], tensor)
+            dim, start, stop = parts[0]
+            reads = [tensor]
+            size = f"size({tensor}, {dim})"
+            begin = bound(start, tensor, dim, reads) if start is not None else "0"
+            end = size if stop is None or (isinstance(stop, int) and stop >= 2 ** 62) else (
+                bound(stop, tensor, dim, reads))
+            length = f"{end} - ({begin})" if begin != "0" else end
+            region = self.added_layer(node, "torch.narrow", [tensor], reads,
+                                      [dim, _number(begin), _number(length)], tensor)
+            inner = filled(region, parts[1:])
+            return self.added_layer(node, "torch.slice_scatter", [tensor, inner], reads, [],
+                                    tensor, dim=dim, start=_number(begin), end=_number(end))
+
+        self.refs[target] = filled(self.refs[target], parts)
+
+    def added_layer(self, node: fx.Node, op: str, inputs: list, reads: list, args: list,
+                    base: str, **kwargs: Any) -> str:
+        """A layer of one step of ``node``, named after ``base``: its name."""
+        layer = Layer(self.names.fresh(base), op, node, args=list(args), kwargs=kwargs)
+        for ref in inputs:
+            if isinstance(ref, dict):
+                layer.keyword_inputs.update(ref)
+                layer.reads.extend(ref.values())
+            else:
+                layer.inputs.append(ref)
+                layer.reads.append(ref)
+        layer.reads.extend(reads)
+        self.layers.append(layer)
+        return layer.name
+
     def tensor_index(self, node: fx.Node, source: fx.Node, index: list) -> None:
         """``table[idx]``, ``x[:, idx]``, ``x[a, b]``: index tensors at adjacent
         dims, full slices around them. ``torch.index_select`` along the dim,
@@ -413,6 +484,8 @@ class Importer:
                         isinstance(args[0], (list, tuple)) or self.is_size_list(args[0])):
                     args = [list(args)]  # torch.ones(n) -> torch.ones([n])
                 return f"{prefix}.{name}", args
+        if target is torch._C._nn.pad:  # what F.pad calls, the same arguments
+            return "F.pad", args
         spelled = f"{getattr(target, '__module__', None) or '?'}.{name or target}"
         raise node_error(node, f"{spelled} is not a torch.NAME or F.NAME tensor function a "
                                "spec can apply")
@@ -481,6 +554,10 @@ class Importer:
             if name in [spec.name for spec in self.inputs]:
                 raise node_error(node, f"the model returns its input {name!r} unchanged")
             self.outputs.append(name)
+
+
+def _number(text: str) -> Any:
+    return int(text) if re.fullmatch(r"-?\d+", text) else f"={text}"
 
 
 def _grouped(expression: str) -> str:

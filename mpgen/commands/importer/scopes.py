@@ -205,7 +205,8 @@ class ScopeImporter(Importer):
                 self.scope_layer(item)
             elif item.op == "get_attr":
                 self.tensor_layer(item)
-            elif item.op == "call_function" and not item.users and self.values.get(item) is None:
+            elif (item.op == "call_function" and not item.users and self.values.get(item) is None
+                  and getattr(item.target, "__name__", "") != "setitem"):
                 continue  # torch's own bookkeeping (_log_api_usage_once)
             else:
                 self.function_node(item)
@@ -289,12 +290,13 @@ class ScopeImporter(Importer):
                 steps.append(("torch.unsqueeze", [dim]))
                 dim += 1
             elif isinstance(item, slice):
-                if item.step not in (None, 1):
-                    raise node_error(node, "indexing with a step, which a spec cannot write")
-                if item.start is None and item.stop is None:
+                if not isinstance(item.step, (int, type(None))) or (item.step or 1) < 1:
+                    raise node_error(node, "indexing with a step that is not a positive "
+                                           "number, which a spec cannot write")
+                if item.start is None and item.stop is None and item.step in (None, 1):
                     dim += 1
                     continue
-                steps.append(("slice", [dim, item.start, item.stop]))
+                steps.append(("slice", [dim, item.start, item.stop, item.step or 1]))
                 dim += 1
             elif isinstance(item, int) or (isinstance(item, fx.Node) and item in self.sizes):
                 steps.append(("torch.select", [dim, item]))
@@ -308,15 +310,18 @@ class ScopeImporter(Importer):
             layer = Layer(name, "torch.narrow" if op == "slice" else op, node)
             layer.inputs.append(self.tensor(current, node, layer.reads))
             if op == "slice":
-                d, start, stop = args
+                d, start, stop, step = args
                 size = f"size({layer.inputs[0]}, {d})"
                 begin = self.bound(start, size, node, layer) if start is not None else "0"
                 end = self.bound(stop, size, node, layer) if stop is not None else size
-                length = f"{end} - ({begin})" if begin != "0" else end
                 if stop is not None and not isinstance(stop, fx.Node) and stop >= 2 ** 62:
-                    length = f"{size} - ({begin})" if begin != "0" else size
+                    end = size
+                length = f"{end} - ({begin})" if begin != "0" else end
                 layer.reads.append(layer.inputs[0])
                 layer.args = [d, _number(begin), _number(length)]
+                if step != 1:  # x[..., 0::2, :]: every step-th from begin, before end
+                    layer.op = "torch.slice_copy"
+                    layer.args = [d, _number(begin), _number(end), step]
             else:
                 layer.args = [self.value(a, node, layer.reads) for a in args]
             self.layers.append(layer)

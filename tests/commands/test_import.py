@@ -450,6 +450,18 @@ class TinyLM(nn.Module):
 
     def forward(self, idx):
         return self.head(self.wte(idx))
+
+
+class TinyBody(nn.Module):
+    """Token ids [batch, seq] -> hidden states [batch, seq, dim]: no head."""
+
+    def __init__(self, vocab=40, dim=16):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, idx):
+        return self.mlp(self.wte(idx))
 '''
 
 
@@ -475,6 +487,15 @@ def test_a_language_model_gets_cross_entropy_over_its_last_dim(tmp_path, seq):
     torch.save({"idx": ids, "target": ids.roll(-1, 1)}, tmp_path / "tokens.pt")
     mpgen_runtime.train(training, ["--data", str(tmp_path / "tokens.pt"), "--steps", "2",
                                    "--batch-size", "4", "--log-dir", str(tmp_path / "runs")])
+
+
+def test_hidden_states_of_a_body_without_a_head_are_not_taken_for_logits(tmp_path):
+    # [batch, seq, 16] for ids [batch, seq]: shaped like logits, but 16 is the
+    # width, not the 40 rows of the embedding (LlamaModel's hidden states).
+    (tmp_path / "lms.py").write_text(LANGUAGE_MODELS, encoding="utf-8")
+    ran = mpgen("import", "lms:TinyBody", "--input", "idx=batch,12:int64", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    assert "\ntrain:" not in ran.stdout and "CrossEntropyLoss" not in ran.stdout
 
 
 def test_a_model_of_no_known_kind_gets_no_train_section(project):

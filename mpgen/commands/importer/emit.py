@@ -70,17 +70,33 @@ def train_lines(graph) -> list[str]:
     logits ``[batch, seq, vocab]`` for token ids ``[batch, seq]`` train with
     cross-entropy over the last dim, their targets shaped like the ids."""
     tokens = [t for t in graph.inputs if not t.type.dtype.startswith(("float", "bfloat"))]
+    vocab = _vocabularies(graph)
     for name in graph.outputs:
         out = graph.type_of(name)
         if out is None or not out.dtype.startswith(("float", "bfloat")):
             continue
-        if (len(out.shape) >= 2 and isinstance(out.shape[-1], int)
+        if (len(out.shape) >= 2 and out.shape[-1] in vocab
                 and any(t.type.shape == out.shape[:-1] for t in tokens)):
             loss = "{op: CrossEntropyLoss, class_dim: -1}"
             if len(graph.outputs) > 1:
                 loss = f"{{{name}: {loss}}}"
             return ["", "train:", f"  loss: {loss}  # logits {out}, a class per token id"]
     return []
+
+
+def _vocabularies(graph) -> set[int]:
+    """The row counts of the model's embedding tables: logits over one of
+    them are a language model's (hidden states of a body without a head,
+    ``[batch, seq, hidden]``, are not, whatever their width)."""
+    rows: set[int] = set()
+    for node in [*graph.nodes, *(n for block in graph.blocks for n in block.nodes)]:
+        target = node.op.target
+        if isinstance(target, type) and issubclass(target, nn.Embedding):
+            count = (node.init.positional[0] if node.init.positional
+                     else dict(node.init.keyword).get("num_embeddings"))
+            if isinstance(count, int):
+                rows.add(count)
+    return rows
 
 
 def check_builds(text: str, time_limit: Optional[float], inputs: Sequence = ()) -> str:

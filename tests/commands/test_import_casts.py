@@ -46,9 +46,11 @@ MODELS = {
 }
 #: the original's keys a generated model lacks: a module forward never calls
 UNCALLED = {"t5_encoder": {"shared.weight"}, "t5": {"shared.weight"}}
-#: T5Model's decoder reads the embedding its encoder holds: a tie from inside
-#: one block instance to a layer inside another, which a spec cannot write yet
-ACROSS_BLOCKS = "decoder.embed_tokens tied to encoder.embed_tokens: across block instances"
+#: T5Model's decoder reads the embedding its encoder holds: the import ties it
+#: on the decoder's instance (docs/spec.md, "Tied parameters"), whose dotted
+#: key the spec's schema does not take yet
+ACROSS_BLOCKS = ("decoder: tie: {embed_tokens.weight: encoder.embed_tokens.weight}: "
+                 "'embed_tokens.weight' is not a valid keyword argument name")
 CASES = [pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=ACROSS_BLOCKS))
          if case == "t5" else case for case in MODELS]
 
@@ -97,9 +99,13 @@ def test_reproduces_the_reference(case, tmp_path):
             param.normal_(0, 0.1)
     result, path = _built(imported.text, tmp_path, {"*": "cpu"})
     generated = getattr(import_generated(path), result.graph.name)()
+    # T5's block.0 and block.1 differ (the first holds the position bias):
+    # named block_0, block_1 (docs/import.md, "State-dict keys")
     renamed = {imported.original_key(k): k for k in generated.state_dict()}
     state = {renamed.get(k, k): v for k, v in root.state_dict().items()}
     assert set(state) - set(generated.state_dict()) == UNCALLED.get(case, set())
+    if case == "roberta":
+        assert not imported.renamed  # by name, no mapping
     generated.load_state_dict({k: v for k, v in state.items()
                                if k not in UNCALLED.get(case, set())}, strict=True)
     root.eval()

@@ -254,6 +254,22 @@ Dim = Annotated[Any, AfterValidator(_check_dim), WithJsonSchema(DIM_FORM)]
 KwargName = Annotated[str, AfterValidator(_check_kwarg_name), WithJsonSchema(KWARG_FORM)]
 
 
+def _check_parameter_path(name: str) -> str:
+    for part in name.split("."):
+        _check_kwarg_name(part)
+    return name
+
+
+_PART = "(?!(?:" + "|".join(keyword.kwlist) + ")(?:[.]|$))(?!__)[A-Za-z_][A-Za-z0-9_]*"
+PARAMETER_FORM = form(
+    "ParameterPath", "A parameter of the layer: `weight`, or inside a block instance "
+    "`embed_tokens.weight` (names as keyword arguments' are, joined by `.`).",
+    {"type": "string", "pattern": f"^(?:{_PART}[.])*{_PART}$"})
+#: A tie's key: a parameter of the layer, dotted inside a block instance.
+ParameterPath = Annotated[str, AfterValidator(_check_parameter_path),
+                          WithJsonSchema(PARAMETER_FORM)]
+
+
 def _one_or_many(value: Any) -> Any:
     return [value] if isinstance(value, str) else value
 
@@ -497,8 +513,9 @@ class LayerSpec(_Model):
         "Literal keyword arguments (or expressions) of a module's `forward`: "
         "`{is_causal: true}`."))
     # Shared parameters: ``tie: {weight: wte.weight}``.
-    tie: Optional[dict[KwargName, StrictStr]] = Field(default=None, min_length=1, description=(
-        "Parameters shared with an earlier layer: `{weight: wte.weight}`."))
+    tie: Optional[dict[ParameterPath, StrictStr]] = Field(default=None, min_length=1, description=(
+        "Parameters shared with an earlier layer: `{weight: wte.weight}`; on a block instance, "
+        "a parameter inside it: `{embed_tokens.weight: encoder.embed_tokens.weight}`."))
     init_: Optional[LayerInit] = Field(default=None, alias="init", description=(
         "The layer's own initializers, applied after the top-level `init`; a plain value is "
         "instead the constructor's `init` argument (`{op: PReLU, init: 0.25}`)."))

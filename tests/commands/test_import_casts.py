@@ -10,7 +10,8 @@ spec, from both tracers.
 T5 holds its token embedding as ``shared``, which forward never calls (its
 stacks' ``embed_tokens`` share the weight): the first of those to run holds
 it, so ``shared.weight`` is the one key the generated model lacks (as BART's
-``model.shared.weight``, docs/import.md, "State-dict keys").
+``model.shared.weight``, docs/import.md, "State-dict keys"); T5Model's
+decoder ties its embedding to the encoder's on its block instance.
 """
 
 from __future__ import annotations
@@ -46,13 +47,6 @@ MODELS = {
 }
 #: the original's keys a generated model lacks: a module forward never calls
 UNCALLED = {"t5_encoder": {"shared.weight"}, "t5": {"shared.weight"}}
-#: T5Model's decoder reads the embedding its encoder holds: the import ties it
-#: on the decoder's instance (docs/spec.md, "Tied parameters"), whose dotted
-#: key the spec's schema does not take yet
-ACROSS_BLOCKS = ("decoder: tie: {embed_tokens.weight: encoder.embed_tokens.weight}: "
-                 "'embed_tokens.weight' is not a valid keyword argument name")
-CASES = [pytest.param(case, marks=pytest.mark.xfail(strict=True, reason=ACROSS_BLOCKS))
-         if case == "t5" else case for case in MODELS]
 
 
 def _import(case: str, devices=None):
@@ -87,7 +81,7 @@ def _tensors(output) -> list[torch.Tensor]:
     return []
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", MODELS)
 def test_reproduces_the_reference(case, tmp_path):
     pytest.importorskip("transformers")
     root, specs, imported = _import(case)
@@ -129,7 +123,7 @@ def test_reproduces_the_reference(case, tmp_path):
                                        msg=name)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", MODELS)
 def test_splits_over_two_devices(case, tmp_path):
     pytest.importorskip("transformers")
     _, _, imported = _import(case, devices=2)

@@ -1154,6 +1154,27 @@ class Graph:
         """Node name -> ``repeat``, for :func:`unit_labels`."""
         return {n.name: n.repeat for n in self.nodes}
 
+    def attribute_code(self, path: str, nodes: Optional[Sequence[Node]] = None) -> str:
+        """``self.transformer.wte.weight``: a module's or parameter's path in
+        the model (or in a block whose layers are ``nodes``) as code, through
+        layers named by position (``self.conv1[0].weight``; NOTE [Layers named
+        by position] in codegen/model.py) and copies of a repeated layer
+        (``self.h[3]``)."""
+        blocks = {b.name: b for b in self.blocks}
+        scope: Optional[dict[str, Node]] = {n.name: n for n in (
+            self.nodes if nodes is None else nodes)}
+        code = "self"
+        for part in path.split("."):
+            node = scope.get(part) if scope is not None else None
+            if node is not None and node.position is not None:
+                code += f"[{node.position}]"
+            else:
+                code += f"[{part}]" if part.isdigit() else f".{part}"
+            scope = ({n.name: n for n in blocks[node.op.target].nodes}
+                     if node is not None and node.op.kind is OpKind.BLOCK
+                     and node.repeat is None else None)
+        return code
+
     def value_name(self, name: str) -> str:
         """The value a name stands for: itself, or what a split output became."""
         return dict(self.aliases).get(name, name)

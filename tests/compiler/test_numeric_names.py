@@ -15,6 +15,7 @@ from helpers import build_to, import_generated, write_spec
 from mpgen.compiler import driver
 from mpgen.compiler.codegen.common import file_names
 from mpgen.errors import MpgenError
+from mpgen.testing import virtual_devices
 
 SPEC = """\
 mpgen: 1
@@ -128,6 +129,22 @@ def test_placement_places_an_instance_with_such_layers_whole(tmp_path):
     result = build_to(write_spec(tmp_path, text), tmp_path / "out")
     devices = {n.name: n.devices for n in result.graph.nodes}
     assert devices["conv1"] == ("cuda:0",) and devices["stage"] == ("cuda:1",)
+
+
+def test_a_tie_to_such_a_layer_crosses_devices(tmp_path):
+    text = SPEC + "placement:\n  conv1: cuda:0\n  again: cuda:1\n"
+    result = build_to(write_spec(tmp_path, text), tmp_path / "out")
+    path = tmp_path / "out" / file_names(result.graph)["model"]
+    code = path.read_text()
+    assert 'self.stage[0][0].weight.to("cuda:1")' in code
+    torch.manual_seed(0)
+    reference = Reference().eval()
+    x = torch.randn(2, 3, 8, 8)
+    with virtual_devices(cuda=2):
+        model = import_generated(path).SeqNet().eval()
+        model.load_state_dict(reference.state_dict(), strict=True)
+        got = model(x)
+    torch.testing.assert_close(got.cpu(), reference(x), rtol=1e-5, atol=1e-5)
 
 
 SPLIT = "placement:\n  conv1: cuda:0\n  {key}: cuda:1\n"

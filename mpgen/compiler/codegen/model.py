@@ -415,24 +415,10 @@ def assignment(node: Node, value: str) -> str:
 
 
 def source_code(graph: Graph, path: str, nodes: Optional[Sequence[Node]] = None) -> str:
-    """``self.transformer.wte.weight``: a tied parameter's source path as code,
-    through layers named by position (``self.conv1[0].weight``) and the
-    copies of a repeated layer (``self.h[3]``); the path of the model's
-    layers, or of ``nodes`` (a block's)."""
-    blocks = {b.name: b for b in graph.blocks}
-    scope: Optional[dict[str, Node]] = {n.name: n for n in (graph.nodes if nodes is None
-                                                             else nodes)}
-    code = "self"
-    for part in path.split("."):
-        node = scope.get(part) if scope is not None else None
-        if node is not None and node.position is not None:
-            code += f"[{node.position}]"
-        else:
-            code += f"[{part}]" if part.isdigit() else f".{part}"
-        scope = ({n.name: n for n in blocks[node.op.target].nodes}
-                 if node is not None and node.op.kind is OpKind.BLOCK and node.repeat is None
-                 else None)
-    return code
+    """``self.conv1[0].weight``: a tied parameter's source path as code
+    (:meth:`Graph.attribute_code`); the path of the model's layers, or of
+    ``nodes`` (a block's)."""
+    return graph.attribute_code(path, nodes)
 
 
 def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,

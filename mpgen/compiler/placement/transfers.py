@@ -125,7 +125,8 @@ def plan_transfers(graph: Graph) -> ForwardPlan:
                 if (tie.source, device) not in tied_copies:
                     copy = ns.fresh(f"{tie.owner}_{tie.owner_param}".replace(".", "_"))
                     transfers.append(Transfer(ValueRef(tie.source), owner, device,
-                                              f"self.{tie.source}", copy, tie.type))
+                                              graph.attribute_code(tie.source), copy,
+                                              tie.type))
                     tied_copies[(tie.source, device)] = copy
                 tied.append((tie.param, tied_copies[(tie.source, device)]))
         loop_var = None

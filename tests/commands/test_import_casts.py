@@ -4,7 +4,7 @@ logarithm, and RoBERTa, whose position ids are ``.int()`` of a mask, a
 ``cumsum``, ``.type_as`` and ``.long()``. Each imports through TorchDynamo,
 builds for the CPU and for two devices, loads the reference's own
 ``state_dict()`` strictly by name, and gives its outputs and every gradient
-within 1e-5; a cast a spec writes and one that disappears are seen in the
+within 1e-5, in eval and train mode; a cast a spec writes and one that disappears are seen in the
 spec, from both tracers.
 
 T5 holds its token embedding as ``shared``, which forward never calls (its
@@ -102,25 +102,30 @@ def test_reproduces_the_reference(case, tmp_path):
         assert not imported.renamed  # by name, no mapping
     generated.load_state_dict({k: v for k, v in state.items()
                                if k not in UNCALLED.get(case, set())}, strict=True)
-    root.eval()
-    generated.eval()
     generator = torch.Generator().manual_seed(1)
     samples = [torch.randint(0, 64, [2 if d == "batch" else d for d in spec.dims],
                              generator=generator) for spec in specs]
-    expected = _tensors(root(**{s.name: x for s, x in zip(specs, samples)}))
-    got = _tensors(generated(*samples))
-    assert len(got) == len(expected) > 0
-    for mine, theirs in zip(got, expected):
-        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
-    sum(t.sum() for t in expected).backward()
-    sum(t.sum() for t in got).backward()
     theirs = {name: param for name, param in root.named_parameters(remove_duplicate=False)}
-    for name, param in generated.named_parameters():
-        original = theirs[imported.original_key(name)]
-        assert (param.grad is None) == (original.grad is None), name
-        if param.grad is not None:
-            torch.testing.assert_close(param.grad, original.grad, rtol=1e-5, atol=1e-5,
-                                       msg=name)
+    for train in (False, True):  # in train mode, the same dropout masks from the same seed
+        root.train(train)
+        generated.train(train)
+        root.zero_grad()
+        generated.zero_grad()
+        torch.manual_seed(2)
+        expected = _tensors(root(**{s.name: x for s, x in zip(specs, samples)}))
+        torch.manual_seed(2)
+        got = _tensors(generated(*samples))
+        assert len(got) == len(expected) > 0
+        for mine, reference in zip(got, expected):
+            torch.testing.assert_close(mine, reference, rtol=1e-5, atol=1e-5)
+        sum(t.sum() for t in expected).backward()
+        sum(t.sum() for t in got).backward()
+        for name, param in generated.named_parameters():
+            original = theirs[imported.original_key(name)]
+            assert (param.grad is None) == (original.grad is None), name
+            if param.grad is not None:
+                torch.testing.assert_close(param.grad, original.grad, rtol=1e-5, atol=1e-5,
+                                           msg=f"{name} (train={train})")
 
 
 @pytest.mark.parametrize("case", MODELS)

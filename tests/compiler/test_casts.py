@@ -99,6 +99,7 @@ def _build(tmp_path, text, device_map=CPU):
     return result.graph, getattr(import_generated(path), result.graph.name), path.read_text()
 
 
+@pytest.mark.slow
 def test_t5_buckets_reproduce_the_reference(tmp_path):
     graph, Model, code = _build(tmp_path, SPEC)
     types = {n.name: n.out.dtype for n in graph.nodes}

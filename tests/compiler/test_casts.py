@@ -225,3 +225,17 @@ def test_a_dtype_the_next_layer_cannot_take_is_an_error_there(tmp_path, dtype, r
     with pytest.raises(MpgenError) as info:
         driver.compile_spec(write_spec(tmp_path, text))
     assert f"spec.yaml:7:3: {message}" in str(info.value)
+
+
+def test_an_integer_cast_keeps_the_range_of_positions_a_table_is_checked_against(tmp_path):
+    """RoBERTa's position ids are int32 on their way to the table: the build
+    still knows which rows they read."""
+    text = ("mpgen: 1\nname: M\ninputs:\n  ids: {shape: [batch, 12], dtype: int64}\nlayers:\n"
+            "  pos: {op: torch.arange, in: [], end: \"=size(ids, 1)\"}\n"
+            "  pos32: {op: torch.Tensor.to, dtype: int32}\n"
+            "  table: {op: Embedding, args: [8, 4]}\n")
+    with pytest.raises(MpgenError) as info:
+        driver.compile_spec(write_spec(tmp_path, text))
+    assert ("spec.yaml:8:3: layer 'table': Embedding(8, 4) has 8 rows, but 'pos32' reads it "
+            "at indices up to 11, made by layer 'pos'") in str(info.value)
+    driver.compile_spec(write_spec(tmp_path, text.replace("[8, 4]", "[12, 4]")))

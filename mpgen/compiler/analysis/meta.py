@@ -474,7 +474,8 @@ _SAME_VALUES = frozenset({
     "flip", "fliplr", "flipud", "roll", "narrow", "select", "index_select", "clone", "t",
     "ravel", "atleast_1d", "atleast_2d", "atleast_3d", "take", "gather", "diagonal",
     "take_along_dim", "contiguous", "expand_copy", "view_copy", "squeeze_copy",
-    "unsqueeze_copy", "permute_copy", "transpose_copy", "select_copy", "narrow_copy"})
+    "unsqueeze_copy", "permute_copy", "transpose_copy", "select_copy", "narrow_copy",
+    "to", "type_as"})  # casts (torch.Tensor.to), kept where the result is of integers
 #: Ops whose output holds values of all their tensor inputs.
 _JOINED = frozenset({"cat", "concat", "concatenate", "stack", "hstack", "vstack", "dstack",
                      "column_stack", "row_stack"})

@@ -209,6 +209,18 @@ class BertClassifier(nn.Module):
         return self.classifier(self.bert(input_ids).pooler_output)
 
 
+class BertTagger(nn.Module):
+    """A head on the hidden states: the pooler runs, its result dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.bert = BertModel(BertConfig(**BERT))
+        self.tags = nn.Linear(32, 5)
+
+    def forward(self, input_ids):
+        return self.tags(self.bert(input_ids).last_hidden_state)
+
+
 class BartEncoderHead(nn.Module):
     def __init__(self):
         super().__init__()
@@ -321,7 +333,7 @@ def _import_and_compare(tmp_path, monkeypatch, source: str, module: str, cls: st
 
 
 @pytest.mark.parametrize("cls", ["TiedHead", "WrappedLM", "LlamaScorer", "BertClassifier",
-                                 "BartEncoderHead"])
+                                 "BertTagger", "BartEncoderHead"])
 def test_a_wrapped_hugging_face_model(cls, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
     let_torchvision_import()  # transformers imports torchvision
@@ -333,6 +345,9 @@ def test_a_wrapped_hugging_face_model(cls, tmp_path, monkeypatch):
         assert generated.lm.lm_head.weight is generated.lm.transformer.wte.weight
         assert {"lm.lm_head.weight", "lm.transformer.wte.weight"} <= set(
             generated.state_dict())
+    if cls == "BertTagger":  # kept, its keys the original's; no gradient reaches it
+        assert "bert.pooler.dense.weight" in generated.state_dict()
+        assert not any(p.requires_grad for p in generated.bert.pooler.parameters())
 
 
 @pytest.mark.parametrize("cls", ["ResNetFeatures", "ViT", "EfficientNet", "TimmResNet"])

@@ -151,7 +151,7 @@ def capture(root: nn.Module, inputs: Sequence[InputSpec]) -> Captured:
         raise TraceFailure(exc, "dynamo", cls) from None
     finally:
         dynamo.reset()
-    gm.graph.eliminate_dead_code()
+    _eliminate_dead_code(root, gm)
     _probes_at_readers(root, gm)
     with _recording_calls(root, calls), torch.no_grad():
         root(**{k: v.clone() for k, v in samples.items()})
@@ -244,6 +244,48 @@ def _scopes(root: nn.Module, gm: fx.GraphModule, calls: dict, attributes: dict) 
         else:
             scope.items.append(node)
     return top
+
+
+def _eliminate_dead_code(root: nn.Module, gm: fx.GraphModule) -> None:
+    """The nodes no output needs removed (torch's bookkeeping, sizes read and
+    dropped), but the calls of modules holding parameters whose result
+    ``forward`` drops: PyTorch runs them (``BertModel``'s pooler, in a
+    wrapper that reads only ``last_hidden_state``), and their layers keep
+    the original's keys (:mod:`.scopes` writes them ``requires_grad:
+    false``, since no gradient reaches them)."""
+    nodes = list(gm.graph.nodes)
+    live: set[fx.Node] = set()
+
+    def keep(node: fx.Node) -> None:
+        todo = [node]
+        while todo:
+            node = todo.pop()
+            if node not in live:
+                live.add(node)
+                todo.extend(node.all_input_nodes)
+
+    for node in nodes:
+        if node.op in ("placeholder", "output") or node.is_impure():
+            keep(node)
+    calls: dict[str, list[fx.Node]] = {}  # a call's stack key -> its nodes
+    for node in nodes:
+        for key in node.meta.get("nn_module_stack") or {}:
+            calls.setdefault(key, []).append(node)
+    for key, members in calls.items():
+        if any(m in live for m in members) or not any(
+                m.op in ("call_function", "call_method", "call_module") for m in members):
+            continue
+        where, _ = members[0].meta["nn_module_stack"][key]
+        try:
+            module = root.get_submodule(_path(where))
+        except AttributeError:
+            continue
+        if _path(where) and any(True for _ in module.parameters()):
+            for member in members:
+                keep(member)
+    for node in reversed(nodes):  # users before what they read
+        if node not in live:
+            gm.graph.erase_node(node)
 
 
 def _probes_at_readers(root: nn.Module, gm: fx.GraphModule) -> None:

@@ -174,9 +174,16 @@ class ScopeImporter(Importer):
         return list(found)
 
     def external_outputs(self) -> list[fx.Node]:
-        return [n for n in self.scope.nodes()
-                if any(u not in self.inside for u in n.users) and n.op != "get_attr"
+        """The values read outside; of a call whose result forward drops
+        (:func:`.capture._eliminate_dead_code`), its last tensor."""
+        found = [n for n in self.scope.nodes()
+                 if any(u not in self.inside for u in n.users) and n.op != "get_attr"
+                 and _is_tensor(self.values.get(n))]
+        if found or self.scope.parent is None:
+            return found
+        last = [n for n in self.scope.nodes() if n.op != "get_attr" and n in self.refs
                 and _is_tensor(self.values.get(n))]
+        return last[-1:]
 
     def register(self, name: str, value: Any) -> None:
         """Symbols of ``value``'s shape, read from ``name`` where not yet known."""
@@ -472,6 +479,9 @@ class ScopeImporter(Importer):
         if isinstance(call.output, torch.Tensor):
             if len(read) > 1:
                 raise node_error(read[1], f"reads a value inside {call.path}")
+            if not read:  # a result forward drops: the call's last value, for a kept call
+                read = [n for n in call.nodes if not n.users
+                        and _is_tensor(self.values.get(n)) and n.op != "get_attr"][-1:]
             if read:
                 self.refs[read[0]] = layer.name
                 self.register(layer.name, self.values.get(read[0]))
@@ -524,6 +534,8 @@ class ScopeImporter(Importer):
         for node in inner.input_nodes:
             layer.inputs.append(self.tensor(node, first, layer.reads))
         outs = inner.external_outputs()
+        if not any(u not in inner.inside for n in outs for u in n.users):
+            layer.kwargs["requires_grad"] = False  # forward drops it: no gradient reaches it
         if len(outs) == 1:
             self.refs[outs[0]] = name
             self.register(name, self.values.get(outs[0]))

@@ -342,11 +342,12 @@ class MetaBlock(nn.Module):
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def parameter_count(attribute: Any) -> int:
-    """The parameters of a layer's attribute: a module's, or a Parameter's own."""
-    if isinstance(attribute, torch.Tensor):
-        return attribute.numel() if isinstance(attribute, nn.Parameter) else 0
-    return sum(p.numel() for p in attribute.parameters())
+def parameter_count(attribute: Any, trainable: bool = False) -> int:
+    """The parameters of a layer's attribute: a module's, or a Parameter's own
+    (``trainable``: only those that require a gradient)."""
+    params = ([attribute] if isinstance(attribute, nn.Parameter) else [] if isinstance(
+        attribute, torch.Tensor) else attribute.parameters())
+    return sum(p.numel() for p in params if p.requires_grad or not trainable)
 
 
 class OwnTensorLayer(nn.Module):

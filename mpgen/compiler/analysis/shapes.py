@@ -506,7 +506,8 @@ class _Runner(meta.Hooks):
         types = {name: self.symbols.type(outputs[name]) for n in block.nodes
                  for name in n.value_names}
         count = sum(p.numel() for p in module.parameters())
-        layers = {n.name: meta.parameter_count(getattr(module, n.name))
+        # what trains: a frozen layer no output reads is no layer left untrained
+        layers = {n.name: meta.parameter_count(getattr(module, n.name), trainable=True)
                   for n in block.nodes if n.op.has_module}
         self.block_uses.setdefault(block.name, []).append((dict(params), types, count, layers))
 

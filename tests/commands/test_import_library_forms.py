@@ -188,6 +188,27 @@ class Mask(nn.Module):
         return x @ mask
 
 
+class Probes(nn.Module):
+    """``self.dtype`` and ``self.device`` read in forward, as diffusers' and
+    transformers' ModelMixin/PreTrainedModel give them."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    @property
+    def dtype(self):
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self):
+        return next(self.parameters()).device
+
+    def forward(self, x):
+        ones = torch.ones(6, dtype=self.dtype, device=self.device)
+        return self.fc(x.to(self.dtype)) + ones
+
+
 class Apart(nn.Module):
     def forward(self, x, idx):
         return x[idx, :, idx]
@@ -199,11 +220,14 @@ class Apart(nn.Module):
     ("Columns", ["x=batch,5,4", "idx=3:int64"], "fx"),
     ("Columns", ["x=batch,5,4", "idx=3:int64"], "dynamo"),
     ("Mask", ["x=batch,6"], "dynamo"),
+    ("Probes", ["x=batch,6"], "dynamo"),
 ])
-def test_tables_indexed_with_tensors(cls, inputs, tracer, tmp_path, monkeypatch):
+def test_tables_masks_and_probes(cls, inputs, tracer, tmp_path, monkeypatch):
     """``table[idx]`` (an index of two dims), ``table[idx.view(-1)]``,
     ``x[a, b]`` of a table of three dims and ``x[:, idx]``: index_select,
-    reshaped where the index has other than one dim; the same outputs and
+    reshaped where the index has other than one dim; a mask written by
+    slice assignments; probes of the model's dtype and device (none in the
+    spec; the parameter they read stays its layer's): the same outputs and
     gradients as the original."""
     from mpgen.commands import importer
 
@@ -212,7 +236,8 @@ def test_tables_indexed_with_tensors(cls, inputs, tracer, tmp_path, monkeypatch)
     root = importer.load_module(f"tables:{cls}", None, None)
     specs = [importer.parse_input(text) for text in inputs]
     imported = importer.import_module(root, specs, "mpgen import", tracer=tracer)
-    assert ("torch.slice_scatter" if cls == "Mask" else "torch.index_select") in imported.text
+    expected_op = {"Mask": "torch.slice_scatter", "Probes": "fc: {op: Linear"}
+    assert expected_op.get(cls, "torch.index_select") in imported.text
     generated = _generated(imported, tmp_path)
     generated.load_state_dict(root.state_dict(), strict=True)
     x = torch.randn(2, *specs[0].dims[1:], requires_grad=True)

@@ -49,7 +49,7 @@ def render_model(graph: Graph) -> str:
     for line in imports(graph):
         w.line(line)
     for block in used_blocks(graph):
-        _block_class(w, block)
+        _block_class(w, block, graph)
     _model_class(w, graph)
     return w.text()
 
@@ -136,7 +136,7 @@ def _returns(n: int) -> str:
     return "torch.Tensor" if n == 1 else f"tuple[{', '.join(['torch.Tensor'] * n)}]"
 
 
-def _block_class(w: PythonWriter, block: BlockClass) -> None:
+def _block_class(w: PythonWriter, block: BlockClass, graph: Graph) -> None:
     doc = [f"Block {block.name}" + (f"({', '.join(block.params)})" if block.params else "") + "."]
     if block.params_count is not None:
         doc += ["", f"{count(block.params_count)} parameters per instance."]
@@ -166,7 +166,8 @@ def _block_class(w: PythonWriter, block: BlockClass) -> None:
         for node in block.nodes:  # a parameter shared inside the block, as PyTorch does
             for tie in node.ties:
                 w.comment(f"Tied: {node.name}.{tie.param} is {tie.source}")
-                w.line(f"self.{node.name}.{tie.param} = self.{tie.source}")
+                w.line(f"{source_code(graph, f'{node.name}.{tie.param}', block.nodes)} = "
+                       f"{source_code(graph, tie.source, block.nodes)}")
 
     def forward() -> None:
         for node in block.nodes:

@@ -118,6 +118,76 @@ def test_ties_inside_a_block_share_one_parameter_as_pytorch_does(tmp_path):
         torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-5, atol=1e-5)
 
 
+SHARED_EMBEDDING = """
+mpgen: 1
+name: Shared
+inputs:
+  idx: {shape: [batch, 8], dtype: int64}
+blocks:
+  Embed:
+    inputs: [idx]
+    layers:
+      wte: {op: Embedding, args: [50, 16]}
+      ln: {op: LayerNorm, args: [16]}
+  EncoderDecoder:
+    inputs: [idx]
+    layers:
+      encoder: {op: Embed}
+      decoder: {op: Embed, in: idx, tie: {wte.weight: encoder.wte.weight}}
+      both: {op: torch.add, in: [encoder, decoder]}
+layers:
+  model: {op: EncoderDecoder}
+"""
+
+
+class Embed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(50, 16)
+        self.ln = nn.LayerNorm(16)
+
+    def forward(self, idx):
+        return self.ln(self.wte(idx))
+
+
+class EncoderDecoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Embed()
+        self.decoder = Embed()
+        self.decoder.wte.weight = self.encoder.wte.weight
+
+    def forward(self, idx):
+        return self.encoder(idx) + self.decoder(idx)
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = EncoderDecoder()
+
+    def forward(self, idx):
+        return self.model(idx)
+
+
+def test_a_tie_into_a_block_instance_inside_a_block(tmp_path):
+    """BART's two embeddings, one parameter: the tie names a parameter inside
+    the layer's block instance (``wte.weight`` of ``decoder``)."""
+    result, generated = _built(tmp_path, SHARED_EMBEDDING)
+    assert generated.model.decoder.wte.weight is generated.model.encoder.wte.weight
+    reference = Shared()
+    assert result.graph.total_params == sum(p.numel() for p in reference.parameters())
+    generated.load_state_dict(reference.state_dict(), strict=True)
+    idx = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
+    expected, got = reference(idx), generated(idx)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    expected.sum().backward()
+    got.sum().backward()
+    theirs = dict(reference.named_parameters())
+    for name, param in generated.named_parameters():
+        torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-5, atol=1e-5)
+
+
 def test_a_tie_inside_a_split_block_instance_is_the_models(tmp_path):
     """Placement splits ``lm``: its layers become the model's, and so do its
     ties, with owners by path; the one parameter moves once to cuda:1."""

@@ -5,7 +5,7 @@ Each wrapper is a module of the project (written into ``tmp_path``, the
 working directory), imported with the real command line and no ``--trace``;
 the spec is built for the CPU, the wrapper's own ``state_dict()`` loads into
 the generated model strictly by name, and outputs and every gradient agree
-within 1e-5. Ties inside a block (``GPT2LMHeadModel``'s head, held in a
+within 1e-5, in eval and train mode. Ties inside a block (``GPT2LMHeadModel``'s head, held in a
 wrapper) are the compiler's (docs/spec.md, "Tied parameters"): the first
 tests build them from a hand-written spec.
 """
@@ -370,8 +370,8 @@ def _import_and_compare(tmp_path, monkeypatch, source: str, module: str, cls: st
                         inputs: list[str]):
     """``mpgen import MODULE:CLS`` run in ``tmp_path`` (no --trace); the spec
     built for the CPU loads the wrapper's own state_dict() strictly by name
-    and gives its outputs and every gradient within 1e-5. Returns the CLI's
-    run, the wrapper and the generated model."""
+    and gives its outputs and every gradient within 1e-5, in eval and train
+    mode. Returns the CLI's run, the wrapper and the generated model."""
     (tmp_path / f"{module}.py").write_text(textwrap.dedent(source), encoding="utf-8")
     args = [a for text in inputs for a in ("--input", text)]
     ran = mpgen("import", f"{module}:{cls}", *args, "-o", "wrapped.yaml", cwd=tmp_path)
@@ -385,20 +385,26 @@ def _import_and_compare(tmp_path, monkeypatch, source: str, module: str, cls: st
             param.normal_(0, 0.1)
     _, generated = _built(tmp_path, (tmp_path / "wrapped.yaml").read_text())
     generated.load_state_dict(original.state_dict(), strict=True)
-    original.eval()
-    generated.eval()
     samples = _samples(inputs)
-    expected, got = original(*samples), generated(*samples)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    expected.sum().backward()
-    got.sum().backward()
     theirs = dict(original.named_parameters(remove_duplicate=False))
     assert len(list(generated.parameters())) == len(list(original.parameters()))
-    for name, param in generated.named_parameters():
-        assert (param.grad is None) == (theirs[name].grad is None), name
-        if param.grad is not None:
-            torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-5, atol=1e-5,
-                                       msg=name)
+    for train in (False, True):  # in train mode, the same dropout masks from the same seed
+        original.train(train)
+        generated.train(train)
+        original.zero_grad()
+        generated.zero_grad()
+        torch.manual_seed(7)
+        expected = original(*samples)
+        torch.manual_seed(7)
+        got = generated(*samples)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=f"train={train}")
+        expected.sum().backward()
+        got.sum().backward()
+        for name, param in generated.named_parameters():
+            assert (param.grad is None) == (theirs[name].grad is None), name
+            if param.grad is not None:
+                torch.testing.assert_close(param.grad, theirs[name].grad, rtol=1e-5,
+                                           atol=1e-5, msg=f"{name} (train={train})")
     return ran, original, generated
 
 

@@ -155,7 +155,8 @@ def _inside_splits(graph: Graph, entries: list[tuple[str, str]], position: Mappi
 
 def _span(graph: Graph, key: str, position: Mapping) -> Optional[tuple[int, int]]:
     """The first and last unit positions a placement key names (None: none)."""
-    label = UnitRange.parse(key)
+    # a layer's whole name first: features.3 is a layer of a split nn.Sequential
+    label = UnitRange(key) if key in graph.repeats else UnitRange.parse(key)
     if label is None or label.node not in graph.repeats:
         return None
     node = graph.node(label.node)

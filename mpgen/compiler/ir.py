@@ -1161,15 +1161,20 @@ class Graph:
         by position] in codegen/model.py) and copies of a repeated layer
         (``self.h[3]``)."""
         blocks = {b.name: b for b in self.blocks}
+        splits = {s.path: s.block for s in self.splits} if nodes is None else {}
         scope: Optional[dict[str, Node]] = {n.name: n for n in (
             self.nodes if nodes is None else nodes)}
         code = "self"
-        for part in path.split("."):
+        parts = path.split(".")
+        for end, part in enumerate(parts, 1):
             node = scope.get(part) if scope is not None else None
             if node is not None and node.position is not None:
                 code += f"[{node.position}]"
             else:
                 code += f"[{part}]" if part.isdigit() else f".{part}"
+            if node is None and ".".join(parts[:end]) in splits:  # a split instance's layers
+                scope = {n.name: n for n in blocks[splits[".".join(parts[:end])]].nodes}
+                continue
             scope = ({n.name: n for n in blocks[node.op.target].nodes}
                      if node is not None and node.op.kind is OpKind.BLOCK
                      and node.repeat is None else None)

@@ -16,6 +16,7 @@ import torch
 from bench.common import let_torchvision_import
 from helpers import build_to, import_generated
 from mpgen.compiler.codegen.common import file_names
+from mpgen.testing import virtual_devices
 
 pytestmark = pytest.mark.slow
 
@@ -23,25 +24,27 @@ TORCHVISION = {
     "shufflenet_v2_x0_5": ("torchvision.models:shufflenet_v2_x0_5", {}),
     "regnet_y_400mf": ("torchvision.models:regnet_y_400mf", {}),
 }
+CPU = {"*": "cpu"}
 BERT = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "max_position_embeddings": 64, "num_labels": 3}
 
 
-def _import(target: str, arguments: dict, inputs: list, hf: bool = False):
+def _import(target: str, arguments: dict, inputs: list, hf: bool = False, devices=None):
     from mpgen.commands import importer
 
     let_torchvision_import()
     root = importer.load_module(target, None if hf else json.dumps(arguments),
                                 json.dumps(arguments) if hf else None)
     specs = [importer.parse_input(text) for text in inputs]
-    imported = importer.import_module(root, specs, f"mpgen import {target}", tracer="dynamo")
+    imported = importer.import_module(root, specs, f"mpgen import {target}", devices,
+                                      tracer="dynamo")
     return root, imported
 
 
-def _generated(imported, tmp_path):
+def _generated(imported, tmp_path, device_map=CPU):
     spec = tmp_path / "imported.yaml"
     spec.write_text(imported.text)
-    result = build_to(spec, tmp_path / "out", {"*": "cpu"})
+    result = build_to(spec, tmp_path / "out", device_map)
     module = import_generated(tmp_path / "out" / file_names(result.graph)["model"])
     return getattr(module, result.graph.name)()
 
@@ -121,3 +124,21 @@ def test_init_loads_a_torchvision_state_dict_file_by_name(tmp_path):
                           list(generated.state_dict()), train.TRAINING)
     for key, value in root.state_dict().items():
         assert torch.equal(generated.state_dict()[key], value), key
+
+
+def test_an_nn_sequential_split_over_two_devices_keeps_the_keys(tmp_path):
+    let_torchvision_import()
+    pytest.importorskip("torchvision")
+    root, imported = _import("torchvision.models:efficientnet_b0", {}, ["x=batch,3,32,32"],
+                             devices=2)
+    assert "split: [features]" in imported.text  # its nn.Sequential, layer by layer
+    torch.manual_seed(0)
+    root.eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with virtual_devices(cuda=2):
+        generated = _generated(imported, tmp_path, None).eval()
+        devices = {p.device.index for p in generated.parameters()}
+        generated.load_state_dict(root.state_dict(), strict=True)
+        got = generated(x)
+    assert devices == {0, 1}
+    torch.testing.assert_close(got.cpu(), root(x), rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ tests build them from a hand-written spec.
 from __future__ import annotations
 
 import importlib
+import sys
 import textwrap
 
 import pytest
@@ -554,3 +555,33 @@ def test_a_wrapped_model_splits_over_two_devices_inside_the_librarys(tmp_path):
     assert set(by_device) == {"cuda:0", "cuda:1"} and all(by_device.values()), by_device
     ties = {(n.name, t.param): t.source for n in result.graph.nodes for t in n.ties}
     assert ties == {("lm.lm_head", "weight"): "lm.transformer.wte.weight"}
+
+
+def test_the_default_tracer_follows_the_modules_a_class_holds(tmp_path, monkeypatch):
+    """fx for a class of the project made of torch.nn layers; TorchDynamo for a
+    library's model and for a class of the project holding one's modules,
+    a library installed inside the project's folder (its .venv) included."""
+    from mpgen.commands.importer import default_tracer, library_modules, load_module
+
+    installed = tmp_path / ".venv" / "lib" / "site-packages"
+    installed.mkdir(parents=True)
+    (installed / "libnet.py").write_text(
+        "from torch import nn\n\n\nclass Block(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 4)\n"
+        "\n    def forward(self, x):\n        return self.fc(x)\n", encoding="utf-8")
+    (tmp_path / "mine.py").write_text(
+        "from torch import nn\nfrom libnet import Block\n\n\nclass Plain(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.fc = nn.Linear(4, 4)\n"
+        "\n    def forward(self, x):\n        return self.fc(x)\n\n\nclass Holder(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.inner = Plain()\n"
+        "        self.lib = Block()\n\n    def forward(self, x):\n"
+        "        return self.lib(self.inner(x))\n", encoding="utf-8")
+    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.chdir(tmp_path)
+    for module in ("mine", "libnet"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    plain, holder = load_module("mine:Plain"), load_module("mine:Holder")
+    assert library_modules(plain) == [] and library_modules(holder) == ["lib"]
+    assert default_tracer("mine:Plain", plain) == "fx"
+    assert default_tracer("mine:Holder", holder) == "dynamo"
+    assert default_tracer("libnet:Block", load_module("libnet:Block")) == "dynamo"

@@ -2,8 +2,8 @@
 RegNet's ``block1-0``): the generated model's state-dict keys are those of a
 model written with ``nn.Sequential`` (NOTE [Layers named by position]), so
 its ``state_dict()`` loads strictly, by name; ties, ``init:``, ``in:`` and
-placement reach such layers, and the names that would be ambiguous or cannot
-be attributes are errors at their line."""
+placement keys (splitting such an instance) reach such layers, and the names
+that would be ambiguous or cannot be attributes are errors at their line."""
 
 from __future__ import annotations
 
@@ -147,18 +147,33 @@ def test_a_tie_to_such_a_layer_crosses_devices(tmp_path):
     torch.testing.assert_close(got.cpu(), reference(x), rtol=1e-5, atol=1e-5)
 
 
-SPLIT = "placement:\n  conv1: cuda:0\n  {key}: cuda:1\n"
+def test_a_placement_key_inside_such_an_instance_splits_it(tmp_path):
+    text = SPEC + "placement:\n  conv1: cuda:0\n  stage.block1-1: cuda:1\n  again: cuda:0\n"
+    result = build_to(write_spec(tmp_path, text), tmp_path / "out")
+    path = tmp_path / "out" / file_names(result.graph)["model"]
+    code = path.read_text()
+    assert "self.stage = nn.Sequential()" in code
+    assert 'self.stage.add_module("block1-1", ConvBN(8, 8).to("cuda:1"))' in code
+    assert "convbn_1 = self.stage[1](convbn_cuda1)" in code
+    assert {n.name: n.devices for n in result.graph.nodes}["stage.block1-1"] == ("cuda:1",)
+    torch.manual_seed(0)
+    reference = Reference().eval()
+    x = torch.randn(2, 3, 8, 8)
+    with virtual_devices(cuda=2):
+        model = import_generated(path).SeqNet().eval()
+        assert list(model.state_dict()) == list(reference.state_dict())
+        model.load_state_dict(reference.state_dict(), strict=True)
+        got = model(x)
+    torch.testing.assert_close(got.cpu(), reference(x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("key", ["stage.block1-1", "conv1.1"])
-def test_a_placement_key_inside_such_an_instance_is_refused_at_its_line(tmp_path, key):
-    text = SPEC + SPLIT.format(key=key)
+def test_a_range_over_layers_named_by_position_is_an_error_at_its_key(tmp_path):
+    text = SPEC + "placement:\n  conv1: cuda:0\n  stage.0-1: cuda:1\n"
     with pytest.raises(MpgenError) as info:
         driver.compile_spec(write_spec(tmp_path, text))
-    line = text.splitlines().index(f"  {key}: cuda:1") + 1
-    assert f"spec.yaml:{line}:3: placement: {key!r}" in str(info.value)
-    assert "has layers named by position" in str(info.value)
-    assert "cannot be split" in str(info.value)
+    line = text.splitlines().index("  stage.0-1: cuda:1") + 1
+    assert (f"spec.yaml:{line}:3: placement: 'stage.0-1': 'stage' is a block instance whose "
+            "layers are named by position, not a repeated layer") in str(info.value)
 
 
 def _block(layers: str) -> str:

@@ -546,11 +546,8 @@ class ScopeImporter(Importer):
                 leaf.name = self.names.fresh(_base(node.name))
         self.relative[id(layer)] = rel
         self.layers.append(layer)
-        # Placed layer by layer when large: not a repeated layer, whose copies are
-        # placed whole, nor (yet) one with outputs or an nn.Sequential's, whose
-        # layers are named by position (placement does not split those).
-        if layer.elements is None and layer.repeat == 1 and all(
-                inner_layer.name.isidentifier() for inner_layer in inner.layers):
+        # not a repeated layer, whose copies are placed whole (nor, yet, one with outputs)
+        if layer.elements is None and layer.repeat == 1:
             self.blocks.instances[inner.generated_path] = sum(
                 p.numel() for p in child.module.parameters())
 

@@ -156,6 +156,9 @@ def _block_class(w: PythonWriter, block: BlockClass, graph: Graph) -> None:
         for node in block.nodes:
             if not node.op.has_module:
                 continue
+            container, _, number = node.name.rpartition(".")
+            if number == "0":  # NOTE [Items of a ModuleList] in frontend/resolve.py
+                w.line(f"self.{container} = nn.ModuleList()")
             if node.repeat:
                 w.line(assignment(node, f"nn.ModuleList({copies(node, 0, node.repeat)})"))
                 freeze(w, node)
@@ -213,14 +216,15 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                 attribute(w, node, device)
                 continue
             parts = [copies(node, start, stop, d, one=True) for start, stop, d in runs]
-            w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
+            w.line(assignment(node, f"nn.ModuleList({' + '.join(parts)})"))
             freeze(w, node)
         for node in graph.nodes:
             for tie in node.ties:  # NOTE: [Tied parameters across devices]
                 owner, here = nodes[tie.owner].devices[0], node.devices[0]
                 w.comment(f"Tied: {node.name}.{tie.param} is {tie.source}, owned on {owner}"
                           + ("" if owner == here else f"; forward moves a copy to {here}"))
-                w.line(f"self.{node.name}.{tie.param} = {source_code(graph, tie.source)}")
+                w.line(f"{source_code(graph, f'{node.name}.{tie.param}')} = "
+                       f"{source_code(graph, tie.source)}")
         initialization(w, graph)
 
     var = variables(graph.inputs, graph.nodes)
@@ -370,23 +374,87 @@ def copies(node: Node, start: int, stop: int, device: Optional[str] = None,
     return f"[{constructor(node, Names({INDEX: INDEX}))}{to} for {INDEX} in range({span})]"
 
 
-def containers(w: PythonWriter, graph: Graph, node: Node, made: set[str]) -> bool:
+def containers(w: PythonWriter, graph: Graph, node: Node, made: set[str],
+               elsewhere: Optional[str] = None) -> bool:
     """``self.model = nn.Module()`` before the first layer of a block instance
     split by placement (NOTE [Placement inside a block instance]): its layers
-    are made under it, so the state-dict keys are the unsplit block's.
-    Returns whether it wrote one."""
+    are made under it, so the state-dict keys are the unsplit block's; an
+    ``nn.Sequential()`` for a block whose layers are named by position, and
+    in a pipeline stage (``elsewhere``: the placeholder class) placeholders
+    for its modules on other stages, so each keeps its index. Returns whether
+    it wrote a container."""
     parts = node.name.split(".")
     wrote = False
     for end in range(1, len(parts)):
         path = ".".join(parts[:end])
         if path in made:
             continue
+        if not any(s.path == path for s in graph.splits):  # NOTE [Items of a ModuleList]
+            made.add(path)
+            w.line(_made_at(path, "nn.ModuleList()"))
+            continue
+        _placeholders(w, graph, path, made, elsewhere)
         made.add(path)
-        block = next(s.block for s in graph.splits if s.path == path)
-        w.comment(f"{path}: a {block}, split by placement; its layers follow")
-        w.line(f"self.{path} = nn.Module()")
+        block = _split_block(graph, path)
+        w.comment(f"{path}: a {block.name}, split by placement; its layers follow")
+        w.line(_made_at(path, "nn.Sequential()" if block.sequential else "nn.Module()"))
         wrote = True
+    _placeholders(w, graph, node.name, made, elsewhere)
+    container, _, number = node.name.rpartition(".")
+    if elsewhere is not None and node.position is None and number.isdigit():
+        missing = [f"{container}.{k}" for k in range(int(number))
+                   if f"{container}.{k}" not in made]  # items of a ModuleList on other stages
+        if missing:
+            w.comment(f"{', '.join(missing)}: on other stages; placeholders keep the indices")
+        for path in missing:
+            made.add(path)
+            w.line(f"{_code(container)}.append({elsewhere}())")
+    made.add(node.name)
     return wrote
+
+
+def _split_block(graph: Graph, path: str) -> BlockClass:
+    name = next(s.block for s in graph.splits if s.path == path)
+    return next(b for b in graph.blocks if b.name == name)
+
+
+def _placeholders(w: PythonWriter, graph: Graph, path: str, made: set[str],
+                  elsewhere: Optional[str]) -> None:
+    """``elsewhere()`` for each module before ``path`` in its split
+    nn.Sequential that this class does not hold (``self.features[5]`` stays
+    the sixth module)."""
+    parent, _, name = path.rpartition(".")
+    if not parent or elsewhere is None or not _split_block(graph, parent).sequential:
+        return
+    missing = []
+    for module in _split_block(graph, parent).nodes:
+        if module.name == name:
+            break
+        if module.op.has_module and module.op.runs and f"{parent}.{module.name}" not in made:
+            missing.append(f"{parent}.{module.name}")
+    if missing:
+        w.comment(f"{', '.join(missing)}: on other stages; placeholders keep the indices")
+    for path in missing:
+        made.add(path)
+        w.line(_made_at(path, f"{elsewhere}()"))
+
+
+def _code(path: str) -> str:
+    """``self.model.norm``; ``self.get_submodule("features.3")`` for a path
+    through a layer named by position."""
+    if not path:
+        return "self"
+    if all(part.isidentifier() for part in path.split(".")):
+        return f"self.{path}"
+    return f"self.get_submodule({literal(path)})"
+
+
+def _made_at(path: str, value: str) -> str:
+    """``self.model.norm = VALUE``; ``self.features.add_module("3", VALUE)``."""
+    parent, _, name = path.rpartition(".")
+    if name.isidentifier():
+        return f"{_code(parent)}.{name} = {value}"
+    return f"{_code(parent)}.add_module({literal(name)}, {value})"
 
 
 # NOTE: [Layers named by position]
@@ -403,16 +471,19 @@ def containers(w: PythonWriter, graph: Graph, node: Node, made: set[str]) -> boo
 
 def member(node: Node) -> str:
     """``self.fc``; ``self[2]`` for a layer named by position (NOTE [Layers
-    named by position])."""
-    return f"self.{node.name}" if node.position is None else f"self[{node.position}]"
+    named by position]), ``self.features[2]`` in a split instance."""
+    container, _, number = node.name.rpartition(".")
+    if node.position is None and number.isdigit():  # NOTE [Items of a ModuleList]
+        return f"{_code(container)}[{number}]"
+    if node.position is None:
+        return _code(node.name)
+    return f"{_code(container)}[{node.position}]"
 
 
 def assignment(node: Node, value: str) -> str:
     """``self.fc = VALUE``; ``self.add_module("0", VALUE)`` for a layer named
     by position."""
-    if node.position is None:
-        return f"self.{node.name} = {value}"
-    return f"self.add_module({literal(node.name)}, {value})"
+    return _made_at(node.name, value)
 
 
 def source_code(graph: Graph, path: str, nodes: Optional[Sequence[Node]] = None) -> str:
@@ -446,7 +517,7 @@ def attribute(w: PythonWriter, node: Node, device: Optional[str] = None,
             tensor += f".reshape({', '.join(shape)})"
     else:
         tensor = call(f"torch.{made}", shape, keywords)
-    parent, _, attr = f"self.{node.name}".rpartition(".")
+    parent, attr = _code(node.name.rpartition(".")[0]), node.name.rpartition(".")[2]
     if not spec.buffer:
         frozen = ", requires_grad=False" if node.frozen else ""
         w.line(f"{parent}.{attr} = nn.Parameter({tensor}{frozen})",

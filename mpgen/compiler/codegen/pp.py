@@ -47,6 +47,7 @@ from mpgen.compiler.codegen.common import (
     tuple_literal,
 )
 from mpgen.compiler.codegen.model import (
+    assignment,
     attribute,
     checkpoint_runs,
     containers,
@@ -156,7 +157,7 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
             for node, step in held:
                 if not node.op.has_module:
                     continue
-                containers(w, graph, node, made)
+                containers(w, graph, node, made, elsewhere)
                 if node.repeat is None:
                     attribute(w, node)
                     continue
@@ -167,7 +168,7 @@ def _stage_class(w: PythonWriter, graph: Graph, stage: Stage, name: str, elsewhe
                               f"{step.stop - 1}")
                     parts.append(f"[{elsewhere}() for _ in range({step.start})]")
                 parts.append(copies(node, step.start, step.stop))
-                w.line(f"self.{node.name} = nn.ModuleList({' + '.join(parts)})")
+                w.line(assignment(node, f"nn.ModuleList({' + '.join(parts)})"))
                 freeze(w, node)
             copied: dict[str, str] = {}  # a tied parameter -> its copy on this stage
             for node, _ in held:

@@ -72,6 +72,19 @@ CHECKPOINT_OWN = (*(p.name for p in inspect.signature(checkpoint).parameters.val
 #: Attributes every nn.Module has; a layer attribute must not shadow them.
 _MODULE_ATTRS = frozenset(dir(nn.Module)) | {"training"}
 
+# NOTE: [Items of a ModuleList]
+# A layer named ``NAME.N`` is item N of an nn.ModuleList ``NAME`` that the
+# model or block holds, so that the keys are a library's whose ModuleList
+# holds unlike modules, each called on its own from the parent's forward
+# (T5's ``block.0``, which alone holds the relative attention bias, and
+# ``block.1``: keys ``block.0.layer.0...``). The items of one NAME are numbered
+# from 0 in spec order without gaps, each a module layer that is not
+# repeated; no layer is named NAME itself. Codegen makes ``self.block =
+# nn.ModuleList()`` before the first item, adds each (``self.block.append``)
+# and calls ``self.block[1](...)``; placement keys name an item (``block.1``)
+# or a range of them (``block.0-1``) as the copies of a repeated layer.
+_ITEM = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([0-9]+)")
+
 
 def resolve(spec: Spec, loaded: LoadedSpec, root: Optional[str | Path] = None) -> Graph:
     """Build the graph; raises MpgenError (or ErrorList) for every mistake.
@@ -236,10 +249,14 @@ class _Resolver:
         # the layers resolve (in order; a dict for constant-time lookups).
         known: dict[str, None] = dict.fromkeys(input_names)
         tuples: dict[str, Node] = {}  # earlier layers returning named tuples
+        items: dict[str, int] = {}  # a ModuleList -> its items so far
         for index, (name, layer) in enumerate(layers.items()):
             where = self.key(*path, name)
             problem = identifier_problem(name)
-            if problem is not None and not name.isidentifier():
+            item = _ITEM.fullmatch(name) if isinstance(name, str) else None
+            if item is not None:  # NOTE: [Items of a ModuleList]
+                problem = self.item_problem(name, item, layer, all_names, items)
+            elif problem is not None and not name.isidentifier():
                 # NOTE: [Layers named by position]
                 if params is not None:
                     problem = positional_name_problem(name)
@@ -265,12 +282,37 @@ class _Resolver:
                 known.update(dict.fromkeys(node.value_names))
                 if node.pattern:
                     tuples[node.name] = node
-        if any(not n.name.isidentifier() for n in nodes):
+        if any(not n.name.isidentifier() and "." not in n.name for n in nodes):
             modules = (n for n in nodes if n.op.has_module and n.op.runs)
             at = {n.name: i for i, n in enumerate(modules)}
             nodes = [n if n.name.isidentifier() else dataclasses.replace(n, position=at[n.name])
                      for n in nodes]
         return nodes
+
+    def item_problem(self, name: str, item: re.Match, layer: LayerSpec,
+                     all_names: list[str], items: dict[str, int]) -> Optional[str]:
+        """Why ``name`` (``block.0``) cannot be the next item of the
+        nn.ModuleList it names, or None (NOTE [Items of a ModuleList])."""
+        container, number = item.group(1), int(item.group(2))
+        problem = identifier_problem(container)
+        if problem is not None:
+            return problem
+        if container in _MODULE_ATTRS:
+            return f"{container!r} would shadow nn.Module.{container}"
+        if container in all_names:
+            return (f"{name!r} is an item of the nn.ModuleList {container!r}, and a layer "
+                    f"is named {container!r} too; name one otherwise")
+        if item.group(2) != str(number):
+            return f"{name!r}: an item is numbered without leading zeros ({container}.{number})"
+        expected = items.get(container, 0)
+        if number != expected:
+            return (f"{name!r}: the items of the nn.ModuleList {container!r} are numbered "
+                    f"from 0 in order, without gaps: expected {container}.{expected} here")
+        if layer.repeat is not None:
+            return (f"{name!r}: an item of an nn.ModuleList is one module, not repeated "
+                    f"(a layer {container} with repeat: N holds N alike copies)")
+        items[container] = expected + 1
+        return None
 
     def layer(self, path, name, layer: LayerSpec, index, earlier: list[Node],
               input_names, all_names, blocks, params, ns: Namespace,
@@ -289,9 +331,11 @@ class _Resolver:
             return None
         if not name.isidentifier() and not (op.has_module and op.runs):
             what = op.spelled if op.kind is OpKind.TENSOR else "function"
+            kind = ("a name like block.0 is a module's: an item of an nn.ModuleList"
+                    if _ITEM.fullmatch(name) else
+                    "names like 0 or block1-0 are for modules: an nn.Sequential's children")
             self.errors.add(self.key(*lpath), f"{self.label(lpath)}: a {what} layer is named "
-                            f"by an identifier, not {name!r} (names like 0 or block1-0 are "
-                            "for modules: an nn.Sequential's children)")
+                            f"by an identifier, not {name!r} ({kind})")
             return None
         if op.kind is OpKind.TENSOR:
             return self.tensor_layer(lpath, name, layer, op, params, ns)
@@ -377,7 +421,7 @@ class _Resolver:
             args = tuple(substitute(a, {REPEAT: layer.repeat}) for a in args)
             kwargs = tuple((k, substitute(v, {REPEAT: layer.repeat})) for k, v in kwargs)
         # a layer named by position holds its output in a variable named for its op
-        var = ns.fresh(name if name.isidentifier() else re.sub(
+        var = ns.fresh(name if name.isidentifier() or _ITEM.fullmatch(name) else re.sub(
             r"(?<=[a-z0-9])(?=[A-Z][a-z])", "_", op.spelled.rpartition(".")[2]).lower())
         if op.kind is OpKind.FUNCTION:
             init, call = Args(), Args(args, _train_mode(op, n_inputs, args,
@@ -981,7 +1025,8 @@ class _Splitter:
                                                  var=self.ns.fresh(e.name))
                              for e in node.elements)
             changes.update(
-                name=prefix + node.name, var=self.ns.fresh(node.name), elements=elements,
+                name=prefix + node.name, elements=elements,
+                var=self.ns.fresh(node.name if node.name.isidentifier() else node.var),
                 pattern=_renamed_pattern(node.pattern, prefix),
                 inits=tuple(dataclasses.replace(r, layer=prefix + node.name)
                             for r in node.inits),
@@ -999,11 +1044,6 @@ class _Splitter:
         auto = self.r.spec.placement.auto
         where = (self.r.value("placement", "auto", "split", auto.split.index(key))
                  if auto is not None else self.r.key("placement", key))
-        if block.sequential:  # NOTE [Layers named by position]
-            self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} has layers "
-                              f"named by position ({block.name} is an nn.Sequential), so it "
-                              f"cannot be split; place {path!r} whole")
-            return [node]
         if node.feed is not None and (node.feed.keyword or any(
                 isinstance(i, tuple) for i in node.feed.positional)):
             self.r.errors.add(where, f"placement: {key!r}: block instance {path!r} takes a "

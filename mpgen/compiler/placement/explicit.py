@@ -87,7 +87,16 @@ def place_explicit(graph: Graph, request: ExplicitPlacement,
 def _units_of(graph: Graph, entry: PlacementEntry, errors: Collector) -> list[UnitRef]:
     key, pos = entry.key, entry.pos
     names = [n.name for n in graph.nodes]
+    if key in names:  # a layer of a split nn.Sequential block (features.3, trunk.block1-0)
+        return list(graph.node(key).units)
     label = UnitRange.parse(key)
+    sequential = {s.path for s in graph.splits
+                  if next(b for b in graph.blocks if b.name == s.block).sequential}
+    if label is not None and label.first is not None and label.node in sequential:
+        errors.add(pos, f"placement: {key!r}: {label.node!r} is a block instance whose layers "
+                   f"are named by position, not a repeated layer: name each layer "
+                   f"('{label.node}.{label.first}'), or place the layers between bookmarks")
+        return []
     if label is None or label.node not in names:
         base = label.node if label else key
         errors.add(pos, f"placement: {key!r} matches no layer{did_you_mean(base, names)}")

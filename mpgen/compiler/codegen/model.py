@@ -157,7 +157,7 @@ def _block_class(w: PythonWriter, block: BlockClass, graph: Graph) -> None:
             if not node.op.has_module:
                 continue
             container, _, number = node.name.rpartition(".")
-            if number == "0":  # NOTE [Items of a ModuleList] in frontend/resolve.py
+            if container and number == "0":  # NOTE [Items of a ModuleList] in frontend/resolve.py
                 w.line(f"self.{container} = nn.ModuleList()")
             if node.repeat:
                 w.line(assignment(node, f"nn.ModuleList({copies(node, 0, node.repeat)})"))

@@ -307,7 +307,7 @@ IMAGES = '''
 import timm
 import torch
 from torch import nn
-from torchvision.models import efficientnet_b0, resnet18
+from torchvision.models import convnext_tiny, efficientnet_b0, resnet18
 from torchvision.models.vision_transformer import VisionTransformer
 
 
@@ -341,6 +341,15 @@ class EfficientNet(nn.Module):
 
     def forward(self, x):
         return self.net(x) * 2.0
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = convnext_tiny(num_classes=3)
+
+    def forward(self, x):
+        return self.net(x)
 
 
 class TimmResNet(nn.Module):
@@ -427,7 +436,8 @@ def test_a_wrapped_hugging_face_model(cls, tmp_path, monkeypatch):
         assert not any(p.requires_grad for p in generated.bert.pooler.parameters())
 
 
-@pytest.mark.parametrize("cls", ["ResNetFeatures", "ViT", "EfficientNet", "TimmResNet"])
+@pytest.mark.parametrize("cls", ["ResNetFeatures", "ViT", "EfficientNet", "ConvNeXt",
+                                 "TimmResNet"])
 def test_a_wrapped_image_model(cls, tmp_path, monkeypatch):
     let_torchvision_import()  # before torchvision is first imported
     pytest.importorskip("torchvision")

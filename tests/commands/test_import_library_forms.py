@@ -209,6 +209,21 @@ class Probes(nn.Module):
         return self.fc(x.to(self.dtype)) + ones
 
 
+class InPlace(nn.Module):
+    """Tensor methods that write in place (timm's LayerScale, masked scores)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.mul_(2)
+        h.masked_fill_(h > 1, 1.0)
+        h.clamp_(min=-1)
+        return h + x
+
+
 class Apart(nn.Module):
     def forward(self, x, idx):
         return x[idx, :, idx]
@@ -221,12 +236,14 @@ class Apart(nn.Module):
     ("Columns", ["x=batch,5,4", "idx=3:int64"], "dynamo"),
     ("Mask", ["x=batch,6"], "dynamo"),
     ("Probes", ["x=batch,6"], "dynamo"),
+    ("InPlace", ["x=batch,6"], "dynamo"),
+    ("InPlace", ["x=batch,6"], "fx"),
 ])
 def test_tables_masks_and_probes(cls, inputs, tracer, tmp_path, monkeypatch):
     """``table[idx]`` (an index of two dims), ``table[idx.view(-1)]``,
     ``x[a, b]`` of a table of three dims and ``x[:, idx]``: index_select,
     reshaped where the index has other than one dim; a mask written by
-    slice assignments; probes of the model's dtype and device (none in the
+    slice assignments; in-place methods; probes of the model's dtype and device (none in the
     spec; the parameter they read stays its layer's): the same outputs and
     gradients as the original."""
     from mpgen.commands import importer
@@ -236,7 +253,8 @@ def test_tables_masks_and_probes(cls, inputs, tracer, tmp_path, monkeypatch):
     root = importer.load_module(f"tables:{cls}", None, None)
     specs = [importer.parse_input(text) for text in inputs]
     imported = importer.import_module(root, specs, "mpgen import", tracer=tracer)
-    expected_op = {"Mask": "torch.slice_scatter", "Probes": "fc: {op: Linear"}
+    expected_op = {"Mask": "torch.slice_scatter", "Probes": "fc: {op: Linear",
+                   "InPlace": "torch.masked_fill"}
     assert expected_op.get(cls, "torch.index_select") in imported.text
     generated = _generated(imported, tmp_path)
     generated.load_state_dict(root.state_dict(), strict=True)

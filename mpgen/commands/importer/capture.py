@@ -24,7 +24,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from mpgen.commands.importer.trace import InputSpec, TraceFailure, check_placeholders
+from mpgen.commands.importer.trace import (
+    InputSpec, TraceFailure, check_placeholders, writes_in_place)
 from mpgen.compiler.frontend import ops
 
 # NOTE: [Module hierarchy]
@@ -265,7 +266,7 @@ def _eliminate_dead_code(root: nn.Module, gm: fx.GraphModule) -> None:
                 todo.extend(node.all_input_nodes)
 
     for node in nodes:
-        if node.op in ("placeholder", "output") or node.is_impure():
+        if node.op in ("placeholder", "output") or node.is_impure() or writes_in_place(node):
             keep(node)
     calls: dict[str, list[fx.Node]] = {}  # a call's stack key -> its nodes
     for node in nodes:

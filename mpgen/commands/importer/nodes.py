@@ -50,6 +50,18 @@ _METHOD_NAMES = {"view": "reshape", "expand": "broadcast_to"}
 _VARARG_METHODS = frozenset({"view", "reshape", "permute", "flip", "tile", "expand"})
 #: Methods that return their input's values unchanged.
 _IDENTITY_METHODS = frozenset({"contiguous"})
+#: In-place tensor methods whose torch function (the name without ``_``)
+#: gives the values they write: ``h.mul_(2)`` is ``torch.mul(h, 2)``.
+_IN_PLACE_METHODS = frozenset({
+    "add_", "sub_", "mul_", "div_", "neg_", "pow_", "masked_fill_", "clamp_", "clamp_min_",
+    "clamp_max_", "relu_", "sigmoid_", "tanh_", "exp_", "sqrt_", "abs_", "tril_", "triu_",
+    "addcmul_", "addcdiv_", "lerp_"})
+#: Tensor methods and torch functions whose result may share storage with
+#: their input: a write in place after one would show through it.
+_VIEWS = frozenset({"view", "view_as", "reshape", "transpose", "permute", "unsqueeze",
+                    "squeeze", "expand", "expand_as", "narrow", "select", "t", "flatten",
+                    "unflatten", "split", "chunk", "unbind", "as_strided", "movedim",
+                    "swapaxes", "diagonal", "contiguous", "detach", "alias"})
 #: Factories whose sizes may come as separate arguments: ``torch.ones(n)``.
 _VARARG_FACTORIES = frozenset({"ones", "zeros", "empty", "rand", "randn"})
 #: Casts (docs/spec.md, "Casts"): tensor methods, and the functions that
@@ -227,6 +239,9 @@ class Importer:
         if target is operator.setitem:
             self.setitem(node)
             return
+        if node.op == "call_method" and target in _IN_PLACE_METHODS:
+            self.in_place(node)
+            return
         if target is operator.getitem and isinstance(args[0], fx.Node):
             source = self.refs.get(args[0])
             if isinstance(source, list) and isinstance(args[1], int):
@@ -346,13 +361,7 @@ class Importer:
                                        "(x[a:b, c:d] = 1), which a spec cannot write")
             if item != slice(None):
                 parts.append((dim, item.start, item.stop))
-        earlier = node.prev
-        while earlier is not target and earlier.op != "root":
-            if earlier in target.users and earlier.target is not operator.setitem:
-                raise node_error(node, f"assigns into {target.name} after reading it, which "
-                                       "a spec cannot write (its tensors are not written in "
-                                       "place)")
-            earlier = earlier.prev
+        self.written_unread(node, target)
 
         def bound(value: Any, tensor: str, dim: int, reads: list) -> str:
             if isinstance(value, fx.Node):
@@ -376,6 +385,37 @@ class Importer:
                                     tensor, dim=dim, start=_number(begin), end=_number(end))
 
         self.refs[target] = filled(self.refs[target], parts)
+
+    def written_unread(self, node: fx.Node, target: fx.Node) -> None:
+        """``node`` writes into ``target`` in place: refused where a view of
+        ``target`` was taken before (it would see the write; a spec's tensors
+        are never written in place, so earlier reads read the values before),
+        or where ``target`` comes from outside the block (its caller would)."""
+        if target not in getattr(self, "inside", (target,)):
+            raise node_error(node, f"writes in place into {target.name}, which its caller "
+                                   "passed, so the caller would see the write: a spec "
+                                   "cannot write it (its tensors are not written in place)")
+        earlier = node.prev
+        while earlier is not target and earlier.op != "root":
+            name = earlier.target if earlier.op == "call_method" else getattr(
+                earlier.target, "__name__", None)
+            if earlier in target.users and (name in _VIEWS or earlier.target is operator.getitem):
+                raise node_error(node, f"writes into {target.name} in place after a view of "
+                                       f"it was taken ({earlier.name}), which a spec cannot "
+                                       "write (its tensors are not written in place)")
+            earlier = earlier.prev
+
+    def in_place(self, node: fx.Node) -> None:
+        """``h.mul_(2)``, ``scores.masked_fill_(mask, -inf)``: the torch function
+        of the method's name, and later reads of ``h`` read its result."""
+        target = node.args[0]
+        if not self.is_tensor_ref(target) or not isinstance(self.refs[target], str):
+            raise node_error(node, "writes in place into a value that is not a tensor a "
+                                   "spec names")
+        self.written_unread(node, target)
+        name = node.target.removesuffix("_")
+        self.function_layer(node, f"torch.{name}", list(node.args), dict(node.kwargs))
+        self.refs[target] = self.refs[node]
 
     def added_layer(self, node: fx.Node, op: str, inputs: list, reads: list, args: list,
                     base: str, **kwargs: Any) -> str:

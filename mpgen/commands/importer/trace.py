@@ -337,6 +337,13 @@ class TraceFailure(MpgenError):
         return MpgenError(self.pos, f"{self.message}; {hint}")
 
 
+def writes_in_place(node: fx.Node) -> bool:
+    """A tensor method that writes in place (``h.mul_(2)``), which fx deems
+    pure: kept though nothing reads its result (a spec writes it, or refuses)."""
+    return (node.op == "call_method" and isinstance(node.target, str)
+            and node.target.endswith("_") and not node.target.startswith("_"))
+
+
 def node_position(node: fx.Node) -> Optional[Position]:
     """The source line of ``node`` (recorded by the tracer), if any."""
     trace = node.meta.get("stack_trace") or ""
@@ -396,7 +403,8 @@ def trace(root: nn.Module, inputs: Sequence[InputSpec]
     except Exception as exc:
         raise TraceFailure(exc, "fx", cls) from None
     gm = fx.GraphModule(root, graph, cls)
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(
+        is_impure_node=lambda node: node.is_impure() or writes_in_place(node))
     inputs = _check_placeholders(root, gm.graph, inputs)
     recorder = _Recorder(gm)
     with torch.no_grad():

@@ -126,12 +126,15 @@ def test_init_loads_a_torchvision_state_dict_file_by_name(tmp_path):
         assert torch.equal(generated.state_dict()[key], value), key
 
 
-def test_an_nn_sequential_split_over_two_devices_keeps_the_keys(tmp_path):
+@pytest.mark.parametrize("target, split", [
+    ("torchvision.models:efficientnet_b0", "[features]"),
+    ("torchvision.models:regnet_y_400mf", "[trunk_output, trunk_output.block4]"),
+])
+def test_an_nn_sequential_split_over_two_devices_keeps_the_keys(target, split, tmp_path):
     let_torchvision_import()
     pytest.importorskip("torchvision")
-    root, imported = _import("torchvision.models:efficientnet_b0", {}, ["x=batch,3,32,32"],
-                             devices=2)
-    assert "split: [features]" in imported.text  # its nn.Sequential, layer by layer
+    root, imported = _import(target, {}, ["x=batch,3,32,32"], devices=2)
+    assert f"split: {split}" in imported.text  # nn.Sequential blocks, layer by layer
     torch.manual_seed(0)
     root.eval()
     x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))

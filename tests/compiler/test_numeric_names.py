@@ -167,6 +167,18 @@ def test_a_placement_key_inside_such_an_instance_splits_it(tmp_path):
     torch.testing.assert_close(got.cpu(), reference(x), rtol=1e-5, atol=1e-5)
 
 
+def test_a_pipeline_stage_keeps_the_indices_of_such_layers(tmp_path):
+    text = (SPEC + "placement:\n  conv1: cuda:0\n  stage.block1-1: cuda:1\n  again: cuda:0\n"
+            "train: {loss: MSELoss, batch_size: 4}\n")
+    result = build_to(write_spec(tmp_path, text), tmp_path / "out", {"*": "cpu"})
+    pp = import_generated(tmp_path / "out" / file_names(result.graph)["pp"])
+    stage1 = pp.Stage1()  # stage.block1-1 alone: block1-0 a placeholder before it
+    assert isinstance(stage1.stage[0], pp.mpgen_runtime.pipeline.Elsewhere)
+    assert stage1.stage[1] is stage1.stage.get_submodule("block1-1")
+    keys = [k for stage in (pp.Stage0(), stage1, pp.Stage2()) for k in stage.state_dict()]
+    assert sorted(set(keys)) == sorted(Reference().state_dict())
+
+
 def test_a_range_over_layers_named_by_position_is_an_error_at_its_key(tmp_path):
     text = SPEC + "placement:\n  conv1: cuda:0\n  stage.0-1: cuda:1\n"
     with pytest.raises(MpgenError) as info:

@@ -456,13 +456,13 @@ class Importer:
                 raise node_error(node, f"indexing with a tensor of {dtype}, which is no "
                                        "index")
         first, last = at[0], at[-1]
+        result = self.layer_name(node)  # the node's own name for the last step
         table = self.ref_name(self.refs[source])
         indices = [self.ref_name(self.refs[index[d]]) for d in at]
 
         def step(op: str, inputs: list, reads: list, args: tuple = (), final: bool = False,
                  **kwargs) -> str:
-            layer = Layer(self.layer_name(node) if final else self.names.fresh(node.name),
-                          op, node)
+            layer = Layer(result if final else self.names.fresh(f"{result}_index"), op, node)
             for ref in inputs:
                 if isinstance(ref, dict):
                     layer.keyword_inputs.update(ref)

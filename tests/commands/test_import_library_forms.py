@@ -5,8 +5,8 @@ corpus that use them or other constructs (tiny configurations each).
 
 Each case imports the model directly, as ``mpgen import`` does, builds the
 spec for ``--device-map cpu``, loads the original's ``state_dict()``
-strictly, by name (but :data:`RENAMED`'s, through :meth:`Imported.original_key`),
-and compares outputs and every gradient within 1e-5, in eval
+strictly, by name (the UNet's ModuleLists of unlike blocks called one by one
+are layers ``down_blocks.0``, ``down_blocks.1``: no mapping), and compares outputs and every gradient within 1e-5, in eval
 mode and in train mode. Train mode is compared under one seed set before
 each model's forward: dropout probabilities stay as the configurations have
 them (0 in these tiny ones, but Swin's stochastic depth, 0.2 by default,
@@ -119,18 +119,12 @@ def _compare(root, generated, imported, specs, training: bool) -> None:
     (got * weights).sum().backward()
     theirs = dict(root.named_parameters())
     for name, param in generated.named_parameters():
-        original = theirs[imported.original_key(name)]
+        original = theirs[name]
         assert param.requires_grad == original.requires_grad, name  # frozen stays frozen
         if original.grad is None:
             assert param.grad is None, name
             continue
         torch.testing.assert_close(param.grad, original.grad, **TOLERANCE, msg=name)
-
-
-#: Models whose keys a spec names otherwise: the UNet's ModuleLists of unlike
-#: modules called one by one (``down_blocks.0`` is ``down_blocks_0``; a spec
-#: has no layer that is one element of a list: docs/import.md, "State-dict keys").
-RENAMED = {"unet"}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -141,10 +135,9 @@ def test_imports_and_reproduces(case, tmp_path):
         for param in root.parameters():
             param.normal_(0, 0.1)
     generated = _generated(imported, tmp_path)
-    assert bool(imported.renamed) == (case in RENAMED)  # else the keys are the original's
-    renamed = {imported.original_key(k): k for k in generated.state_dict()}
-    state = {renamed.get(k, k): v for k, v in root.state_dict().items()}
-    generated.load_state_dict(state, strict=True)
+    assert not imported.renamed  # the keys are the original's
+    assert set(generated.state_dict()) == set(root.state_dict())
+    generated.load_state_dict(root.state_dict(), strict=True)
     _compare(root, generated, imported, specs, training=False)
     _compare(root, generated, imported, specs, training=True)
 
@@ -224,6 +217,11 @@ class InPlace(nn.Module):
         return h + x
 
 
+class Steps(nn.Module):
+    def forward(self, x):
+        return x[:, ::2] + x[:, 1::2]
+
+
 class Apart(nn.Module):
     def forward(self, x, idx):
         return x[idx, :, idx]
@@ -238,12 +236,14 @@ class Apart(nn.Module):
     ("Probes", ["x=batch,6"], "dynamo"),
     ("InPlace", ["x=batch,6"], "dynamo"),
     ("InPlace", ["x=batch,6"], "fx"),
+    ("Steps", ["x=batch,6"], "fx"),
+    ("Steps", ["x=batch,6"], "dynamo"),
 ])
 def test_tables_masks_and_probes(cls, inputs, tracer, tmp_path, monkeypatch):
     """``table[idx]`` (an index of two dims), ``table[idx.view(-1)]``,
     ``x[a, b]`` of a table of three dims and ``x[:, idx]``: index_select,
     reshaped where the index has other than one dim; a mask written by
-    slice assignments; in-place methods; probes of the model's dtype and device (none in the
+    slice assignments; in-place methods; steps; probes of the model's dtype and device (none in the
     spec; the parameter they read stays its layer's): the same outputs and
     gradients as the original."""
     from mpgen.commands import importer
@@ -254,7 +254,7 @@ def test_tables_masks_and_probes(cls, inputs, tracer, tmp_path, monkeypatch):
     specs = [importer.parse_input(text) for text in inputs]
     imported = importer.import_module(root, specs, "mpgen import", tracer=tracer)
     expected_op = {"Mask": "torch.slice_scatter", "Probes": "fc: {op: Linear",
-                   "InPlace": "torch.masked_fill"}
+                   "InPlace": "torch.masked_fill", "Steps": "torch.slice_copy"}
     assert expected_op.get(cls, "torch.index_select") in imported.text
     generated = _generated(imported, tmp_path)
     generated.load_state_dict(root.state_dict(), strict=True)

@@ -336,8 +336,14 @@ class Importer:
                       else _Expr(f"size({name}, {dim})" + (f" - {start}" if start else ""), name))
             self.function_layer(node, "torch.narrow", [source, dim, start, length], {})
             return
-        raise node_error(node, "indexing a spec cannot write (a step, a negative bound or "
-                               "a tensor index)")
+        if isinstance(item, slice) and isinstance(item.step, int) and item.step > 1 and all(
+                v is None or (isinstance(v, int) and v >= 0) for v in (item.start, item.stop)):
+            name = self.ref_name(self.refs[source])  # x[:, 1::2]: every other from 1
+            stop = item.stop if item.stop is not None else _Expr(f"size({name}, {dim})", name)
+            self.function_layer(node, "torch.slice_copy",
+                                [source, dim, item.start or 0, stop, item.step], {})
+            return
+        raise node_error(node, "indexing a spec cannot write (a negative bound or step)")
 
     def setitem(self, node: fx.Node) -> None:
         """``mask[a:b, c:d] = 3`` (Swin's shifted-window mask): the tensor

@@ -7,11 +7,12 @@ Each case imports the model directly, as ``mpgen import`` does, builds the
 spec for ``--device-map cpu``, loads the original's ``state_dict()``
 strictly, by name (the UNet's ModuleLists of unlike blocks called one by one
 are layers ``down_blocks.0``, ``down_blocks.1``: no mapping), and compares
-outputs and every gradient within 1e-5, in eval mode and in train mode. Train mode is compared under one seed set before
-each model's forward: dropout probabilities stay as the configurations have
-them (0 in these tiny ones, but Swin's stochastic depth, 0.2 by default,
-which draws the same numbers in the same order), and BatchNorm normalises
-by the batch's statistics in both.
+outputs and every gradient within 1e-5, in eval mode and in train mode.
+Train mode is compared under one seed set before each model's forward:
+dropout probabilities stay as the configurations have them (0 in these tiny
+ones, but Swin's stochastic depth, 0.2 by default, which draws the same
+numbers in the same order), and BatchNorm normalises by the batch's
+statistics in both.
 """
 
 from __future__ import annotations

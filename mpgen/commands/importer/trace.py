@@ -292,7 +292,7 @@ def _user_frame(exc: BaseException) -> Optional[Position]:
     mpgen_dir = str(Path(__file__).resolve().parents[2])  # mpgen/
     for frame in traceback.extract_tb(exc.__traceback__):
         where = str(Path(frame.filename).resolve()) if frame.filename else ""
-        if where.startswith((_TORCH_DIR, mpgen_dir)) or not frame.lineno:
+        if _inside(where, _TORCH_DIR) or _inside(where, mpgen_dir) or not frame.lineno:
             continue
         found = Position(_display(frame.filename), frame.lineno, (frame.colno or 0) + 1)
     return found
@@ -306,8 +306,9 @@ def _frames(exc: BaseException) -> list[tuple[str, int, Optional[int]]]:
     mpgen_dir = str(Path(__file__).resolve().parents[2])  # mpgen/
     frames = quoted or [(f.filename, f.lineno, f.colno)
                         for f in traceback.extract_tb(exc.__traceback__) if f.lineno]
-    return [(f, n, c) for f, n, c in frames if f and not str(Path(f).resolve()).startswith(
-        (_TORCH_DIR, mpgen_dir))]
+    # torch's own folder, not torchvision's beside it (a plain prefix matched both)
+    return [(f, n, c) for f, n, c in frames
+            if f and not _inside(f, _TORCH_DIR) and not _inside(f, mpgen_dir)]
 
 
 def _position(file: str, line: int, col: Optional[int]) -> Position:

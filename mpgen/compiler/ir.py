@@ -513,6 +513,10 @@ class Node:
     # an nn.Sequential's child): its module's index in the block's class, an
     # nn.Sequential (``self[2]``; NOTE [Layers named by position] in resolve.py).
     position: Optional[int] = None
+    # ``call: false``: a module the model holds but forward never calls (T5's
+    # ``shared``, which its stacks' embeddings tie to): made in ``__init__``,
+    # no statement in forward, no value (NOTE [Held layers] in resolve.py).
+    held: bool = False
     # Filled by analysis.shapes:
     out: Optional[TensorType] = None
     params: int = 0  # per instance
@@ -537,6 +541,8 @@ class Node:
     @property
     def value_names(self) -> tuple[str, ...]:
         """The names later layers read this node's result by."""
+        if self.held:
+            return ()
         return tuple(e.name for e in self.elements) if self.pattern else (self.name,)
 
     def unit(self, instance: int) -> UnitRef:

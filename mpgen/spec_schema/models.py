@@ -509,9 +509,12 @@ class LayerSpec(_Model):
         "Names for the elements of the tuple the op returns: `[q, k, v]`; a nested list "
         "names a nested tuple, `_` drops an element."))
     # Literal keyword arguments of a module's forward: ``call: {is_causal: true}``.
-    call: Optional[dict[KwargName, Value]] = Field(default=None, description=(
-        "Literal keyword arguments (or expressions) of a module's `forward`: "
-        "`{is_causal: true}`."))
+    # ``call: false``: a module the model holds but forward never calls.
+    call: Optional[Union[Literal[False], dict[KwargName, Value]]] = Field(
+        default=None, description=(
+            "Literal keyword arguments (or expressions) of a module's `forward`: "
+            "`{is_causal: true}`; `false`: the module is held (its parameters in the state "
+            "dict, tied to or from) but forward never calls it."))
     # Shared parameters: ``tie: {weight: wte.weight}``.
     tie: Optional[dict[ParameterPath, StrictStr]] = Field(default=None, min_length=1, description=(
         "Parameters shared with an earlier layer: `{weight: wte.weight}`; on a block instance, "

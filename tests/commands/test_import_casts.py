@@ -8,10 +8,10 @@ within 1e-5, in eval and train mode; a cast a spec writes and one that disappear
 spec, from both tracers.
 
 T5 holds its token embedding as ``shared``, which forward never calls (its
-stacks' ``embed_tokens`` share the weight): the first of those to run holds
-it, so ``shared.weight`` is the one key the generated model lacks (as BART's
-``model.shared.weight``, docs/import.md, "State-dict keys"); T5Model's
-decoder ties its embedding to the encoder's on its block instance.
+stacks' ``embed_tokens`` share the weight): the spec holds it with ``call:
+false`` and ties the stacks' embeddings to it; its stack's ``block.0``, which
+alone holds the relative attention bias, and ``block.1`` are the items of an
+nn.ModuleList ``block``, so every key is the original's, with no mapping.
 """
 
 from __future__ import annotations
@@ -45,8 +45,6 @@ MODELS = {
     "roberta": ("transformers:RobertaModel", ROBERTA, [TOKENS],
                 ["dtype: int32", "dtype: int64"]),
 }
-#: the original's keys a generated model lacks: a module forward never calls
-UNCALLED = {"t5_encoder": {"shared.weight"}, "t5": {"shared.weight"}}
 
 
 def _import(case: str, devices=None):
@@ -93,15 +91,10 @@ def test_reproduces_the_reference(case, tmp_path):
             param.normal_(0, 0.1)
     result, path = _built(imported.text, tmp_path, {"*": "cpu"})
     generated = getattr(import_generated(path), result.graph.name)()
-    # T5's block.0 and block.1 differ (the first holds the position bias):
-    # named block_0, block_1 (docs/import.md, "State-dict keys")
-    renamed = {imported.original_key(k): k for k in generated.state_dict()}
-    state = {renamed.get(k, k): v for k, v in root.state_dict().items()}
-    assert set(state) - set(generated.state_dict()) == UNCALLED.get(case, set())
-    if case == "roberta":
-        assert not imported.renamed  # by name, no mapping
-    generated.load_state_dict({k: v for k, v in state.items()
-                               if k not in UNCALLED.get(case, set())}, strict=True)
+    assert not imported.renamed  # by name, no mapping
+    state = root.state_dict()
+    assert set(state) == set(generated.state_dict())
+    generated.load_state_dict(state, strict=True)
     generator = torch.Generator().manual_seed(1)
     samples = [torch.randint(0, 64, [2 if d == "batch" else d for d in spec.dims],
                              generator=generator) for spec in specs]
@@ -121,7 +114,7 @@ def test_reproduces_the_reference(case, tmp_path):
         sum(t.sum() for t in expected).backward()
         sum(t.sum() for t in got).backward()
         for name, param in generated.named_parameters():
-            original = theirs[imported.original_key(name)]
+            original = theirs[name]
             assert (param.grad is None) == (original.grad is None), name
             if param.grad is not None:
                 torch.testing.assert_close(param.grad, original.grad, rtol=1e-5, atol=1e-5,

@@ -51,7 +51,7 @@ class Layer:
     def key(self) -> tuple:
         """What makes two module layers copies of each other."""
         return (self.op, repr(self.args), repr(sorted(self.kwargs.items())),
-                repr(sorted(self.call.items())), frozen(self))
+                repr(sorted(self.call.items()) if self.call else self.call), frozen(self))
 
 
 def frozen(layer: Layer) -> bool:
@@ -133,7 +133,8 @@ def layer_lines(layers: list[Layer], first_input: str,
     lines, previous = [], first_input
     for layer in layers:
         lines.append(_layer_line(layer, previous, names))
-        previous = layer.name if layer.elements is None else None
+        if layer.call is not False:  # a held layer has no value: the next reads the one before
+            previous = layer.name if layer.elements is None else None
     return lines
 
 
@@ -143,8 +144,8 @@ def _layer_line(layer: Layer, default_input: Optional[str],
     items: list = list(layer.inputs)
     if layer.keyword_inputs:
         items.append(dict(layer.keyword_inputs))
-    if layer.op in TENSOR_OPS:
-        pass  # a tensor of the layer's own reads nothing
+    if layer.op in TENSOR_OPS or layer.call is False:
+        pass  # a tensor of the layer's own, or a module forward never calls, reads nothing
     elif layer.factory:
         fields["in"] = []
     elif items != [default_input] or default_input is None:
@@ -152,7 +153,7 @@ def _layer_line(layer: Layer, default_input: Optional[str],
     if layer.args:
         fields["args"] = layer.args
     fields.update(layer.kwargs)
-    if layer.call:
+    if layer.call or layer.call is False:  # call: false: held, never called
         fields["call"] = layer.call
     if layer.elements is not None:
         fields["outputs"] = _element_names(layer.elements, names)

@@ -41,6 +41,9 @@ class Blocks:
         #: a module's path in the generated model -> in the original, where
         #: they differ (NOTE [Module hierarchy]: a child of a Sequential)
         self.renamed: dict[str, str] = {}
+        #: a module's class and parameter shapes -> the block its call became
+        #: (for a held module of that class: NOTE [Held layers])
+        self.made: dict[tuple, str] = {}
         #: each block instance that is not a copy of a repeated layer (its
         #: path in the generated model) -> its parameter count
         self.instances: dict[str, int] = {}
@@ -78,6 +81,11 @@ class Blocks:
             name, i = f"{base}{i}", i + 1
         self.lines[name] = lines
         return name
+
+
+def _signature(module: nn.Module) -> tuple:
+    """A module's class and its parameters' names and shapes."""
+    return (type(module), tuple((name, tuple(p.shape)) for name, p in module.named_parameters()))
 
 
 def _hint(size: Any) -> Optional[int]:
@@ -187,7 +195,7 @@ class ScopeImporter(Importer):
 
     def register(self, name: str, value: Any) -> None:
         """Symbols of ``value``'s shape, read from ``name`` where not yet known."""
-        if not isinstance(value, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or "." in name:  # block.0: no size(...) name
             return
         for dim, size in enumerate(value.shape):
             if isinstance(size, torch.SymInt):
@@ -200,6 +208,8 @@ class ScopeImporter(Importer):
 
     # -- nodes -----------------------------------------------------------------------
     def run(self) -> None:
+        self.held: list[Layer] = []  # held layers whose block is known once the calls ran
+        self.held_layers()
         for node in self.own:
             self.tensor_layer(node)
             self.blocks.notes.append(
@@ -217,12 +227,61 @@ class ScopeImporter(Importer):
                 continue  # torch's own bookkeeping (_log_api_usage_once)
             else:
                 self.function_node(item)
+        for layer in self.held:
+            layer.op = self.blocks.made.get(_signature(layer.module), "")
+        self.layers = [layer for layer in self.layers if layer.op]  # else not held (rare)
         self.fold_repeats()
         if self.scope.parent is None:
             output = next(n for n in self.graph.nodes if n.op == "output")
             self.model_outputs(output)
         else:
             self.outputs = [self.ref_name(self.refs[n]) for n in self.external_outputs()]
+
+    def held_layers(self) -> None:
+        """A layer with ``call: false`` for each torch.nn child of this scope's
+        module that no call reaches and that holds state (T5's ``shared``,
+        BART's ``model.shared``), so its keys are the generated model's too;
+        its parameters are owned here, so the layers that read them tie to it
+        (NOTE [Held layers] in compiler/frontend/resolve.py)."""
+        root = self.scope
+        while root.parent is not None:
+            root = root.parent
+        called: set[str] = set()
+        stack = [root]
+        while stack:
+            for item in stack.pop().items:
+                if isinstance(item, (LeafCall, Scope)):
+                    called.add(item.path)
+                if isinstance(item, Scope):
+                    stack.append(item)
+        nodes = self.scope.nodes()
+        prefix = f"{self.scope.path}." if self.scope.path else ""
+        for name, child in self.scope.module.named_children():
+            path = prefix + name
+            if (not name.isidentifier() or not nodes or any(
+                    c == path or c.startswith(path + ".") for c in called)
+                    or next(iter(child.children()), None) is not None
+                    or not any(True for _ in child.parameters())):
+                continue
+            dotted = library_leaf(type(child))
+            if dotted is None and not type(child).__module__.startswith("torch.nn"):
+                # a library's module (BART's BartScaledWordEmbedding): the block a
+                # called one of its class and parameters became, once it has run
+                layer = Layer(name, "", nodes[0], child, call=False)
+                self.held.append(layer)
+            else:
+                try:
+                    args, kwargs = constructor(child, name)
+                except MpgenError:
+                    continue  # its keys stay the original's alone (docs/import.md)
+                if dotted:
+                    self.blocks.imports.add(dotted.partition(".")[0])
+                layer = Layer(name, dotted or type(child).__name__, nodes[0], child,
+                              args=args, kwargs=kwargs, call=False)
+            for pname, param in child.named_parameters():
+                self.blocks.written.setdefault(id(param), f"{path}.{pname}")
+            self.relative[id(layer)] = name
+            self.layers.append(layer)
 
     def add_layer(self, layer: Layer, node: fx.Node) -> None:
         super().add_layer(layer, node)
@@ -397,7 +456,10 @@ class ScopeImporter(Importer):
         self.refs[node] = attr
         self.layers.append(layer)
         self.register(attr, value)
-        self.blocks.written.setdefault(id(value), f"{self.scope.path}.{attr}".lstrip("."))
+        path = f"{self.scope.path}.{attr}".lstrip(".")
+        owner = self.blocks.written.setdefault(id(value), path)
+        if owner != path and isinstance(value, nn.Parameter) and not self.holds(owner):
+            self.hoisted[attr] = owner  # BART's embed_tokens.weight: tied on the instance
 
     # -- module calls ------------------------------------------------------------
     def rel(self, path: str) -> str:
@@ -505,8 +567,19 @@ class ScopeImporter(Importer):
         """Whether a layer can have the name ``rel`` (a module's path here): an
         identifier, or in a block a child's name in an nn.Sequential (``0``,
         ``block1-0``; NOTE [Layers named by position] in codegen/model.py)."""
-        return rel.isidentifier() or (self.scope.parent is not None and "." not in rel
-                                      and positional_name_problem(rel) is None)
+        return rel.isidentifier() or self.item(rel) or (
+            self.scope.parent is not None and "." not in rel
+            and positional_name_problem(rel) is None)
+
+    def item(self, rel: str) -> bool:
+        """Whether ``rel`` (``block.0``) is an item of an nn.ModuleList or
+        nn.Sequential this scope's module holds, called here on its own: a
+        layer of that name (NOTE [Items of a ModuleList] in
+        compiler/frontend/resolve.py)."""
+        container, _, number = rel.partition(".")
+        held = dict(self.scope.module.named_children()).get(container)
+        return (container.isidentifier() and number.isdigit() and number == str(int(number))
+                and isinstance(held, (nn.ModuleList, nn.Sequential)) and int(number) < len(held))
 
     def scope_layer(self, child: Scope) -> None:
         rel = self.rel(child.path)
@@ -525,6 +598,7 @@ class ScopeImporter(Importer):
         else:
             lines = inner.block_lines()
             block = self.blocks.add(type(child.module), lines, child.path)
+            self.blocks.made.setdefault(_signature(child.module), block)
             layer = Layer(name, block, first, child.module)
             for param, owner in inner.hoisted.items():  # tied on the instance
                 if self.holds(owner):
@@ -615,6 +689,33 @@ class ScopeImporter(Importer):
             result.append(layer)
             k += 1
         self.layers = result
+        self.number_items()
+
+    def number_items(self) -> None:
+        """Items of a ModuleList not called once each, 0 to N-1 in order (some
+        folded, one called twice): renamed ``block_2``, their keys recorded
+        as renamed, as a spec numbers a ModuleList's items in order from 0."""
+        seen: dict[str, list[Layer]] = {}
+        for layer in self.layers:
+            container, _, number = layer.name.partition(".")
+            if number:
+                seen.setdefault(container, []).append(layer)
+        taken = {layer.name for layer in self.layers}
+        for container, items in seen.items():
+            if container not in taken and [i.name for i in items] == [
+                    f"{container}.{k}" for k in range(len(items))]:
+                continue
+            names = {i.name: self.names.fresh(i.name.replace(".", "_")) for i in items}
+            for layer in self.layers:
+                rename_reads(layer, names)
+                if layer.name in names:
+                    if layer.module is not None and any(True for _ in layer.module.state_dict()):
+                        self.blocks.renamed[f"{self.generated_path}.{names[layer.name]}".lstrip(
+                            ".")] = f"{self.scope.path}.{layer.name}".lstrip(".")
+                    layer.name = names[layer.name]
+            for node, ref in list(self.refs.items()):
+                if isinstance(ref, str) and ref in names:
+                    self.refs[node] = names[ref]
 
     def run_at(self, k: int) -> int:
         """How many layers from ``k`` fold into one repeated layer (0: none)."""

@@ -159,6 +159,8 @@ def run(node: Node, module: Optional[nn.Module], inputs: Sequence[torch.Tensor],
     ``inputs`` (one per ``node.inputs``); ``env`` holds the tensors whose
     sizes its arguments may read. Returns the output, or for a layer with
     ``outputs:`` the returned tuple."""
+    if node.held:  # call: false (NOTE [Held layers] in frontend/resolve.py)
+        return None
     label = f"{where}{node.name}"
     tensors, by_keyword = node.feeding.build(list(inputs))
 
@@ -212,6 +214,8 @@ def call_text(node: Node, params: Mapping[str, Any]) -> str:
 def unpack(node: Node, result: Any) -> dict[str, Any]:
     """The values ``node`` produces, by name: its output, or the elements of
     the tuple it returns named by ``outputs:``; raises OutputError."""
+    if node.held:
+        return {}
     if not node.pattern:
         return {node.name: result}
     values: dict[str, Any] = {}
@@ -316,11 +320,18 @@ class MetaBlock(nn.Module):
                 self.add_module(node.name, nn.ModuleList(
                     build(node, self.__values, blocks, hooks, where, k)
                     for k in range(node.repeat)))
+            elif "." in node.name:  # an item of an nn.ModuleList (NOTE [Items of a ModuleList])
+                container = node.name.partition(".")[0]
+                if container not in self._modules:
+                    self.add_module(container, nn.ModuleList())
+                self._modules[container].append(
+                    build(node, self.__values, blocks, hooks, where))
             else:
                 self.add_module(node.name, build(node, self.__values, blocks, hooks, where))
         for node in block.nodes:  # as the generated class, once its layers are made
             for tie in node.ties:
-                share_tied(getattr(self, node.name), self.get_submodule(tie.owner), node,
+                share_tied(self.get_submodule(node.name) if "." in node.name
+                           else getattr(self, node.name), self.get_submodule(tie.owner), node,
                            tie, f"{where}{node.name}")
         self.__class__ = _named_class(block.name)
 
@@ -328,7 +339,8 @@ class MetaBlock(nn.Module):
         env = {t.name: x for t, x in zip(self.__block.inputs, inputs)}
         for node in self.__block.nodes:
             xs = [env[name] for name in node.inputs]
-            module = getattr(self, node.name) if node.op.has_module else None
+            module = (None if not node.op.has_module else self.get_submodule(node.name)
+                      if "." in node.name else getattr(self, node.name))
             if node.repeat:
                 out = self.__hooks.chain(
                     node, f"{self.__where}{node.name}", module, xs[0],

@@ -397,8 +397,9 @@ class _Runner(meta.Hooks):
                 result.append(dataclasses.replace(node, elements=elements, params=count,
                                                   frozen_params=frozen))
             else:
-                result.append(dataclasses.replace(node, out=self.symbols.type(out),
-                                                  params=count, frozen_params=frozen))
+                result.append(dataclasses.replace(
+                    node, out=None if node.held else self.symbols.type(out), params=count,
+                    frozen_params=frozen))
         return result
 
     def unpack(self, node: Node, label: str, out: Any) -> dict[str, Any]:
@@ -507,7 +508,8 @@ class _Runner(meta.Hooks):
                  for name in n.value_names}
         count = sum(p.numel() for p in module.parameters())
         # what trains: a frozen layer no output reads is no layer left untrained
-        layers = {n.name: meta.parameter_count(getattr(module, n.name), trainable=True)
+        layers = {n.name: meta.parameter_count(module.get_submodule(n.name) if "." in n.name
+                                               else getattr(module, n.name), trainable=True)
                   for n in block.nodes if n.op.has_module}
         self.block_uses.setdefault(block.name, []).append((dict(params), types, count, layers))
 
@@ -678,5 +680,6 @@ def _unused(block: BlockClass, learning: set[str]) -> tuple[str, ...]:
     for node in reversed(block.nodes):
         if used & set(node.value_names):
             used.update(node.inputs)
-    return tuple(n.name for n in block.nodes
-                 if n.name in learning and not used & set(n.value_names))
+    owners = {t.owner for n in block.nodes for t in n.ties}  # a held layer's readers train it
+    return tuple(n.name for n in block.nodes if n.name in learning
+                 and not used & set(n.value_names) and not (n.held and n.name in owners))

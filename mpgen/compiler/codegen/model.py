@@ -240,7 +240,9 @@ def _model_class(w: PythonWriter, graph: Graph) -> None:
                 statements(w, node, part, names, device=step.device, checkpoint=recompute)
 
     def forward() -> None:
-        for i, section in enumerate(graph.plan.sections):
+        sections = [s for s in graph.plan.sections  # held layers alone: nothing to run
+                    if s.transfers or not all(nodes[t.node].held for t in s.steps)]
+        for i, section in enumerate(sections):
             if i:
                 w.line()
             w.comment(section.device)
@@ -424,7 +426,8 @@ def _placeholders(w: PythonWriter, graph: Graph, path: str, made: set[str],
     nn.Sequential that this class does not hold (``self.features[5]`` stays
     the sixth module)."""
     parent, _, name = path.rpartition(".")
-    if not parent or elsewhere is None or not _split_block(graph, parent).sequential:
+    if (not parent or elsewhere is None or not any(s.path == parent for s in graph.splits)
+            or not _split_block(graph, parent).sequential):
         return
     missing = []
     for module in _split_block(graph, parent).nodes:
@@ -650,7 +653,10 @@ def statements(w: PythonWriter, node: Node, step: Step, names: Names,
           shapes: Mapping[str, Optional[TensorType]] = {},
           device: Any = None, checkpoint: bool = False) -> None:
     """Run one step: a layer, one instance, or a loop over a run of instances
-    (``checkpoint``: each through ``torch.utils.checkpoint``)."""
+    (``checkpoint``: each through ``torch.utils.checkpoint``); none for a
+    held layer (``call: false``), which forward never calls."""
+    if node.held:
+        return
     comment = _comment(node, shapes)
     out = _target(node, step)
     if node.repeat is None:

@@ -83,6 +83,14 @@ _MODULE_ATTRS = frozenset(dir(nn.Module)) | {"training"}
 # nn.ModuleList()`` before the first item, adds each (``self.block.append``)
 # and calls ``self.block[1](...)``; placement keys name an item (``block.1``)
 # or a range of them (``block.0-1``) as the copies of a repeated layer.
+# NOTE: [Held layers]
+# ``call: false`` on a module layer: the model (or block) holds the module,
+# so its parameters are in the state dict and layers may tie to them or it to
+# theirs, but forward never calls it (T5's ``shared``, whose weight its
+# stacks' ``embed_tokens`` tie to; BART's ``model.shared``). It reads and
+# gives no value (Node.held: no value_names), so a layer after it without
+# ``in:`` reads the one before it; it is placed as any layer (a unit of its
+# parameters, no flops), and generated as its attribute alone.
 _ITEM = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\.([0-9]+)")
 
 
@@ -250,6 +258,8 @@ class _Resolver:
         known: dict[str, None] = dict.fromkeys(input_names)
         tuples: dict[str, Node] = {}  # earlier layers returning named tuples
         items: dict[str, int] = {}  # a ModuleList -> its items so far
+        # NOTE [Held layers]: no value; a layer after one reads the one before it
+        self.held = {n for n, l in layers.items() if l.call is False}
         for index, (name, layer) in enumerate(layers.items()):
             where = self.key(*path, name)
             problem = identifier_problem(name)
@@ -337,11 +347,30 @@ class _Resolver:
             self.errors.add(self.key(*lpath), f"{self.label(lpath)}: a {what} layer is named "
                             f"by an identifier, not {name!r} ({kind})")
             return None
+        held = layer.call is False
+        if held:  # NOTE: [Held layers]
+            refused = ("a Parameter or Buffer layer is never called" if op.kind is OpKind.TENSOR
+                       else "a function layer computes only when called"
+                       if op.kind is OpKind.FUNCTION else
+                       "'in:' is what forward calls it with" if layer.in_ is not None else
+                       "a repeated layer is called copy after copy" if layer.repeat is not None
+                       else "it returns nothing to name"
+                       if layer.outputs is not None or layer.output is not None else None)
+            if refused is not None:
+                self.errors.add(self.value(*lpath, "call"), f"{self.label(lpath)}: call: false "
+                                f"holds a module that forward never calls; {refused}")
+                return None
         if op.kind is OpKind.TENSOR:
             return self.tensor_layer(lpath, name, layer, op, params, ns)
-        # Inputs: default is the previous layer, or the first input.
+        # Inputs: default is the previous layer (not a held one), or the first input.
         factory = layer.in_ is not None and not layer.in_
-        if layer.in_ is None:
+        while index and all_names[index - 1] in self.held:
+            index -= 1
+        if held:
+            refs: list = []
+            ref_pos: list = []
+            feed = None
+        elif layer.in_ is None:
             previous = earlier[-1] if index and earlier and earlier[-1].name == all_names[
                 index - 1] else None
             if previous is not None and previous.pattern:
@@ -367,6 +396,9 @@ class _Resolver:
                        f"its outputs; read its elements ({', '.join(tuples[ref].value_names)})")
             elif ref == name:
                 msg = f"{self.label(lpath)} cannot read its own output"
+            elif ref in self.held:
+                msg = (f"{self.label(lpath)} reads {ref!r}, which forward never calls "
+                       "(call: false), so it has no value")
             elif ref in all_names:
                 msg = (f"{self.label(lpath)} reads {ref!r}, which is defined later; "
                        "layers may only read inputs and earlier layers")
@@ -403,7 +435,7 @@ class _Resolver:
                     self.errors.add(self.key(*lpath, "call", key), f"{label}: {key!r} is given "
                                     f"both as a keyword and in call:")
                     ok = False
-        n_inputs = len(refs) if feed is None else len(feed.positional)
+        n_inputs = None if held else len(refs) if feed is None else len(feed.positional)
         if op.spelled in ops.CASTS:
             ok = self.check_cast(lpath, layer, op, refs, feed) and ok
         else:
@@ -432,7 +464,7 @@ class _Resolver:
                     pos=self.key(*lpath), repeat=layer.repeat, output=layer.output, feed=feed,
                     pattern=pattern, elements=elements, factory=factory, ties=ties or (),
                     inits=inits or (), checkpoint=bool(layer.checkpoint),
-                    frozen=layer.requires_grad is False and not in_forward)
+                    frozen=layer.requires_grad is False and not in_forward, held=held)
 
     def tensor_layer(self, lpath, name: str, layer: LayerSpec, op: Op, params,
                      ns: Namespace) -> Optional[Node]:
@@ -823,7 +855,7 @@ class _Resolver:
                                 f"args ({', '.join(block.params) or 'none'}), got {len(args)}")
                 return False
             want = len(block.inputs)
-            if n_inputs != want:
+            if n_inputs != want and n_inputs is not None:  # None: held, never called
                 self.errors.add(self.key(*lpath), f"{self.label(lpath)}: block {op.spelled} takes "
                                 f"{want} input(s) ({', '.join(block.inputs)}), got {n_inputs}")
                 return False
@@ -1057,6 +1089,11 @@ class _Splitter:
         splits.append(None)  # its place, outer before inner
         for n in block.nodes:
             n = self.renamed(n, f"{path}.", params, inner)
+            own = n.name.removeprefix(f"{path}.")  # the instance's ties to a layer inside it
+            moved = tuple(dataclasses.replace(t, param=t.param.removeprefix(f"{own}."))
+                          for t in node.ties if t.param.startswith(f"{own}."))
+            if moved:  # tie: {embed_tokens.weight: shared.weight} on a split T5Stack
+                n = dataclasses.replace(n, ties=n.ties + moved)
             if node.checkpoint and n.op.has_module and n.op.runs:  # each layer, recomputed
                 n = dataclasses.replace(n, checkpoint=True)
             if node.frozen and n.op.has_module:  # every parameter inside, frozen

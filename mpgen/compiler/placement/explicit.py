@@ -97,6 +97,18 @@ def _units_of(graph: Graph, entry: PlacementEntry, errors: Collector) -> list[Un
                    f"are named by position, not a repeated layer: name each layer "
                    f"('{label.node}.{label.first}'), or place the layers between bookmarks")
         return []
+    items = ([n for n in names if n.rpartition(".")[0] == label.node
+              and n.rpartition(".")[2].isdigit()]
+             if label is not None and label.first is not None and label.node not in names
+             else [])
+    if items:  # a range of a ModuleList's items (NOTE [Items of a ModuleList])
+        if label.first > label.last or label.last >= len(items):
+            errors.add(pos, f"placement: {key!r}: the nn.ModuleList {label.node!r} has items "
+                       f"0-{len(items) - 1}; a range goes from the lower to the higher, e.g. "
+                       f"'{label.node}.0-{len(items) - 1}'")
+            return []
+        return [unit for k in range(label.first, label.last + 1)
+                for unit in graph.node(f"{label.node}.{k}").units]
     if label is None or label.node not in names:
         base = label.node if label else key
         errors.add(pos, f"placement: {key!r} matches no layer{did_you_mean(base, names)}")

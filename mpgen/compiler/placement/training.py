@@ -45,9 +45,12 @@ def check_training(graph: Graph) -> None:
     # Values some output depends on: an output without a loss is returned, so
     # the layers only it reads are kept, untrained (docs/spec.md, "Training").
     used = {graph.value_name(out) for out in graph.outputs}
+    owners = {tie.owner for node in graph.nodes for tie in node.ties}  # trained by readers
     for node in reversed(graph.nodes):
         if used & set(node.value_names):
             used.update(node.inputs)
+        elif node.held and node.name in owners:  # NOTE [Held layers]: its users train it
+            continue
         elif node.params > node.frozen_params:
             errors.add(node.pos, f"layer {node.name!r}: no output depends on it, so training "
                        "would never update its parameters; read it in a later layer, list it "

@@ -135,6 +135,7 @@ def test_items_are_a_module_list_called_one_by_one_and_held_layers_are_not_calle
     code = (out / file_names(result.graph)["model"]).read_text()
     assert "self.block = nn.ModuleList()" in code
     assert "self.heads = nn.ModuleList()" in code
+    assert "self.block.append(First())" in code
     assert "h, bias = self.block[0](embed_tokens)" in code
     assert "block_1 = self.block[1](h, bias)" in code
     assert "self.heads[1](heads_0)" in code
@@ -155,6 +156,7 @@ def test_placement_keys_name_items_and_ranges_of_items(tmp_path):
     assert devices["heads.0"] == ("cuda:0",) and devices["heads.1"] == ("cuda:1",)
     code = (out / file_names(result.graph)["model"]).read_text()
     assert "self.encoder.block = nn.ModuleList()" in code
+    assert "self.encoder.block.append(Later().to(\"cuda:1\"))" in code
     torch.manual_seed(0)
     reference = Reference()
     with virtual_devices(cuda=2):

@@ -485,7 +485,11 @@ def member(node: Node) -> str:
 
 def assignment(node: Node, value: str) -> str:
     """``self.fc = VALUE``; ``self.add_module("0", VALUE)`` for a layer named
-    by position."""
+    by position; ``self.block.append(VALUE)`` for an item of a ModuleList,
+    made in order (NOTE [Items of a ModuleList] in frontend/resolve.py)."""
+    container, _, number = node.name.rpartition(".")
+    if container and node.position is None and number.isdigit():
+        return f"{_code(container)}.append({value})"
     return _made_at(node.name, value)
 
 

@@ -230,3 +230,58 @@ def test_a_layer_after_a_held_one_reads_the_one_before_it(tmp_path):
             "  b: {op: Linear, args: [4, 4], tie: {weight: e.weight}}\n")
     result = build_to(write_spec(tmp_path, text), tmp_path / "out", {"*": "cpu"})
     assert {n.name: n.inputs for n in result.graph.nodes}["b"] == ("a",)
+
+
+class _Add(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.fc(x) + y
+
+
+class _Mul(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4, bias=False)
+
+    def forward(self, x, y):
+        return self.fc(x) * y
+
+
+class _Lists(nn.Module):
+    """Unlike items called in order (``order``) and in reverse (``back``), and
+    a child forward never calls that nothing shares (``spare``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = nn.ModuleList([_Add(), _Mul()])
+        self.back = nn.ModuleList([_Add(), _Mul()])
+        self.spare = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.order[1](self.order[0](x, x), x)
+        return self.back[0](self.back[1](h, x), x)
+
+
+@pytest.mark.slow
+def test_import_writes_items_called_in_order_and_holds_an_uncalled_child(tmp_path):
+    from mpgen.commands import importer
+
+    root = _Lists()
+    specs = [importer.parse_input("x=batch,4")]
+    imported = importer.import_module(root, specs, "mpgen import", None, tracer="dynamo")
+    assert "  order.0: {op: " in imported.text and "  order.1: {op: " in imported.text
+    assert "  spare: {op: Linear, args: [4, 4], requires_grad: false, call: false}" in \
+        imported.text  # nothing ties to it, so nothing would train it
+    # called last to first: items of a spec are made in order, so named back_1, back_0
+    assert imported.renamed == {"back_1": "back.1", "back_0": "back.0"}
+    spec = write_spec(tmp_path, imported.text, "lists.yaml")
+    result = build_to(spec, tmp_path / "out", {"*": "cpu"})
+    model = getattr(import_generated(tmp_path / "out" / file_names(result.graph)["model"]),
+                    result.graph.name)()
+    state = {imported.original_key(k): k for k in model.state_dict()}
+    model.load_state_dict({state[k]: v for k, v in root.state_dict().items()}, strict=True)
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(model(x), root(x), rtol=1e-5, atol=1e-5)

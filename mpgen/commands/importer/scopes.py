@@ -280,6 +280,10 @@ class ScopeImporter(Importer):
                               args=args, kwargs=kwargs, call=False)
             for pname, param in child.named_parameters():
                 self.blocks.written.setdefault(id(param), f"{path}.{pname}")
+            mine = {id(p) for p in child.parameters()}
+            if not any(id(p) in mine and not key.startswith(path + ".") for key, p in
+                       self.root.named_parameters(remove_duplicate=False)):
+                layer.kwargs["requires_grad"] = False  # no layer ties to it: nothing trains it
             self.relative[id(layer)] = name
             self.layers.append(layer)
 

@@ -164,6 +164,20 @@ def test_placement_keys_name_items_and_ranges_of_items(tmp_path):
         _compare(model, reference)
 
 
+@pytest.mark.parametrize("placement", [
+    "  shared: cuda:0\n  encoder.block.1.fc: cuda:1\n  encoder.norm: cuda:0\n",
+    "  auto:\n    devices: [cuda:0, cuda:1]\n    split: [encoder, encoder.block.1]\n",
+])
+def test_a_key_inside_an_item_splits_it(tmp_path, placement):
+    result, out = _built(tmp_path, placement)
+    assert "encoder.block.1.fc" in {n.name for n in result.graph.nodes}
+    torch.manual_seed(0)
+    reference = Reference()
+    with virtual_devices(cuda=2):
+        model = getattr(import_generated(out / file_names(result.graph)["model"]), "Stacked")()
+        _compare(model, reference)
+
+
 def test_a_pipeline_stage_keeps_the_indices_of_items_on_other_stages(tmp_path):
     train = "train: {loss: MSELoss, batch_size: 4}\n"
     placement = "  shared: cuda:0\n  encoder.block.2: cuda:1\n  encoder.norm: cuda:0\n"

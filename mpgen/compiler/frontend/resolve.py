@@ -957,7 +957,11 @@ class _Splitter:
         the block of each instance that is not repeated; stops after a part
         that is not one (``node`` None where the scope has no such layer)."""
         scope = self.top
-        for end, part in enumerate(parts, 1):
+        end = 0
+        while end < len(parts):
+            part, end = parts[end], end + 1
+            if part not in scope and end < len(parts) and f"{part}.{parts[end]}" in scope:
+                part, end = f"{part}.{parts[end]}", end + 1  # an item: block.0
             node = scope.get(part)
             yield ".".join(parts[:end]), node, scope
             if node is None or node.op.kind is not OpKind.BLOCK or node.repeat is not None:

@@ -971,15 +971,16 @@ class _Splitter:
     def reach(self, key: str) -> None:
         """Mark the block instances ``key`` names a layer inside of."""
         parts = key.split(".")
-        for i, (path, node, _) in enumerate(self.walk(parts[:-1])):
+        for path, node, _ in self.walk(parts[:-1]):
             if node is None or node.op.kind is not OpKind.BLOCK:
                 return
             if node.repeat is not None:
-                if i + 2 < len(parts):
+                rest = key[len(path) + 1:].split(".")  # the copy, then what is inside it
+                if len(rest) > 1:
                     self.r.errors.add(self.r.key("placement", key), f"placement: {key!r} "
                                       f"reaches inside one copy of {path!r}, which is repeated: "
                                       f"its copies are made alike; place whole copies "
-                                      f"({path}.{parts[i + 1]})")
+                                      f"({path}.{rest[0]})")
                 return
             self.wanted.setdefault(path, key)
 

@@ -11,6 +11,7 @@ passes in as a :class:`Hooks` object.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -46,6 +47,23 @@ TORCH_DTYPES = {
 }
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
+#: Whether :func:`value` gives a layer's values while training (``Training``
+#: is True, ``IfTraining`` its value): build-time runs are as in eval (the
+#: shapes are the same), the memory plan's training step as in training.
+_TRAINING: contextvars.ContextVar[bool] = contextvars.ContextVar("training", default=False)
+
+
+@contextlib.contextmanager
+def training(mode: bool) -> Iterator[None]:
+    """Run layers as the generated model runs them in ``model.train(mode)``:
+    ``self.training`` and the arguments that read it (``dropout_p`` of
+    ``F.scaled_dot_product_attention``, ``F.dropout``'s ``training``)."""
+    token = _TRAINING.set(mode)
+    try:
+        yield
+    finally:
+        _TRAINING.reset(token)
+
 
 class ArgumentError(Exception):
     """An argument value cannot be computed (a user-facing message)."""
@@ -61,9 +79,9 @@ def value(v: Any, params: Mapping[str, Any], env: Optional[Mapping[str, Any]] = 
     if isinstance(v, list):
         return [value(x, params, env) for x in v]
     if isinstance(v, Training):  # build-time runs are as in eval: shapes are the same
-        return False
+        return _TRAINING.get()
     if isinstance(v, IfTraining):
-        return value(v.otherwise, params, env)
+        return value(v.value if _TRAINING.get() else v.otherwise, params, env)
     if isinstance(v, Size):
         tensor = (env or {})[v.value]
         if not -tensor.dim() <= v.dim < tensor.dim():

@@ -15,7 +15,10 @@ and inference, simulated once after placement (``graph.memory``).
 #   as the generated model builds it (analysis/meta.py's interpreter, ties
 #   shared, a tied layer on another device fed a moved copy), a checkpointed
 #   unit through ``torch.utils.checkpoint`` (so its recompute is simulated),
-#   under autocast when ``train.amp`` is on (its casts are counted); then
+#   under autocast when ``train.amp`` is on (its casts are counted), in
+#   training (``meta.training``: ``dropout_p`` and ``F.dropout``'s
+#   ``training`` are the training values, as ``self.training`` gives them
+#   in the generated code; SDPA with dropout takes the math path); then
 #   each loss as the training script computes it, ``backward``, the gradient
 #   clip, and the optimizer's ``step`` (the single-tensor loop for a CPU
 #   build, ``foreach`` for CUDA, as torch picks). Two steps run; the second
@@ -334,6 +337,7 @@ class _Model:
                             meta.share_parameter(module, tie.param,
                                                  owner.get_parameter(tie.owner_param))
         self.checkpointed = checkpointed_units(graph)
+        self.training = False
         self.params: dict[int, tuple[nn.Parameter, str, str]] = {}  # id -> (p, device, unit)
         self.buffers: list[tuple[torch.Tensor, str, str]] = []
         for (name, k), module in self.modules.items():
@@ -357,6 +361,7 @@ class _Model:
                 tracker.add(b, device, "weights", unit)
 
     def train(self, mode: bool) -> None:
+        self.training = mode  # the layers' arguments that read it too (meta.training)
         for module in self.modules.values():
             if isinstance(module, nn.Module):
                 module.train(mode)
@@ -417,10 +422,15 @@ class _Model:
              env: Mapping[str, Any], names: Mapping[str, Any], checkpoint: bool) -> Any:
         module = self.modules.get((node.name, k))
         swaps = {param: env[var] for param, var in tied.items() if var in env}
+        training = self.training
 
         def call(*tensors):
+            # In training, dropout_p and F.dropout's training are the
+            # generated code's training values (SDPA with dropout takes the
+            # math path, saving its probabilities and mask), also when a
+            # checkpointed unit recomputes in backward.
             with (torch.nn.utils.stateless._reparametrize_module(module, swaps)
-                  if swaps else contextlib.nullcontext()):
+                  if swaps else contextlib.nullcontext()), meta.training(training):
                 return meta.run(node, module, list(tensors), {}, self.hooks, env=names)
 
         if checkpoint and node.op.has_module:

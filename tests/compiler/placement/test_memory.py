@@ -208,6 +208,59 @@ def test_a_model_with_two_outputs_and_adam_on_the_cpu(tmp_path):
     _close(_peaks(graph), _measured(training))
 
 
+# An imported BERT's attention: dropout_p while training (SDPA then takes the
+# math path, saving its probabilities and dropout mask, not the CPU flash
+# kernel's output and log-sum-exp) and a bool mask broadcast over the batch.
+ATTENTION = """\
+mpgen: 1
+name: {name}
+inputs:
+  x: [batch, 16, 32]
+blocks:
+  Attention:
+    inputs: [h, mask]
+    layers:
+      q: {{op: Linear, args: [32, 32], in: h}}
+      qh: {{op: torch.reshape, shape: [-1, 16, 4, 8]}}
+      qt: {{op: torch.transpose, dim0: 1, dim1: 2}}
+      k: {{op: Linear, args: [32, 32], in: h}}
+      kh: {{op: torch.reshape, shape: [-1, 16, 4, 8]}}
+      kt: {{op: torch.transpose, dim0: 1, dim1: 2}}
+      v: {{op: Linear, args: [32, 32], in: h}}
+      vh: {{op: torch.reshape, shape: [-1, 16, 4, 8]}}
+      vt: {{op: torch.transpose, dim0: 1, dim1: 2}}
+      att: {{op: F.scaled_dot_product_attention, in: [qt, kt, vt, {{attn_mask: mask}}],
+            dropout_p: 0.1}}
+      back: {{op: torch.transpose, dim0: 1, dim1: 2}}
+      merged: {{op: torch.reshape, shape: [-1, 16, 32]}}
+      out: {{op: Linear, args: [32, 32]}}
+      res: {{op: torch.add, in: [h, out]}}
+layers:
+  positions: {{op: torch.arange, in: [], end: 16}}
+  mask: {{op: torch.ge, args: [0]}}
+  mask4: {{op: torch.reshape, shape: [1, 1, 1, 16]}}
+  wide: {{op: torch.broadcast_to, size: ["=size(x, 0)", -1, 16, 16]}}
+  layer: {{op: Attention, in: [x, wide], repeat: 2, checkpoint: {checkpoint}}}
+  head: {{op: Linear, args: [32, 4]}}
+train:
+  loss: {{op: CrossEntropyLoss, class_dim: -1}}
+  optimizer: {{op: SGD, lr: 0.1}}
+  batch_size: 32
+"""
+
+
+@pytest.mark.parametrize("checkpoint", ["false", "true"])
+def test_attention_with_dropout_is_planned_as_it_trains(tmp_path, checkpoint):
+    # The plan runs the step in training: dropout_p is 0.1 there (it was
+    # eval's 0.0, so the plan took the flash kernel and planned 0.6x), also
+    # in a checkpointed block's recompute.
+    graph, training = _built(tmp_path, ATTENTION.replace("{checkpoint}", checkpoint),
+                             "PlanAttention", ALL_ON_CPU)
+    _close(_peaks(graph), _measured(training))
+    # and inference, in eval, without it: less than training's activations
+    assert graph.memory.of("inference")["cpu"].peak < graph.memory.of("train")["cpu"].peak
+
+
 def test_checkpointed_blocks_keep_less_and_still_match(tmp_path):
     plain, training = _built(tmp_path / "a", GPT.replace("{tie}", "").replace(
         "{checkpoint}", "false"), "PlanGptPlain", ALL_ON_CPU)

@@ -341,12 +341,14 @@ def train(training: Training, argv: list[str] | None = None) -> None:
         )
     last = last_step(args, per_epoch)
     engine = Single(training, args, data, last)
+    size = sum(p.numel() for p in engine.model.parameters())
+    trains = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
     if engine.optimizer is None:
-        print(f"{training.name}: 0 parameters, nothing to train")
+        print(f"{training.name}: {size:,} parameters, nothing to train")
     else:
-        size = sum(p.numel() for p in engine.model.parameters())
         micro = f"{args.accumulate} micro-batches of " if args.accumulate > 1 else ""
+        frozen = f" ({trains:,} train, the rest frozen)" if trains < size else ""
         print(
-            f"{training.name}: {size:,} parameters; {last} steps of {micro}{args.batch_size} samples"
+            f"{training.name}: {size:,} parameters{frozen}; {last} steps of {micro}{args.batch_size} samples"
         )
     run(engine, args, last, per_epoch, eval_data)

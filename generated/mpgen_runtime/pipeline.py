@@ -188,6 +188,8 @@ def sync_ties(groups: list[tuple], modules: dict, gradients: bool) -> None:
             continue
         params = [modules[k].get_parameter(key) for k, key in copies]
         with torch.no_grad():
+            if gradients and not params[0].requires_grad:
+                continue  # frozen (requires_grad: false): no gradient to sum
             if gradients:
                 for p in params:
                     if p.grad is None:

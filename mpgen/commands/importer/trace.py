@@ -170,16 +170,9 @@ def _config_args(target: str, cls: Any, config_json: str,
     ``config_name``) registers its constructor's keywords as its
     configuration: the JSON object is those keywords."""
     config_class = getattr(cls, "config_class", None)
-    if (config_class is None and inspect.isclass(cls) and hasattr(cls, "from_config")
-            and getattr(cls, "config_name", None)):
-        if args:
-            raise MpgenError(None, "--config and --args: give one of them")
-        config = _json_args(config_json)
-        if not isinstance(config, dict):
-            raise MpgenError(None, "--config: expected a JSON object (the configuration's "
-                                   "keyword arguments)")
-        return config
-    if config_class is None or not inspect.isclass(cls):
+    keywords = (config_class is None and inspect.isclass(cls) and hasattr(cls, "from_config")
+                and bool(getattr(cls, "config_name", None)))  # a diffusers ConfigMixin
+    if not keywords and (config_class is None or not inspect.isclass(cls)):
         raise MpgenError(None, f"{target}: --config builds a Hugging Face model class from "
                                "its configuration; this has no config_class (use --args)")
     if args:
@@ -188,6 +181,8 @@ def _config_args(target: str, cls: Any, config_json: str,
     if not isinstance(config, dict):
         raise MpgenError(None, "--config: expected a JSON object (the configuration's "
                                "keyword arguments)")
+    if keywords:
+        return config
     try:
         built = config_class(**config)
     except Exception as exc:

@@ -198,6 +198,16 @@ def _check_speed(value: Any) -> Any:
     return value
 
 
+def _check_call(value: Any) -> Any:
+    """``call:`` is ``false`` or a mapping of keyword arguments; anything
+    else is one line (a union's own error names pydantic's inner types)."""
+    if value is None or value is False or isinstance(value, dict):
+        return value
+    raise _error("call", "expected a mapping of forward's keyword arguments, like "
+                         f"{{is_causal: true}}, or false (a module forward never calls), "
+                         f"got {shown(value)}")
+
+
 def _mapping_of(what: str, example: str):
     """A ``mode="before"`` check: the value must be a mapping (``what``)."""
     def check(value: Any) -> Any:
@@ -510,7 +520,8 @@ class LayerSpec(_Model):
         "names a nested tuple, `_` drops an element."))
     # Literal keyword arguments of a module's forward: ``call: {is_causal: true}``.
     # ``call: false``: a module the model holds but forward never calls.
-    call: Optional[Union[Literal[False], dict[KwargName, Value]]] = Field(
+    call: Annotated[Optional[Union[Literal[False], dict[KwargName, Value]]],
+                    BeforeValidator(_check_call)] = Field(
         default=None, description=(
             "Literal keyword arguments (or expressions) of a module's `forward`: "
             "`{is_causal: true}`; `false`: the module is held (its parameters in the state "

@@ -230,6 +230,11 @@ LINEAR = "{op: Linear, args: [4, 4]}"
      f"  e: {{op: Linear, args: [4, 4], call: false}}\n  a: {LINEAR}\n"
      "train: {loss: MSELoss, batch_size: 4}\n", "6:3",
      "layer 'e': no output depends on it, so training would never update its parameters"),
+    # neither false nor a mapping: one line, not pydantic's names of the union's types
+    ("mpgen: 1\nname: M\ninputs:\n  x: [batch, 4]\nlayers:\n"
+     "  a: {op: Linear, args: [4, 4], call: [1]}\n", "6:39",
+     "call: expected a mapping of forward's keyword arguments, like {is_causal: true}, or "
+     "false (a module forward never calls), got [1]"),
 ])
 def test_forms_that_cannot_be_are_errors_at_their_line(tmp_path, text, where, message):
     with pytest.raises(MpgenError) as info:

@@ -9,11 +9,12 @@ breaks one of them, this module is the one to change.
 
 Tested on:
 
-* torch 2.13 (CPU build): the project's CI, every test in ``tests/``.
+* torch 2.14 (PyPI's CUDA build, on a machine without a GPU): the project's
+  CI, every test in ``tests/``.
 * torch 2.11 (CUDA build, one H200): the generated tests of every example,
   virtual and real-GPU arms.
 
-``pyproject.toml`` states the same range (``torch>=2.11,<2.14``).  What each
+``pyproject.toml`` states the same range (``torch>=2.11,<2.15``).  What each
 name is for, and what older releases lack, is said where it is defined.
 """
 

@@ -989,7 +989,8 @@ class Spec(_Model):
         description="The spec format version: the integer 1.")
     name: StrictStr = Field(description=(
         "The class name of the generated `nn.Module`; the generated files are named after it "
-        "in snake case (`SimpleModel` -> `simple_model.py`)."))
+        "in snake case (`SimpleModel` -> `simple_model.py`, `DigitViT` -> `digit_vit.py`; "
+        "docs/spec.md gives the rule)."))
     inputs: Annotated[
         dict[str, InputSpec],
         _mapping_of("a mapping of input name -> shape", "{x: [batch, 10]}"),

@@ -34,10 +34,31 @@ MAX_MODEL_NAME = 100
 IMPORTED_MODULES = templates.IMPORTS | templates.LOADED
 
 
+#: Words that model names spell in mixed case, each kept whole in a file name
+#: (``DigitViT`` -> ``digit_vit``, ``ConvNeXt`` -> ``conv_next``), longest first
+#: where one holds another. Every other word boundary is the camel-case one.
+MIXED_CASE_WORDS = ("LeViT", "ViT", "DeiT", "BEiT", "CaiT", "NeXt", "NeoX", "RoBERTa",
+                    "DeBERTa", "LLaMA", "GoogLe")
+
+#: A word boundary: lower case or a digit before a capital (``Simple|Model``,
+#: ``GPT2|Small``), or an acronym's last capital that starts a word
+#: (``MLP|Block``) unless it is a version (``YOLOv5``, ``LayoutLMv3``).
+_BOUNDARY = re.compile(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])(?![A-Z]v\d)")
+_MIXED = re.compile("(?:%s)(?![a-z])" % "|".join(MIXED_CASE_WORDS))
+
+
 def module_name(class_name: str) -> str:
-    """``SimpleModel`` -> ``simple_model`` (the generated file's stem)."""
-    snake = re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", class_name)
-    return snake.lower()
+    """The generated file's stem: the class name in snake case, split at the
+    camel-case word boundaries (``SimpleModel`` -> ``simple_model``, ``ResNet18``
+    -> ``res_net18``, ``GPT2Small`` -> ``gpt2_small``) and around a mixed-case
+    word, never within one (``DigitViT`` -> ``digit_vit``, ``ViTB16`` -> ``vit_b16``)."""
+    whole = [m.span() for m in _MIXED.finditer(class_name)]
+    cuts = {m.start() for m in _BOUNDARY.finditer(class_name)
+            if not any(start < m.start() < end for start, end in whole)}
+    cuts |= {start for start, _ in whole if start and class_name[start - 1].isalnum()}
+    cuts |= {end for _, end in whole if class_name[end:end + 1].isupper()}
+    pieces = [class_name[i:j] for i, j in zip([0, *sorted(cuts)], [*sorted(cuts), None])]
+    return "_".join(pieces).lower()
 
 
 def module_stems(model: str) -> tuple[str, str, str, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
-import importlib.util
 import os
 import platform
 import statistics
@@ -109,35 +108,3 @@ def machine_lines() -> list[str]:
         f"- Versions: Python {platform.python_version()}, {versions}.",
         f"- Date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
     ]
-
-
-def let_torchvision_import() -> object:
-    """Make torchvision importable beside a CPU-only torch (transformers
-    imports it too): for the benchmarks' smoke runs and the project's
-    reference tests (tests/end_to_end/test_references.py).
-
-    A CUDA build of torchvision cannot load its C++ ops next to a CPU build of
-    torch (libc10_cuda.so is missing), and its import then fails registering
-    fake kernels for nms/qnms. Nothing here uses its ops: declaring the two
-    schemas lets the import through. Returns the library that holds them
-    (None where the ops load or torchvision is absent); it is kept here too,
-    since the schemas go when the library is collected. Calling it again does
-    nothing more.
-    """
-    import torch
-
-    spec = importlib.util.find_spec("torchvision")
-    if spec is None or hasattr(torch.ops.torchvision, "nms"):
-        return None
-    try:
-        torch.ops.load_library(str(Path(spec.origin).parent / "_C.so"))
-        return None
-    except (OSError, RuntimeError):
-        schemas = torch.library.Library("torchvision", "DEF")
-        for op in ("nms", "qnms"):
-            schemas.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-        _KEPT.append(schemas)
-        return schemas
-
-
-_KEPT: list = []  # the libraries let_torchvision_import defined

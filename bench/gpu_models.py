@@ -52,7 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import let_torchvision_import  # noqa: E402
 from bench.overhead import build  # noqa: E402
 
 NO_GPU = ("gpu_models: no CUDA GPU visible, nothing measured "
@@ -73,7 +72,6 @@ class Pair:
 
 def torchvision_model(name: str) -> Callable[[], torch.nn.Module]:
     def make():
-        let_torchvision_import()
         import torchvision
 
         return getattr(torchvision.models, name)()
@@ -82,7 +80,6 @@ def torchvision_model(name: str) -> Callable[[], torch.nn.Module]:
 
 def hf_gpt2(**config) -> Callable[[], torch.nn.Module]:
     def make():
-        let_torchvision_import()  # transformers imports torchvision where installed
         from transformers import GPT2Config, GPT2LMHeadModel
 
         return GPT2LMHeadModel(GPT2Config(**config))

@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.common import let_torchvision_import
 from helpers import build_to, import_generated, mpgen
 from mpgen.commands.importer.trace import parse_input
 from mpgen.compiler.codegen.common import file_names
@@ -291,7 +290,6 @@ def test_an_order_that_cannot_match_is_noted(project):
 
 @pytest.mark.slow
 def test_torchvision_resnet18(project):
-    let_torchvision_import()  # before torchvision is first imported
     pytest.importorskip("torchvision")
     (project / "tvresnet.py").write_text(textwrap.dedent('''
         from torchvision.models.resnet import BasicBlock, ResNet

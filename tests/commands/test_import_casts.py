@@ -22,7 +22,6 @@ import pytest
 import torch
 from torch import nn
 
-from bench.common import let_torchvision_import
 from helpers import build_to, import_generated
 from mpgen.compiler.codegen.common import file_names
 
@@ -50,7 +49,6 @@ MODELS = {
 def _import(case: str, devices=None):
     from mpgen.commands import importer
 
-    let_torchvision_import()  # transformers imports torchvision
     target, config, inputs, _ = MODELS[case]
     root = importer.load_module(target, None, json.dumps(config))
     specs = [importer.parse_input(text) for text in inputs]

@@ -14,7 +14,6 @@ import pytest
 import torch
 from torch import nn
 
-from bench.common import let_torchvision_import
 from helpers import build_to, import_generated
 from mpgen.commands import importer
 from mpgen.compiler.codegen.common import file_names
@@ -107,7 +106,6 @@ def test_a_layer_frozen_in_part_is_refused(tmp_path):
 
 
 def test_whispers_position_table_stays_frozen(tmp_path):
-    let_torchvision_import()  # transformers imports torchvision
     pytest.importorskip("transformers")
     config = {"vocab_size": 64, "num_mel_bins": 8, "d_model": 32, "encoder_layers": 2,
               "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,

@@ -13,7 +13,6 @@ import json
 import pytest
 import torch
 
-from bench.common import let_torchvision_import
 from helpers import build_to, import_generated
 from mpgen.compiler.codegen.common import file_names
 from mpgen.testing import virtual_devices
@@ -32,7 +31,6 @@ BERT = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidde
 def _import(target: str, arguments: dict, inputs: list, hf: bool = False, devices=None):
     from mpgen.commands import importer
 
-    let_torchvision_import()
     root = importer.load_module(target, None if hf else json.dumps(arguments),
                                 json.dumps(arguments) if hf else None)
     specs = [importer.parse_input(text) for text in inputs]
@@ -68,7 +66,6 @@ def _compare(root, generated, *samples) -> None:
 
 @pytest.mark.parametrize("case", TORCHVISION)
 def test_torchvision_keys_are_the_originals(case, tmp_path):
-    let_torchvision_import()
     pytest.importorskip("torchvision")
     target, arguments = TORCHVISION[case]
     root, imported = _import(target, arguments, ["x=batch,3,32,32"])
@@ -85,7 +82,6 @@ def test_torchvision_keys_are_the_originals(case, tmp_path):
 
 
 def test_a_hugging_face_model_loads_its_save_pretrained_file_by_name(tmp_path):
-    let_torchvision_import()  # transformers imports torchvision
     pytest.importorskip("transformers")
     pytest.importorskip("safetensors")
     from mpgen.runtime import checkpoint
@@ -112,7 +108,6 @@ def test_a_hugging_face_model_loads_its_save_pretrained_file_by_name(tmp_path):
 
 
 def test_init_loads_a_torchvision_state_dict_file_by_name(tmp_path):
-    let_torchvision_import()
     pytest.importorskip("torchvision")
     from mpgen.runtime import checkpoint
 
@@ -131,7 +126,6 @@ def test_init_loads_a_torchvision_state_dict_file_by_name(tmp_path):
     ("torchvision.models:regnet_y_400mf", "[trunk_output, trunk_output.block4]"),
 ])
 def test_an_nn_sequential_split_over_two_devices_keeps_the_keys(target, split, tmp_path):
-    let_torchvision_import()
     pytest.importorskip("torchvision")
     root, imported = _import(target, {}, ["x=batch,3,32,32"], devices=2)
     assert f"split: {split}" in imported.text  # nn.Sequential blocks, layer by layer

@@ -12,12 +12,13 @@ automatic split over two devices builds.
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from bench.common import let_torchvision_import
-from helpers import build_to, import_generated, mpgen
+from helpers import build_to, import_generated, mpgen, mpgen_process
 from mpgen.compiler.codegen.common import file_names
 
 pytestmark = pytest.mark.slow
@@ -131,13 +132,11 @@ def _check(case: str, table: dict, hf: bool, tmp_path) -> None:
 @pytest.mark.parametrize("case", HUGGING_FACE)
 def test_hugging_face(case, tmp_path):
     pytest.importorskip("transformers")
-    let_torchvision_import()  # transformers imports torchvision
     _check(case, HUGGING_FACE, True, tmp_path)
 
 
 @pytest.mark.parametrize("case", TORCHVISION)
 def test_torchvision(case, tmp_path):
-    let_torchvision_import()
     pytest.importorskip("torchvision")
     imported = _check(case, TORCHVISION, False, tmp_path)
     if case == "efficientnet_b0":  # blocks alike but for numbers: one block with params
@@ -147,7 +146,6 @@ def test_torchvision(case, tmp_path):
 
 @pytest.mark.parametrize("case", [*HUGGING_FACE, *TORCHVISION])
 def test_split_over_two_devices_builds(case, tmp_path):
-    let_torchvision_import()
     hf = case in HUGGING_FACE
     target, arguments, inputs = (HUGGING_FACE if hf else TORCHVISION)[case]
     _, _, imported = _import(target, arguments, inputs, hf, devices=2)
@@ -159,7 +157,6 @@ def test_split_over_two_devices_builds(case, tmp_path):
 
 def test_command_line(tmp_path):
     """A Hugging Face class with --config, a torchvision function with --args."""
-    let_torchvision_import()
     spec = tmp_path / "gpt2.yaml"
     ran = mpgen("import", "transformers:GPT2LMHeadModel", "--config", json.dumps(GPT2),
                 "--input", TOKENS[0], "-o", str(spec), cwd=tmp_path)
@@ -168,6 +165,32 @@ def test_command_line(tmp_path):
     ran = mpgen("import", "torchvision.models:resnet18", "--input", IMAGES[0], cwd=tmp_path)
     assert ran.returncode == 0, ran.stderr
     assert "BasicBlock" in ran.stdout
+
+
+def test_the_environments_mpgen_imports_and_builds_torchvision_resnet18(tmp_path):
+    """The console script of the environment scripts/setup.sh makes, as a
+    user runs it: torchvision imports (its C++ operators load beside this
+    torch), ``mpgen import torchvision.models:resnet18`` writes a spec,
+    ``mpgen build`` builds it, and the generated model loads torchvision's
+    weights by name and computes what torchvision's computes."""
+    console = [str(Path(sys.executable).with_name("mpgen"))]
+    imported = mpgen_process("import", "torchvision.models:resnet18", "--input", IMAGES[0],
+                             "-o", "resnet18.yaml", cwd=tmp_path, command=console)
+    assert imported.returncode == 0, imported.stderr
+    assert imported.stderr == "wrote resnet18.yaml (ResNet, 11 layers)\n"
+    built = mpgen_process("build", "resnet18.yaml", "-o", "out", "--device-map", "cpu",
+                          cwd=tmp_path, command=console)
+    assert built.returncode == 0, built.stderr
+    assert "resnet18.yaml: ResNet, 11,689,512 parameters on cpu" in built.stdout
+    import torchvision
+
+    torch.manual_seed(0)
+    original = torchvision.models.resnet18().eval()
+    generated = import_generated(tmp_path / "out" / "res_net.py").ResNet().eval()
+    generated.load_state_dict(original.state_dict(), strict=True)
+    images = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(generated(images), original(images))
 
 
 def test_an_error_names_the_line_of_the_traced_code(tmp_path):
@@ -195,7 +218,6 @@ def test_a_table_read_along_a_symbolic_dim_is_named(tmp_path):
     """BERT slices its position ids (64 of them) to the sequence's length: a
     symbolic ``seq`` fails the build's check at large sizes, and the error
     says to give it a size."""
-    let_torchvision_import()
     target, arguments, _ = HUGGING_FACE["bert"]
     ran = mpgen("import", target, "--config", json.dumps(arguments), "--input",
                 "input_ids=batch,seq:int64", cwd=tmp_path)

@@ -22,7 +22,6 @@ import json
 import pytest
 import torch
 
-from bench.common import let_torchvision_import
 from helpers import build_to, import_generated, mpgen
 from mpgen.compiler.codegen.common import file_names
 
@@ -63,7 +62,6 @@ CASES = {
 
 
 def _import(case: str):
-    let_torchvision_import()  # transformers, timm and diffusers import torchvision too
     from mpgen.commands import importer
 
     target, arguments, config, inputs = CASES[case]
@@ -285,7 +283,6 @@ def test_an_index_a_spec_cannot_write_names_its_line(tmp_path):
 def test_a_diffusers_model_from_its_config(tmp_path):
     """``--config`` of a diffusers model is its constructor's keywords (its
     registered configuration); its ``self.dtype`` probe imports."""
-    let_torchvision_import()
     pytest.importorskip("diffusers")
     spec = tmp_path / "unet.yaml"
     ran = mpgen("import", "diffusers:UNet2DModel", "--config", json.dumps(UNET),

@@ -22,7 +22,6 @@ import textwrap
 
 import pytest
 
-from bench.common import let_torchvision_import
 from helpers import build_to, mpgen
 from test_import_casts import ROBERTA, T5
 from test_import_libraries import BART, BERT, GPT2, LLAMA
@@ -122,7 +121,6 @@ def _wrapper(case: str) -> tuple[str, list[str]]:
 
 
 def _libraries(case: str) -> None:
-    let_torchvision_import()  # before torchvision is first imported (transformers, timm...)
     imports = CASES[case][0]
     for library in ("transformers", "timm", "diffusers", "torchvision"):
         if library in imports:

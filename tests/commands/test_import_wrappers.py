@@ -20,7 +20,6 @@ import pytest
 import torch
 from torch import nn
 
-from bench.common import let_torchvision_import
 from helpers import build_to, import_generated, mpgen, write_spec
 from mpgen.compiler.codegen.common import file_names
 from mpgen.errors import MpgenError
@@ -422,7 +421,6 @@ def _import_and_compare(tmp_path, monkeypatch, source: str, module: str, cls: st
                                  "BertTagger", "BartEncoderHead"])
 def test_a_wrapped_hugging_face_model(cls, tmp_path, monkeypatch):
     pytest.importorskip("transformers")
-    let_torchvision_import()  # transformers imports torchvision
     _, original, generated = _import_and_compare(tmp_path, monkeypatch, HUGGING_FACE,
                                                  f"hf_{cls.lower()}", cls, [TOKENS])
     if cls == "TiedHead":  # the tie from a layer of the wrapper into the library's model
@@ -439,7 +437,6 @@ def test_a_wrapped_hugging_face_model(cls, tmp_path, monkeypatch):
 @pytest.mark.parametrize("cls", ["ResNetFeatures", "ViT", "EfficientNet", "ConvNeXt",
                                  "TimmResNet"])
 def test_a_wrapped_image_model(cls, tmp_path, monkeypatch):
-    let_torchvision_import()  # before torchvision is first imported
     pytest.importorskip("torchvision")
     pytest.importorskip("timm")
     _import_and_compare(tmp_path, monkeypatch, IMAGES, f"images_{cls.lower()}", cls,
@@ -534,7 +531,6 @@ def test_a_failed_trace_names_the_line_and_the_flag_to_try(tmp_path, trace):
 
 def test_a_failed_trace_in_a_librarys_code_names_its_line_and_the_callers(tmp_path):
     pytest.importorskip("transformers")
-    let_torchvision_import()
     (tmp_path / "hf_wrappers.py").write_text(textwrap.dedent(HUGGING_FACE), encoding="utf-8")
     ran = mpgen("import", "hf_wrappers:TiedHead", "--input", TOKENS, "--trace", "fx",
                 cwd=tmp_path)
@@ -553,7 +549,6 @@ def test_a_wrapped_model_splits_over_two_devices_inside_the_librarys(tmp_path):
     inside (``lm.transformer``) are split: both devices hold parameters,
     and the head's tie follows its owner, inside the split instance."""
     pytest.importorskip("transformers")
-    let_torchvision_import()
     (tmp_path / "hf_split.py").write_text(textwrap.dedent(HUGGING_FACE), encoding="utf-8")
     ran = mpgen("import", "hf_split:WrappedLM", "--input", TOKENS, "--devices", "2", "-o",
                 "wrapped.yaml", cwd=tmp_path)

@@ -204,9 +204,6 @@ def _stem(name: str) -> str:
 
 def test_hugging_face_llama_model_imported_over_two_devices(tmp_path):
     pytest.importorskip("transformers")
-    from bench.common import let_torchvision_import
-
-    let_torchvision_import()  # transformers imports torchvision
     import transformers
 
     ran = mpgen("import", "transformers:LlamaModel", "--config", json.dumps(LLAMA),
@@ -223,9 +220,6 @@ def test_a_users_class_whose_output_is_the_body(tmp_path, monkeypatch):
     """The wrapper's one layer is the body, a block instance that is the
     model's output: the import splits it (``split: [model]``)."""
     pytest.importorskip("transformers")
-    from bench.common import let_torchvision_import
-
-    let_torchvision_import()
     (tmp_path / "wrapper.py").write_text(WRAPPER)
     ran = mpgen("import", "wrapper:Body", "--input", "input_ids=batch,16:int64",
                 "--devices", "2", "--trace", "dynamo", "-o", str(tmp_path / "imported.yaml"),

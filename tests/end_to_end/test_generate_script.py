@@ -14,7 +14,6 @@ import types
 import pytest
 import torch
 
-from bench.common import let_torchvision_import
 from helpers import EXAMPLES, build_to, import_generated
 from mpgen.testing import virtual_devices
 
@@ -164,7 +163,6 @@ HF = {
 @pytest.mark.parametrize("devices", ["cpu", "two"])
 def test_imported_hugging_face_decoders_generate_what_it_generates(case, devices, tmp_path):
     pytest.importorskip("transformers")
-    let_torchvision_import()
     from mpgen.commands import importer
 
     target, config, tokens = HF[case]
@@ -227,7 +225,6 @@ def _tokenizer(folder) -> None:
 
 
 def test_text_prompts_through_a_tokenizer(tmp_path):
-    let_torchvision_import()
     _tokenizer(tmp_path / "tokenizer")
     build_to(EXAMPLES / "nano_gpt.yaml", tmp_path / "out", {"*": "cpu"})
     module = import_generated(tmp_path / "out" / "nano_gpt.py")

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from mpgen.testing import virtual_devices
 
-from bench.common import let_torchvision_import
 from helpers import EXAMPLES, build_to, import_generated
 from mpgen.compiler.codegen.common import file_names
 
@@ -41,9 +40,6 @@ def generated_model(spec: Path, out: Path, device_map=None):
 
 def count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
-
-
-_TORCHVISION_SCHEMAS = let_torchvision_import()
 
 
 # -- GPT-2 ---------------------------------------------------------------------

@@ -91,9 +91,6 @@ def docs_blocks(kind: str) -> list[str]:
 def saved(tmp_path_factory, name: str, k: int) -> Path:
     """A folder holding what the docs' k-th Python block saves to ``name``/."""
     pytest.importorskip("transformers")
-    from bench.common import let_torchvision_import
-
-    let_torchvision_import()
     out = tmp_path_factory.mktemp(name)
     torch.manual_seed(0)
     exec(docs_blocks("python")[k].replace(f'"{name}"', repr(str(out / name))), {})

@@ -393,8 +393,9 @@ def _build(args: argparse.Namespace, device_map: dict[str, str]) -> int:
         _say(f"{escaped(str(orphan.path))}: note: {orphan.why}; left in place (mpgen build "
              "--prune removes it)", sys.stderr)
     for stranger in changes.strangers:
-        _say(f"{escaped(str(stranger.path))}: note: {stranger.why}; no spec built owns it: "
-             "left in place (mpgen check reports it)", sys.stderr)
+        left = ("not built here: left in place" if stranger.spec is not None else
+                "no spec built owns it: left in place (mpgen check reports it)")
+        _say(f"{escaped(str(stranger.path))}: note: {stranger.why}; {left}", sys.stderr)
     for spec in built:
         _say(spec.line)
     for note in (note for spec in built for note in spec.notes):
@@ -417,26 +418,40 @@ def _check(args: argparse.Namespace, device_map: dict[str, str]) -> int:
         return Exit.OK
     _say("".join(diffs.texts).rstrip("\n"))
     typed = args.typed  # the fix repeats what was typed; the rest comes from [tool.mpgen] again
-    command = ["mpgen", "build", *typed.specs]
+    options = []
     if typed.out:
-        command += ["-o", typed.out]
+        options += ["-o", typed.out]
     if typed.device_map:
-        command += ["--device-map", typed.device_map]
+        options += ["--device-map", typed.device_map]
     if typed.root:
-        command += ["--root", typed.root]
+        options += ["--root", typed.root]
     if typed.time_limit is not None and args.time_limit != _default_time_limit():
-        command += ["--time-limit", f"{args.time_limit:g}"]
+        options += ["--time-limit", f"{args.time_limit:g}"]
+    command = ["mpgen", "build", *typed.specs, *options]
     if diffs.prune:
         command += ["--prune"]
     if diffs.build_fixes:
         _say(f"\nmpgen check: generated code in {args.out} is not current; "
              f"run: {shlex.join(command)}", sys.stderr)
-    if diffs.strangers:
-        files, them = ("1 file", "it") if diffs.strangers == 1 else (f"{diffs.strangers} files",
-                                                                      "them")
-        _say(f"{'' if diffs.build_fixes else chr(10)}mpgen check: {args.out} holds {files} "
-             f"that no spec checked owns; remove {them} (build leaves {them})", sys.stderr)
+    first = "" if diffs.build_fixes else "\n"
+    if diffs.strangers > diffs.unchecked_files:
+        files, them = _counted(diffs.strangers - diffs.unchecked_files)
+        _say(f"{first}mpgen check: {args.out} holds {files} that no spec checked owns; "
+             f"remove {them} (build leaves {them})", sys.stderr)
+        first = ""
+    if diffs.unchecked:  # another spec's files: compared when it is checked too
+        specs = [os.path.relpath(spec) for spec in diffs.unchecked]
+        together = ["mpgen", "check", *typed.specs, *specs, *options]
+        fix = (f"check them with the others: {shlex.join(together)}" if typed.specs else
+               f"list {'it' if len(specs) == 1 else 'them'} in [tool.mpgen] specs")
+        _say(f"{first}mpgen check: {args.out} also holds {_counted(diffs.unchecked_files)[0]} of "
+             f"{', '.join(map(escaped, specs))}, not checked here; {fix}", sys.stderr)
     return Exit.DIFF
+
+
+def _counted(files: int) -> tuple[str, str]:
+    """``1 file``, ``it`` or ``N files``, ``them``."""
+    return ("1 file", "it") if files == 1 else (f"{files} files", "them")
 
 
 def _train(args: argparse.Namespace, device_map: dict[str, str]) -> int:

@@ -316,12 +316,44 @@ def test_a_narrowed_specs_list_does_not_hide_a_hand_edited_file(tmp_path):
                         '[tool.mpgen]\nspecs = ["specs/seed.yaml"]\nout = "out"\n'})
     check = mpgen("check", cwd=root)
     assert check.returncode == 1
-    assert ("out/other.py: generated from specs/other.yaml, which is not among the specs "
-            "checked (check every spec of the output folder together); no spec checked owns "
-            "it, and build leaves it: remove it") in check.stdout.splitlines()
+    assert ("out/other.py: generated from specs/other.yaml, another spec of the project; not "
+            "checked here, so not compared") in check.stdout.splitlines()
     assert len(check.stdout.splitlines()) == len(files_of("other"))
-    assert check.stderr == (f"\nmpgen check: out holds {len(files_of('other'))} files that no "
-                            "spec checked owns; remove them (build leaves them)\n")
+    assert check.stderr == (f"\nmpgen check: out also holds {len(files_of('other'))} files of "
+                            "specs/other.yaml, not checked here; list it in [tool.mpgen] specs\n")
+
+
+def test_a_check_of_one_spec_of_a_shared_folder_leaves_the_others_files_to_theirs(tmp_path):
+    """Another spec's files are neither orphans nor to be removed: they are
+    said to be not compared, and the check that compares them is named; a
+    file no spec owns is still one to remove, and the whole folder's check
+    is green."""
+    root = committed(tmp_path)
+    (root / "out" / "conftest.py").write_text("")
+    check = mpgen("check", "specs/seed.yaml", "-o", "out", cwd=root)
+    assert check.returncode == 1
+    assert "orphan" not in check.stdout + check.stderr
+    other = [line for line in check.stdout.splitlines() if "other.yaml" in line]
+    assert other == [f"out/{name}: generated from specs/other.yaml, another spec of the project; "
+                     "not checked here, so not compared" for name in files_of("other")]
+    assert "remove" not in "".join(other)
+    assert check.stderr == (
+        "\nmpgen check: out holds 1 file that no spec checked owns; remove it (build leaves it)"
+        f"\nmpgen check: out also holds {len(files_of('other'))} files of specs/other.yaml, not "
+        "checked here; check them with the others: mpgen check specs/seed.yaml "
+        "specs/other.yaml -o out\n")
+    (root / "out" / "conftest.py").unlink()
+    whole = mpgen("check", "specs/seed.yaml", "specs/other.yaml", "-o", "out", cwd=root)
+    assert (whole.returncode, whole.stdout, whole.stderr) == (0, "out: up to date\n", "")
+    (root / "sub").mkdir()  # from a sub-folder, the specs as the command line takes them
+    check = mpgen("check", "../specs/seed.yaml", "-o", "../out", cwd=root / "sub")
+    assert check.stderr.endswith("check them with the others: mpgen check ../specs/seed.yaml "
+                                 "../specs/other.yaml -o ../out\n")
+    build = mpgen("build", "specs/seed.yaml", "-o", "out", cwd=root)
+    assert build.returncode == 0
+    assert [line for line in build.stderr.splitlines() if "other" in line] == [
+        f"out/{name}: note: generated from specs/other.yaml, another spec of the project; not "
+        "built here: left in place" for name in files_of("other")]
 
 
 def test_a_committed_old_manifest_is_reported_an_ignored_one_is_not(tmp_path):

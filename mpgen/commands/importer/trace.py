@@ -135,12 +135,12 @@ def load_module(target: str, args_json: Optional[str] = None,
         module = importlib.import_module(module_name)
     except Exception as exc:  # the user's code: any failure is theirs to see
         raise MpgenError(None, f"{target}: cannot import {module_name!r}: "
-                               f"{failure(exc)}") from None
+                               f"{broken_package(exc) or failure(exc)}") from None
     try:
         cls = getattr(module, class_name, None)
     except Exception as exc:  # a library's lazy attribute that fails to import
         raise MpgenError(None, f"{target}: cannot import {class_name!r} from {module_name}: "
-                               f"{failure(exc)}") from None
+                               f"{broken_package(exc) or failure(exc)}") from None
     is_class = inspect.isclass(cls) and issubclass(cls, nn.Module)
     if not (is_class or (inspect.isfunction(cls) and not inspect.isclass(cls))):
         names = [n for n, v in vars(module).items()
@@ -159,6 +159,83 @@ def load_module(target: str, args_json: Optional[str] = None,
         raise MpgenError(None, f"{target}: {class_name}({shown_args(args)}) returned "
                                f"{type(built).__name__}, not an nn.Module")
     return built
+
+
+# NOTE: [Broken packages]
+# A library's model fails to import when a package it imports fails in its
+# own module body: transformers imports torchvision, and a torchvision built
+# for another torch raises "operator torchvision::nms does not exist" there.
+# transformers then reports only that the class "could not be imported". The
+# cause is the innermost module body running in the exception's chain; it is
+# named with its version, its error's last line, and the usual fix for that
+# error. A module of the project is the user's code: its error is shown as
+# it is.
+
+def broken_package(exc: BaseException) -> Optional[str]:
+    """The installed package whose import raised under ``exc`` (NOTE [Broken
+    packages]), its error and the likely fix, in one line; None when no
+    package's module body raised (a name that is not there) or the module is
+    the project's."""
+    failed = _failed_module(exc)
+    if failed is None or _in_project(failed[1]):
+        return None
+    package, inner = failed[0].partition(".")[0], failed[2]
+    version = _version(package)
+    named = f"{package} {version}" if version else package
+    return f"the package {named} fails to import: {failure(inner)}; " \
+           f"{_likely_fix(package, named, inner)}"
+
+
+def _failed_module(exc: BaseException) -> Optional[tuple[str, str, BaseException]]:
+    """``(module, file, error)``: the innermost module body running where an
+    exception of ``exc``'s chain (causes first) was raised."""
+    chain: list[BaseException] = []
+    link: Optional[BaseException] = exc
+    while link is not None and link not in chain:
+        chain.append(link)
+        link = link.__cause__ or (None if link.__suppress_context__ else link.__context__)
+    for link in reversed(chain):
+        found = None
+        frames = link.__traceback__
+        while frames is not None:
+            code, name = frames.tb_frame.f_code, frames.tb_frame.f_globals.get("__name__")
+            if code.co_name == "<module>" and name and name != "__main__" \
+                    and not code.co_filename.startswith("<"):
+                found = (name, code.co_filename, link)
+            frames = frames.tb_next
+        if found:
+            return found
+    return None
+
+
+def _version(package: str) -> Optional[str]:
+    """The installed version of the distribution that provides ``package``."""
+    from importlib import metadata
+
+    for dist in metadata.packages_distributions().get(package, [package]):
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _likely_fix(package: str, named: str, error: BaseException) -> str:
+    """What usually mends a package whose import raised ``error``."""
+    text = str(error)
+    if re.search(r"operator \w+::\w+ does not exist|undefined symbol|"
+                 r"\.so[.\d]*: cannot open shared object file", text):
+        fix = f"{named} was built for another torch than {torch.__version__}: install the " \
+              f"{package} built for this torch"
+        minor = re.match(r"2\.(\d+)\.", torch.__version__)
+        if package == "torchvision" and minor:  # torchvision 0.(N+15) pairs with torch 2.N
+            fix += f" (0.{int(minor[1]) + 15}.x, from the same index as torch)"
+        return fix
+    missing = getattr(error, "name", None) if isinstance(error, ModuleNotFoundError) else None
+    if missing and missing.partition(".")[0] != package:
+        return f"install {missing.partition('.')[0]}, which {package} imports"
+    return f"reinstall {package}, or install the versions it needs (`pip check` lists " \
+           f"conflicts)"
 
 
 def _config_args(target: str, cls: Any, config_json: str,

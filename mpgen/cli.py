@@ -586,12 +586,18 @@ def _init(args: argparse.Namespace) -> int:
 
 
 def _ci_summary(args: argparse.Namespace) -> int:
+    from mpgen import config
     from mpgen.commands import ci_summary
 
     for name in ci_summary.tokens(os.environ):  # NOTE [A summary without a token]
         _say(f"mpgen ci-summary: warning: {name} is set: the pull request's specs are compiled, "
              "and the code they name runs, with it in the environment; compute the summary "
              "in a job without tokens (docs/ci.md)", sys.stderr)
+    # [tool.mpgen] root, as build reads it (ci_summary reads specs, device-map
+    # and time-limit itself, from each side's pyproject.toml)
+    if args.root is None:
+        project = config.load()
+        args.root = project.folder_path("root") if project is not None else None
     result = ci_summary.summarize(args.base, args.specs or None, args.root, args.time_limit)
     if args.output is None:
         _say(result.markdown.rstrip("\n"))

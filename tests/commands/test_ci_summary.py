@@ -217,3 +217,46 @@ def test_a_batch_change_shows_each_device_s_memory_plan(repo):
     assert "| `model.yaml` | changed |" in shown
     assert "memory plan (peak per device, batch 4 -> 256):" in shown
     assert re.search(r"^  cuda:1 train peak .* -> .* \(\+\d+%\)$", shown, re.M)
+
+
+GATE = """\
+from torch import nn
+
+
+class Gate(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.proj(x).sigmoid() * x
+"""
+
+
+@pytest.mark.slow  # compiles a spec that imports the project's own module, in a child
+def test_the_project_s_tool_mpgen_gives_the_specs_the_device_map_and_the_root(repo):
+    """ci-summary reads ``[tool.mpgen]`` as ``build`` does: ``specs`` (files
+    of any name), ``device-map``, and ``root``, where a spec's own modules
+    are found (docs/project.md)."""
+    (repo / "pyproject.toml").write_text(
+        pyproject('["layouts/*.spec"]', device_map="cuda:1=cuda:0") + 'root = "src"\n')
+    (repo / "src" / "mylayers").mkdir(parents=True)
+    (repo / "src" / "mylayers" / "__init__.py").write_text("")
+    (repo / "src" / "mylayers" / "gates.py").write_text(GATE)
+    gated = spec_text("Gated").replace("layer1: {op: Linear, args: [10, 20]}",
+                                       "gate: {op: mylayers.gates.Gate, args: [10]}\n"
+                                       "  layer1: {op: Linear, args: [10, 20]}")
+    (repo / "layouts").mkdir()
+    write_spec(repo, gated, "layouts/gated.spec")
+    git(repo, "checkout", "-q", "main")
+    commit_all(repo, "a project")
+    git(repo, "checkout", "-q", "-B", "pr")
+    write_spec(repo, gated.replace("layer2: cuda:1", "layer2: cuda:3"), "layouts/gated.spec")
+    commit_all(repo, "move")
+    text = summary(repo)
+    assert "| `layouts/gated.spec` | changed |" in text, text
+    assert "  layer2: cuda:0 -> cuda:3" in text  # the base's cuda:1 is mapped to cuda:0
+    (repo / "pyproject.toml").write_text(
+        pyproject('["layouts/*.spec"]', device_map="cuda:1=cuda:0"))  # no root: not found
+    ran = mpgen("ci-summary", "--base", "main", cwd=repo)
+    assert ran.returncode == 2 and "mylayers" in ran.stdout

@@ -63,6 +63,12 @@ HELP = {
     "device of this process and print it beside the build's plan",
     "pp_resume": "continue from DIR's newest complete checkpoint, on any --dp or layout; none yet: start "
     "at step 0 (one command line for the first launch and torchrun --max-restarts)",
+    "monitor": "the evaluation metric (a column of log.csv's evaluation rows) whose best step is kept "
+    "as {} (default: eval_loss where the run has evaluation data, else none)",
+    "monitor_mode": "whether lower or higher --monitor is better (default: as its name says: a loss, "
+    "perplexity or error min; an accuracy, F1... max)",
+    "keep_last": "keep the N newest saves: {} (the best kept besides)",
+    "early_stop": "stop after P evaluations without a better --monitor, saving as at the end (0: never)",
 }
 
 
@@ -132,6 +138,22 @@ def parser(
     text = HELP["pp_resume"] if pipeline else f"continue from {saved}"
     add("--resume", action="store_true", help=text)
     add("--init", metavar="FILE", help=HELP["init"].format(name))
+    best = "DIR/best (a link to its step_N)" if pipeline else "DIR/best.pt"
+    add(
+        "--monitor",
+        default=d("monitor"),
+        metavar="METRIC",
+        help=HELP["monitor"].format(best),
+    )
+    text = HELP["monitor_mode"]
+    add("--monitor-mode", choices=("min", "max"), default=d("monitor_mode"), help=text)
+    kept = (
+        "DIR/step_N folders" if pipeline else "last.pt and, past 1, DIR/step_N.pt files"
+    )
+    text = HELP["keep_last"].format(kept)
+    add("--keep-last", type=int, default=d("keep_last"), metavar="N", help=text)
+    text = HELP["early_stop"]
+    add("--early-stop", type=int, default=d("early_stop"), metavar="P", help=text)
     if pipeline:
         amp = d("amp") if d("amp") != "fp16" else "off"
         add("--amp", choices=("off", "bf16"), default=amp, help=HELP["pp_amp"])
@@ -181,8 +203,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     least = dict.fromkeys(
         "steps epochs batch_size accumulate microbatches dp".split(), 1
     )
-    least |= dict.fromkeys(("decay_steps", "log_every", "samples"), 1)
-    least |= dict.fromkeys(("workers", "save_every", "eval_every"), 0)
+    least |= dict.fromkeys(("decay_steps", "log_every", "samples", "keep_last"), 1)
+    least |= dict.fromkeys(("workers", "save_every", "eval_every", "early_stop"), 0)
     for name, low in least.items():
         value = given.get(name)
         if value is not None and value < low:

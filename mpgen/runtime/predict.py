@@ -111,7 +111,8 @@ def parser(
     add = p.add_argument
     text = (
         "the weights: a train script's DIR (its last.pt), a pipeline checkpoint DIR (its newest "
-        "complete step_N) or one state-dict file"
+        "complete step_N) or one of its step folders (DIR/best, DIR/step_N), or one state-dict file "
+        "(DIR/best.pt)"
     )
     add("--checkpoint", metavar="PATH", help=text)
     text = (
@@ -239,8 +240,8 @@ def weights(args) -> tuple[dict, str]:
     try:
         if path.is_dir() and (path / "last.pt").is_file():
             path = path / "last.pt"
-        elif path.is_dir() and sharded.complete(str(path)):
-            path = sharded.folder(str(path), sharded.complete(str(path))[-1])
+        elif path.is_dir() and sharded.resolve(str(path)):
+            path = sharded.resolve(str(path))[0]  # a step folder, or the newest
             return Checkpointed(path), f"{flag} {path}"
         elif path.is_dir() and any(
             (path / n).is_file() for n in PRETRAINED + PRETRAINED_INDEX
@@ -554,7 +555,7 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
     p = parser(predicting)
     args = p.parse_args(argv)
     check(p, args)
-    check_devices(training)
+    check_devices(training, argv, f"predict_{training.run}.py")
     torch.manual_seed(args.seed)
     model = training.model()
     where = load_weights([model], list(model.state_dict()), training, args)
@@ -566,7 +567,7 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
     args.batch_size = per_forward(data, args, training)
     n = len(training.inputs)
     scores = Scores(predicting) if given.targets else None
-    loss_fns = training.losses() if scores is not None else ()
+    loss_fns = training.losses(training.settings) if scores is not None else ()
     outputs = Outputs(predicting)
     progress = bar(batches_in(data) or _count(data, args.batch_size or 1))
     started, samples = time.perf_counter(), 0
@@ -756,7 +757,7 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
         # joined here along each output's layout, not by torch's merge (dim 0).
         schedule._merge_outputs = lambda chunks: None
         scores = Scores(predicting) if last and shapes[1] else None
-        loss_fns = training.losses() if scores is not None else ()
+        loss_fns = training.losses(training.settings) if scores is not None else ()
         outputs = Outputs(predicting)
         progress = bar(None) if last else None
         started, samples = time.perf_counter(), 0
@@ -795,7 +796,7 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
                 if scores is not None:
                     targets = tuple(t for t in batch[n:])
                     raw = each if len(each) > 1 else each[0]
-                    loss = stages.loss(raw, torch.arange(size), targets, loss_fns, 1)
+                    loss, _ = stages.loss(raw, torch.arange(size), targets, loss_fns, 1)
                     scores.add(loss, each, targets, size)
                 outputs.add(each, size)
                 samples += size

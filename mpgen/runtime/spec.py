@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 #: for a flag not here): a train: section's defaults.
 BASE_DEFAULTS = dict(seed=0, log_every=1, amp="off", grad_clip=0.0, accumulate=1)
 BASE_DEFAULTS |= dict(eval_split=0.0, eval_every=0, samples=1024, workers=0)
+BASE_DEFAULTS |= dict(keep_last=1, early_stop=0)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,8 @@ _LOSS_PARAMS = ("model", "loss_fns", "inputs", "targets", "count")
 #: (mpgen/runtime/spec.py, which the compiler does not import: tests/runtime
 #: keeps the two equal); a default equal to one is not written.
 BASE_DEFAULTS = {"seed": 0, "log_every": 1, "amp": "off", "grad_clip": 0.0, "accumulate": 1,
-                 "eval_split": 0.0, "eval_every": 0, "samples": 1024, "workers": 0}
+                 "eval_split": 0.0, "eval_every": 0, "samples": 1024, "workers": 0,
+                 "keep_last": 1, "early_stop": 0}
 #: The decays of the built-in schedules (mpgen_runtime.lr_factor).
 _DECAYS = {"cosine": "cosine decay", "linear": "linear decay", "constant": "then constant"}
 

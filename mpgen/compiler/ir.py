@@ -778,7 +778,6 @@ class TrainConfig:
     optimizer_module: Optional[str] = None  # a user's optimizer class: its module
     weight_decay: Optional[float] = None  # the optimizer's, written or its default
     dims_given: tuple[str, ...] = ()  # the symbolic dims train.dims (or batch_size) sizes
-    loss_per_output: bool = False  # train.loss is a mapping of output -> loss
 
     @property
     def optimizer_callee(self) -> str:

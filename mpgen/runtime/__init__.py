@@ -16,7 +16,6 @@ package imports only torch and the standard library, never mpgen.
 
 from .loop import hits, train
 from .optim import lr_factor, param_groups
-from .settings import keywords
 from .spec import Stages, Training
 
-__all__ = ["Stages", "Training", "hits", "keywords", "lr_factor", "param_groups", "train"]
+__all__ = ["Stages", "Training", "hits", "lr_factor", "param_groups", "train"]

@@ -598,7 +598,7 @@ def generate(generating: Generating, argv: list[str] | None = None) -> None:
     tok = tokenizer(args.tokenizer) if args.tokenizer else None
     batch = prompts(args, tok)
     check(generating, args, batch)
-    check_devices(training)
+    check_devices(training, argv, f"generate_{training.run}.py")
     stop = stops(args, tok)
     use_cache = not args.no_cache and generating.cached is not None
     if not args.no_cache and generating.cached is None:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from . import mesh, sharded
 from .data import one_line
-from .loop import device_map
+from .loop import device_map, gpus_here, run_elsewhere
 from .mesh import stop
 from .spec import Stages
 
@@ -43,10 +43,11 @@ def check_devices(stages: Stages) -> torch.device:
     local, count = int(environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
     if local >= count:
         training = stages.training
+        mapping = device_map(training.devices, count)
         stop(
             f"{stages.script} was built for CUDA devices, and local rank {local} has none "
-            f"(this machine has {count}). Rebuild it for this machine: mpgen build {training.spec} "
-            f"--device-map {device_map(training.devices, count)}"
+            f"(this machine has {gpus_here(count)}). "
+            f"{run_elsewhere(training, mapping, stages.script, None)}"
         )
     device = torch.device("cuda", local)
     torch.cuda.set_device(device)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
+import shlex
 import signal
 import sys
 
@@ -65,8 +66,37 @@ def device_map(devices: list, count: int) -> str:
     return ",".join(f"{d}=cuda:{k % count}" for k, d in enumerate(devices))
 
 
-def check_devices(training: Training) -> None:
-    """Stop, naming it, when a device the model is placed on is missing here."""
+def gpus_here(count: int) -> str:
+    """What this machine has, for the rebuild hint."""
+    return f"{count} CUDA device(s)" if count else "no CUDA device"
+
+
+def run_elsewhere(
+    training: Training, mapping: str, script: str, argv: list[str] | None
+) -> str:
+    """How to run ``script ARGV`` on this machine with ``--device-map
+    MAPPING``, never writing into the folder it was built into (a committed
+    one, which ``mpgen check`` compares with the spec): ``mpgen train``
+    builds into a temporary folder; another script runs from a build of its
+    own under build/."""
+    args = shlex.join(sys.argv[1:] if argv is None else argv)
+    spec = shlex.quote(training.spec)
+    if script == f"train_{training.run}.py":
+        rest = f" -- {args}" if args else ""
+        return f"Run it here with: mpgen train {spec} --device-map {mapping}{rest}"
+    out = f"build/{training.run}-{'cpu' if mapping == 'cpu' else 'here'}"
+    then = shlex.join(["python", f"{out}/{script}"]) + (f" {args}" if args else "")
+    return (
+        f"Build a copy for this machine and run that one: mpgen build {spec} "
+        f"--device-map {mapping} -o {out}, then {then}"
+    )
+
+
+def check_devices(
+    training: Training, argv: list[str] | None = None, script: str | None = None
+) -> None:
+    """Stop, naming it, when a device the model is placed on is missing here,
+    with how to run ``script`` (the training script's by default) here."""
     count = torch.cuda.device_count()
     missing = [
         d
@@ -75,10 +105,10 @@ def check_devices(training: Training) -> None:
     ]
     if missing:
         mapping = device_map(missing, count)
+        script = script or f"train_{training.run}.py"
         sys.exit(
             f"{training.name} is placed on {', '.join(missing)}, but this machine has "
-            f"{count} CUDA device(s). Rebuild it for this machine: mpgen build {training.spec} "
-            f"--device-map {mapping} (or run it at once: mpgen train {training.spec} --device-map {mapping})"
+            f"{gpus_here(count)}. {run_elsewhere(training, mapping, script, argv)}"
         )
 
 
@@ -337,7 +367,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     parser = flags.parser(training)
     args = parser.parse_args(argv)
     flags.check(parser, args)
-    check_devices(training)
+    check_devices(training, argv)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
     per_epoch = (
         epoch_batches(data, args.batch_size) // args.accumulate

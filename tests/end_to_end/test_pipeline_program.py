@@ -754,8 +754,10 @@ def test_the_committed_cuda_build_on_a_cpu_machine_says_how_to_rebuild():
                          cwd=ROOT / "generated", capture_output=True, text=True, timeout=60)
     assert run.returncode == 1
     assert run.stderr == ("pp_simple_model.py was built for CUDA devices, and local rank 0 has "
-                          "none (this machine has 0). Rebuild it for this machine: mpgen build "
-                          "examples/seed.yaml --device-map cpu\n")
+                          "none (this machine has no CUDA device). Build a copy for this "
+                          "machine and run that one: mpgen build examples/seed.yaml --device-map "
+                          "cpu -o build/simple_model-cpu, then python "
+                          "build/simple_model-cpu/pp_simple_model.py --steps 1\n")
 
 
 ACTIVATION_STAGE = """

@@ -746,6 +746,50 @@ class DataSource:
 
 
 @dataclass(frozen=True)
+class Metric:
+    """One of ``train.metrics``: ``op`` (one of :attr:`OPS`) or a user's
+    ``function`` (``package.module:function``, vetted by the import policy),
+    on ``output``, or (None) on every output it applies to."""
+
+    op: str
+    output: Optional[str] = None
+    k: int = 1  # top_k_accuracy's
+    function: Optional[str] = None
+    pos: Optional[Position] = None
+
+    OPS: ClassVar[tuple[str, ...]] = ("accuracy", "top_k_accuracy", "f1", "perplexity")
+
+    @property
+    def name(self) -> str:
+        """Its log column without ``eval_`` (and the output, where several)."""
+        if self.function is not None:
+            return self.function.rpartition(":")[2]
+        return f"top{self.k}_accuracy" if self.op == "top_k_accuracy" else self.op
+
+    @property
+    def module(self) -> Optional[str]:
+        return self.function.partition(":")[0] if self.function else None
+
+    def applies(self, loss: "Loss") -> bool:
+        """Whether it can measure the output of ``loss``: an accuracy or F1
+        a class-index loss's, perplexity a (log-)softmax one's; a user's any."""
+        if self.function is not None:
+            return True
+        if self.op == "perplexity":
+            return loss.op in ("CrossEntropyLoss", "NLLLoss") and not loss.module
+        return loss.target == "classes"
+
+
+@dataclass(frozen=True)
+class MetricColumn:
+    """A metric on one output: its column (``eval_`` + ``name``) and loss index."""
+
+    name: str
+    metric: Metric
+    loss: int
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     """Resolved ``train`` settings."""
 
@@ -778,6 +822,8 @@ class TrainConfig:
     optimizer_module: Optional[str] = None  # a user's optimizer class: its module
     weight_decay: Optional[float] = None  # the optimizer's, written or its default
     dims_given: tuple[str, ...] = ()  # the symbolic dims train.dims (or batch_size) sizes
+    #: ``train.metrics``; None: the default (:meth:`metric_columns`).
+    metrics: Optional[tuple[Metric, ...]] = None
 
     @property
     def optimizer_callee(self) -> str:
@@ -785,9 +831,31 @@ class TrainConfig:
 
     @property
     def modules(self) -> tuple[str, ...]:
-        """The user modules the loss and optimizer classes come from, sorted."""
+        """The user modules the loss and optimizer classes (and the metric
+        functions) come from, sorted."""
         found = {loss.module for loss in self.losses} | {self.optimizer_module}
+        found |= {metric.module for metric in self.metrics or ()}
         return tuple(sorted(m for m in found if m))
+
+    def metric_columns(self) -> tuple[MetricColumn, ...]:
+        """Each metric on each output it measures, in the spec's order; by
+        default (no ``train.metrics``) the accuracy of each class output and
+        the perplexity of each token loss (classes on the last dim of an
+        output ``[batch, seq, vocab]``). A name measured on several outputs
+        gets the output's name (``accuracy_cls_head``)."""
+        metrics = self.metrics
+        if metrics is None:
+            accuracy, perplexity = Metric("accuracy"), Metric("perplexity")
+            metrics = (accuracy,) * any(accuracy.applies(loss) for loss in self.losses)
+            tokens = [loss.output for loss in self.losses
+                      if perplexity.applies(loss) and loss.flatten]
+            metrics += tuple(Metric("perplexity", output) for output in tokens)
+        found = [(metric, k) for metric in metrics for k, loss in enumerate(self.losses)
+                 if (metric.output in (None, loss.output)) and metric.applies(loss)]
+        names = [metric.name for metric, _ in found]
+        return tuple(MetricColumn(metric.name if names.count(metric.name) == 1
+                                  else f"{metric.name}_{self.losses[k].output}", metric, k)
+                     for metric, k in found)
 
 
 # -- costs ---------------------------------------------------------------------

@@ -15,7 +15,16 @@ package imports only torch and the standard library, never mpgen.
 """
 
 from .loop import hits, train
+from .metrics import Metric
 from .optim import lr_factor, param_groups
 from .spec import Stages, Training
 
-__all__ = ["Stages", "Training", "hits", "lr_factor", "param_groups", "train"]
+__all__ = [
+    "Metric",
+    "Stages",
+    "Training",
+    "hits",
+    "lr_factor",
+    "param_groups",
+    "train",
+]

@@ -1,8 +1,10 @@
-"""The training log: progress on the terminal, log.csv, TensorBoard, the summary."""
+"""The training log: progress on the terminal, log.csv, TensorBoard (and
+W&B or MLflow, asked for: trackers.py), hparams.json, the summary."""
 
 from __future__ import annotations
 
 import csv
+import json
 import math
 import sys
 import time
@@ -15,25 +17,40 @@ except ImportError:
     tqdm = None
 try:  # TensorBoard logs, when tensorboard is installed
     from torch.utils.tensorboard import SummaryWriter
+    from torch.utils.tensorboard.summary import hparams as hparams_summary
 except ImportError:
     SummaryWriter = None
+
+#: The columns of the throughput, after the evaluation's.
+RATES = ("tokens_per_second", "grad_norm", "idle", "mfu")
 
 
 class Log:
     """Progress on the terminal (a tqdm bar on a TTY, else a line every
     --log-every steps), a CSV file, TensorBoard when installed, and the summary."""
 
-    COLUMNS = ("step", "epoch", "loss", "lr", "seconds_per_step", "samples_per_second")
-    COLUMNS += ("eval_loss", "eval_accuracy")
-    COLUMNS += ("tokens_per_second", "grad_norm", "idle", "mfu")
-
     def __init__(
-        self, folder, steps: int, done: int, every: int, size: int, devices, rates=None
+        self,
+        folder,
+        steps: int,
+        done: int,
+        every: int,
+        size: int,
+        devices,
+        rates=None,
+        columns=((), ("eval_loss",)),
+        hparams=None,
+        trackers=(),
     ):
         """``size``: samples per step; the peak memory of ``devices`` (CUDA ones)
         is shown. ``rates``: what the throughput columns need, where known:
         ``tokens`` per sample, training ``flops`` per sample, the job's
-        ``peak`` FLOP/s, the ``predicted`` bubble and its ``schedule``."""
+        ``peak`` FLOP/s, the ``predicted`` bubble and its ``schedule``.
+        ``columns``: each output's loss column of a step (``loss_cls_head``;
+        none for one loss), and the evaluation's (metrics.eval_columns).
+        ``hparams``: the run's settings, written to hparams.json and
+        TensorBoard's hparams; ``trackers``: W&B or MLflow runs (trackers.py),
+        given the same rows."""
         self.steps, self.every, self.samples_per_step = steps, every, size
         self.rates = rates if rates is not None else {}
         # the ranks' busy seconds over the seconds timed, and each pipeline rank's
@@ -43,28 +60,66 @@ class Log:
         self.first, self.last_loss, self.last_eval = None, None, None
         self.start = self.tick = time.perf_counter()
         self.done = self.tick_step = done
+        self.losses, self.evals = list(columns[0]), list(columns[1])
+        self.trackers = list(trackers)
+        self.columns = ["step", "epoch", "loss", *self.losses, "lr"]
+        self.columns += ["seconds_per_step", "samples_per_second", *self.evals, *RATES]
         folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / "log.csv"
         kept = [] if done == 0 else self.rows_until(done)
         self.file = self.path.open("w", newline="")
-        self.csv = csv.writer(self.file)
-        self.csv.writerow(self.COLUMNS)
+        self.csv = csv.DictWriter(self.file, self.columns, restval="")
+        self.csv.writeheader()
         self.csv.writerows(kept)
-        self.board = SummaryWriter(str(folder)) if SummaryWriter is not None else None
+        # purge_step: TensorBoard drops what earlier event files in the
+        # folder hold from this step on (a killed run's steps past the
+        # checkpoint, a run before this fresh one), so one curve shows.
+        self.board = (
+            SummaryWriter(str(folder), purge_step=done + 1)
+            if SummaryWriter is not None
+            else None
+        )
+        if hparams is not None:
+            self.write_hparams(folder, hparams)
         self.bar = (
             tqdm(total=steps, initial=done, unit="step", dynamic_ncols=True)
             if tqdm is not None and sys.stderr.isatty()
             else None
         )
 
-    def rows_until(self, done: int) -> list[list[str]]:
+    def rows_until(self, done: int) -> list[dict]:
         """The rows of an earlier run up to step ``done`` (a resumed run's
-        checkpoint): the steps a killed run logged after it are run again."""
+        checkpoint), under this run's columns, in step order: the steps a
+        killed run logged after it are run again."""
         if not self.path.exists():
             return []
         with self.path.open(newline="") as f:
-            rows = list(csv.reader(f))[1:]
-        return [row for row in rows if row and row[0].isdigit() and int(row[0]) <= done]
+            rows = list(csv.DictReader(f))
+        kept = [
+            {k: v for k, v in row.items() if k in self.columns}
+            for row in rows
+            if (row.get("step") or "").isdigit() and int(row["step"]) <= done
+        ]
+        return sorted(
+            kept, key=lambda row: int(row["step"])
+        )  # stable: eval after its step
+
+    def write_hparams(self, folder, hparams: dict) -> None:
+        """The run's settings: hparams.json, TensorBoard's hparams (tied to
+        the evaluation's metrics) and the trackers' config."""
+        plain = {k: plain_value(v) for k, v in hparams.items()}
+        text = json.dumps(plain, indent=2, sort_keys=True)
+        (folder / "hparams.json").write_text(text + "\n")
+        if self.board is not None:
+            shown = {
+                k: v if isinstance(v, (int, float, str, bool)) else str(v)
+                for k, v in plain.items()
+            }
+            metrics = {f"eval/{c.removeprefix('eval_')}": 0.0 for c in self.evals}
+            for summary in hparams_summary(shown, metrics):
+                self.board.file_writer.add_summary(summary)
+        for tracker in self.trackers:
+            tracker.config(plain)
 
     def say(self, text: str) -> None:
         if self.bar is not None:
@@ -105,12 +160,18 @@ class Log:
             self.busy_ranks = [a + b for a, b in zip(ranks, extra["busy"])]
             self.busy_steps += steps
         norm = extra.get("grad_norm")
+        parts = dict(zip(self.losses, extra.get("losses") or ()))  # each output's loss
         memory = "".join(
             f"  {d} {torch.cuda.max_memory_allocated(d) / 2**30:.2f} GiB"
             for d in self.cuda
         )
         if extra.get("memory"):
             memory = "  peak " + "/".join(f"{m:.2f}" for m in extra["memory"]) + " GiB"
+        # cls_head 1.603496 + reg_head 0.355939: the loss's parts
+        each = " + ".join(
+            f"{k.removeprefix('loss_')} {v:.6f}" for k, v in parts.items()
+        )
+        each = f" ({each})" if each else ""
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", refresh=False)
         else:
@@ -119,39 +180,35 @@ class Log:
             shown += f"  idle {idle:.0%}" if idle is not None else ""
             shown += f"  MFU {mfu:.1%}" if mfu is not None else ""
             self.say(
-                f"step {step}/{self.steps}  loss {loss:.6f}  lr {lr:.3e}  {seconds:.3f} s/step  "
+                f"step {step}/{self.steps}  loss {loss:.6f}{each}  lr {lr:.3e}  {seconds:.3f} s/step  "
                 f"{rate:,.0f} samples/s{shown}{memory}"
             )
-        optional = [tokens, norm, idle, mfu]
-        self.csv.writerow(
-            [step, epoch, loss, lr, seconds, rate, "", ""]
-            + ["" if x is None else x for x in optional]
-        )
+        optional = dict(zip(RATES, [tokens, norm, idle, mfu]))
+        row = {"step": step, "epoch": epoch, "loss": loss, **parts, "lr": lr}
+        row |= {"seconds_per_step": seconds, "samples_per_second": rate}
+        row |= {k: v for k, v in optional.items() if v is not None}
+        self.csv.writerow(row)
         self.file.flush()
-        if self.board is not None:
-            self.board.add_scalar("train/loss", loss, step)
-            self.board.add_scalar("train/lr", lr, step)
-            for name, value in zip(
-                ("tokens_per_second", "grad_norm", "idle", "mfu"), optional
-            ):
-                if value is not None:
-                    self.board.add_scalar(f"train/{name}", value, step)
+        scalars = {"loss": loss, **parts, "lr": lr}
+        scalars |= {k: v for k, v in optional.items() if v is not None}
+        self.scalars("train", scalars, step)
 
-    def evaluation(
-        self, step: int, epoch: int, loss: float, accuracy: list[float]
-    ) -> None:
-        self.last_eval = (loss, accuracy)
-        shown = "".join(f"  accuracy {a:.2%}" for a in accuracy)
-        self.say(f"eval at step {step}: loss {loss:.6f}{shown}")
-        self.csv.writerow(
-            [step, epoch, "", "", "", "", loss, accuracy[0] if accuracy else ""]
-            + [""] * 4
-        )
-        self.file.flush()
+    def scalars(self, group: str, values: dict, step: int) -> None:
+        """``values`` to TensorBoard as ``group/name`` and to the trackers."""
+        named = {f"{group}/{k.removeprefix('eval_')}": v for k, v in values.items()}
         if self.board is not None:
-            self.board.add_scalar("eval/loss", loss, step)
-            for k, a in enumerate(accuracy):
-                self.board.add_scalar(f"eval/accuracy{k or ''}", a, step)
+            for tag, value in named.items():
+                self.board.add_scalar(tag, value, step)
+        for tracker in self.trackers:
+            tracker.log(named, step)
+
+    def evaluation(self, step: int, epoch: int, results: dict[str, float]) -> None:
+        """An evaluation's row: ``results`` by column (``eval_loss``, ...)."""
+        self.last_eval = results
+        self.say(f"eval at step {step}: {shown(results)}")
+        self.csv.writerow({"step": step, "epoch": epoch, **results})
+        self.file.flush()
+        self.scalars("eval", results, step)
 
     def close(self, started: int) -> None:
         if self.bar is not None:
@@ -159,6 +216,8 @@ class Log:
         self.file.close()
         if self.board is not None:
             self.board.close()
+        for tracker in self.trackers:
+            tracker.close()
         steps, seconds = self.done - started, time.perf_counter() - self.start
         if steps:
             rate = self.samples_per_step * steps / seconds
@@ -196,13 +255,39 @@ class Log:
                 f"busy s/step per pipeline rank: {each}"
             )
         if self.last_eval is not None:
-            loss, accuracy = self.last_eval
-            self.say(
-                f"eval loss {loss:.6f}"
-                + "".join(f", accuracy {a:.2%}" for a in accuracy)
-            )
+            self.say(f"eval {shown(self.last_eval, ', ')}")
         for d in self.cuda:
             self.say(
                 f"peak memory {d}: {torch.cuda.max_memory_allocated(d) / 2**30:.2f} GiB"
             )
         self.say(f"log: {self.path}")
+
+
+def shown(results: dict[str, float], between: str = "  ") -> str:
+    """``loss 0.123456  accuracy 91.20%``: an evaluation on the terminal
+    (a loss to 6 places, an accuracy or F1 in percent)."""
+    said = []
+    for column, value in results.items():
+        name = column.removeprefix("eval_")
+        if name.startswith("loss"):
+            text = f"{value:.6f}"
+        elif "accuracy" in name or name.startswith("f1"):
+            text = f"{value:.2%}"
+        else:
+            text = f"{value:.6g}"
+        said.append(
+            f"{name.replace('_', ' ', 1) if name.startswith('loss_') else name} {text}"
+        )
+    return between.join(said)
+
+
+def plain_value(value):
+    """A setting as JSON holds it: numbers, text, lists and mappings as
+    they are, anything else as its text."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain_value(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain_value(v) for k, v in value.items()}
+    return str(value)

@@ -16,7 +16,7 @@ import sys
 import torch
 from torch import nn
 
-from . import checkpoint, flags, memory
+from . import checkpoint, flags, memory, trackers
 from .data import (
     as_batch,
     batches,
@@ -27,6 +27,7 @@ from .data import (
     training_data,
 )
 from .log import Log
+from .metrics import Tally, eval_columns, hits, loss_columns, parts_losses
 from .spec import Training
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,13 +36,6 @@ AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def autocast(device_type: str, amp: str) -> torch.autocast:
     """--amp's autocast on ``device_type`` (off: none)."""
     return torch.autocast(device_type, dtype=AMP_DTYPES[amp], enabled=amp != "off")
-
-
-def hits(output: torch.Tensor, target: torch.Tensor, class_dim: int) -> tuple:
-    """How many of ``output``'s predictions (argmax on ``class_dim``) match
-    ``target``, and how many count (targets >= 0)."""
-    counted = target >= 0  # ignore_index is negative
-    return (output.argmax(class_dim).eq(target) & counted).sum(), counted.sum()
 
 
 def tokens_per_sample(training: Training, batch: tuple) -> int | None:
@@ -155,6 +149,7 @@ class Single:
             {},
             None,
         )  # the log's: tokens per sample, from the first batch
+        self.parts = []  # the step's loss of each output (the log's, where several)
 
     def autocast(self) -> torch.autocast:
         return autocast(self.training.device_type, self.args.amp)
@@ -166,7 +161,11 @@ class Single:
         return bool(signals)
 
     def metrics(self) -> dict:
-        return {"grad_norm": None if self.norm is None else float(self.norm)}
+        """The shown step's gradient norm and each output's loss."""
+        return {
+            "grad_norm": None if self.norm is None else float(self.norm),
+            "losses": [float(part) for part in self.parts],
+        }
 
     def resume(self) -> int:
         if not self.path.exists():
@@ -203,28 +202,35 @@ class Single:
         if optimizer is not None and self.training.closure:
             batch = next(stream)
 
+            first = []
+
             def closure() -> torch.Tensor:
                 """Forward, the loss and its gradients: the optimizer evaluates them several times a step."""
                 optimizer.zero_grad(set_to_none=True)
-                loss, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+                loss, parts = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+                first.append(parts_losses(parts))
                 loss.backward()
                 if args.grad_clip:
                     nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
                 return loss
 
-            return optimizer.step(closure).detach()  # the loss before the step
+            loss = optimizer.step(closure).detach()  # the loss before the step
+            self.parts = first[0]
+            return loss
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        loss, self.parts = 0.0, []
         for _ in range(args.accumulate):  # gradients add up over the micro-batches
             batch = next(stream)
             if "tokens" not in self.rates:
                 self.rates["tokens"] = tokens_per_sample(self.training, batch)
             with self.autocast():
-                micro, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+                micro, parts = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
             if optimizer is not None:
                 self.scaler.scale(micro / args.accumulate).backward()
             loss = loss + micro.detach() / args.accumulate
+            each = [part / args.accumulate for part in parts_losses(parts)]
+            self.parts = [a + b for a, b in zip(self.parts, each)] or each
         if optimizer is not None:
             if args.grad_clip:
                 self.scaler.unscale_(optimizer)  # clip the true gradients
@@ -250,32 +256,41 @@ class Single:
         elif not self.evaluates:
             self.scheduler.step(loss.item())
 
-    def evaluate(self, data) -> tuple[float, list[float]]:
+    def evaluate(self, data) -> dict[str, float]:
         return evaluate(self.training, self.model, self.loss_fns, data, self.autocast)
 
 
-def evaluate(training: Training, model, loss_fns, data, autocast) -> tuple:
-    """The mean loss over ``data``'s batches, and each class output's accuracy, in eval mode."""
+def evaluate(training: Training, model, loss_fns, data, autocast) -> dict[str, float]:
+    """The evaluation over ``data``'s batches, in eval mode, by its log
+    column: ``eval_loss`` (the mean over the batches), each output's loss
+    (``eval_loss_<output>``, where several) and each metric's value
+    (``eval_accuracy``, ...; metrics.py)."""
     n, keys = len(training.inputs), training.keys
     model.eval()
-    total, count, correct, counted = 0.0, 0, None, None
+    tally, count = Tally(training), 0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for batch in data:
             batch = as_batch(batch, keys)
             with autocast():
-                loss, found = training.forward_loss(
-                    model, loss_fns, batch[:n], batch[n:], count=True
+                loss, parts = training.forward_loss(
+                    model, loss_fns, batch[:n], batch[n:]
                 )
-            total, count = total + loss.item(), count + 1
-            if correct is None:
-                correct, counted = [0] * len(found), [0] * len(found)
-            for k, (right, seen) in enumerate(found):
-                correct[k] += right.item()
-                counted[k] += seen.item()
+            tally.add_losses(loss, parts_losses(parts))
+            tally.add_outputs(parts)
+            count += 1
     model.train()
     if not count:
         sys.exit("the evaluation data gives no batch")
-    return total / count, [r / max(s, 1) for r, s in zip(correct, counted)]
+    return tally.results(count)
+
+
+def hparams(training: Training, args: argparse.Namespace, engine) -> dict:
+    """The run's settings, as hparams.json records them: the model, its
+    spec and script, and every flag's value (--set's overrides among them,
+    as the flags hold them)."""
+    script = getattr(engine, "script", f"train_{training.run}.py")
+    found = {"model": training.name, "spec": training.spec, "script": script}
+    return found | {k: v for k, v in vars(args).items() if not k.startswith("_")}
 
 
 def last_step(args: argparse.Namespace, per_epoch: int) -> int:
@@ -306,7 +321,22 @@ def run(
         try:
             folder = pathlib.Path(args.log_dir or args.checkpoint or engine.folder)
             every, size = args.log_every, engine.samples_per_step
-            log = Log(folder, last, done, every, size, engine.devices, engine.rates)
+            training = engine.training
+            columns = (loss_columns(training), eval_columns(training))
+            folder.mkdir(parents=True, exist_ok=True)
+            runs = trackers.start(trackers.chosen(args), folder, folder.name)
+            log = Log(
+                folder,
+                last,
+                done,
+                every,
+                size,
+                engine.devices,
+                engine.rates,
+                columns=columns,
+                hparams=hparams(training, args, engine),
+                trackers=runs,
+            )
         except OSError as error:  # a folder that cannot be made or written
             engine.stop(f"cannot write the log ({error})")
     interrupted = engine.signals = []
@@ -338,14 +368,14 @@ def run(
             extra = engine.metrics() if shown else None  # (every rank: a collective)
             if log is not None:
                 log.step(step, epoch, loss.item(), engine.lr(), extra)
-            eval_loss = None
+            results = None  # the evaluation's, by column (eval_loss, ...)
             if evaluates and (
                 step == last or args.eval_every and step % args.eval_every == 0
             ):
-                eval_loss, accuracy = engine.evaluate(eval_data)
+                results = engine.evaluate(eval_data)
                 if log is not None:
-                    log.evaluation(step, epoch, eval_loss, accuracy)
-            engine.stepped(loss, eval_loss)
+                    log.evaluation(step, epoch, results)
+            engine.stepped(loss, results["eval_loss"] if results else None)
             if engine.interrupted(interrupted):
                 engine.save(done)
                 saving = f"; saved {engine.where}" if args.checkpoint else ""
@@ -367,6 +397,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     parser = flags.parser(training)
     args = parser.parse_args(argv)
     flags.check(parser, args)
+    trackers.check(parser, args)
     check_devices(training, argv)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
     per_epoch = (

@@ -63,7 +63,17 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from . import batchnorm, checkpoint, flags, launch, mesh, normalise, sharded, timeline
+from . import (
+    batchnorm,
+    checkpoint,
+    flags,
+    launch,
+    mesh,
+    normalise,
+    sharded,
+    timeline,
+    trackers,
+)
 from .data import (
     batches,
     epoch_batches,
@@ -74,6 +84,7 @@ from .data import (
     training_data,
 )
 from .loop import autocast, last_step, run, tokens_per_sample
+from .metrics import Tally
 from .mesh import stop
 from .spec import Stages
 
@@ -251,6 +262,11 @@ class Pipelined:
     def __init__(self, stages: Stages, args, grid: mesh.Mesh, device) -> None:
         self.stages, self.args, self.grid, self.device = stages, args, grid, device
         training, count = stages.training, len(stages.stages)
+        self.training, self.script = training, stages.script
+        # The step's loss of each output on this rank (its last stage's, else
+        # zeros), and the evaluation's sums while it runs (metrics.Tally).
+        self.parts = torch.zeros(len(training.loss_outputs), device=device)
+        self.tally = None
         self.mine = mine = grid.mine
         self.first, self.last_stage = 0 in mine, count - 1 in mine
         self.logs = dist.get_rank() == grid.of(grid.ranks[-1], 0)
@@ -724,9 +740,15 @@ class Pipelined:
         scale = m * args.accumulate
 
         def loss(outputs, index: torch.Tensor) -> torch.Tensor:
-            given = stages.loss(
+            given, parts = stages.loss(
                 outputs, index, self.current[0], self.loss_fns, m * args.dp
             )
+            each = [part.detach().float() for part, _, _ in parts]
+            if self.tally is not None:  # evaluating: a batch's loss, each output's
+                self.tally.add_losses(given.detach() / m, [x / m for x in each])
+                self.tally.add_outputs(parts)
+            elif each:
+                self.parts += torch.stack(each) / scale
             return given / scale
 
         try:
@@ -824,6 +846,7 @@ class Pipelined:
         args, device = self.args, self.device
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
+        self.parts.zero_()
         total = torch.zeros((), device=device)
         for _ in range(args.accumulate):
             losses = []
@@ -856,10 +879,11 @@ class Pipelined:
         self.stopping = bool(word[1].item())
         return word[0]
 
-    def evaluate(self, data) -> tuple[float, list[float]]:
-        """The mean loss over the evaluation data's whole batches (each
-        replica its part), forward only; no accuracy (outputs stay on the
-        last stages)."""
+    def evaluate(self, data) -> dict[str, float]:
+        """The evaluation over the evaluation data's whole batches (each
+        replica its part), forward only, by its log column (as loop.evaluate):
+        the last stages sum the losses and the metrics' counts (a Tally),
+        then every rank's sums add up in one all_reduce."""
         args = self.args
         count = [None]
         if self.feeds:
@@ -873,21 +897,19 @@ class Pipelined:
         dist.broadcast_object_list(count, src=self.grid.of(0, 0))
         if not count[0]:
             stop(f"the evaluation data gives no whole batch of {args.batch_size}")
-        total = torch.zeros((), device=self.device)
+        self.tally = tally = Tally(self.training, self.device)
         for module in self.modules.values():
             module.eval()
-        with torch.no_grad():
-            for _ in range(count[0]):
-                losses = []
-                self.run_batch(stream, losses, backward=False)
-                if losses:
-                    total += (
-                        torch.stack([x.float() for x in losses]).sum() * args.accumulate
-                    )
+        try:
+            with torch.no_grad():
+                for _ in range(count[0]):
+                    self.run_batch(stream, [], backward=False)
+        finally:
+            self.tally = None
         for module in self.modules.values():
             module.train()
-        dist.all_reduce(total)
-        return (total / args.dp / count[0]).item(), []
+        dist.all_reduce(tally.sums)
+        return tally.results(count[0], args.dp)
 
     def whole(self, batch) -> bool:
         """Whether an evaluation batch has --batch-size samples."""
@@ -909,7 +931,8 @@ class Pipelined:
         on a GPU: one all_reduce, on every rank."""
         grid, cuda = self.grid, self.device.type == "cuda"
         world = dist.get_world_size()
-        found = torch.zeros(grid.pp + world, dtype=torch.float64)
+        found = torch.zeros(grid.pp + world + len(self.parts), dtype=torch.float64)
+        found[grid.pp + world :] = self.parts.double().cpu()
         busy = timeline.read(self.busy)
         if grid.replica == 0:
             found[grid.pp_rank] = busy
@@ -923,7 +946,8 @@ class Pipelined:
         return {
             "grad_norm": float(self.norm),
             "busy": found[: grid.pp],
-            "memory": found[grid.pp :] if cuda else None,
+            "memory": found[grid.pp : grid.pp + world] if cuda else None,
+            "losses": [x / self.args.dp for x in found[grid.pp + world :]],
         }
 
     def lr(self) -> float:
@@ -959,6 +983,7 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         return
     parser = flags.parser(stages.training, stages)
     args = parser.parse_args(argv)
+    trackers.check(parser, args)
     if args.merge:
         sharded.merge(stages, *args.merge)
         return

@@ -861,6 +861,38 @@ class DataSpec(_Model):
         return dict(self.model_extra or {})
 
 
+class MetricSpec(_Model):
+    """One of ``train.metrics``: a metric of the evaluation, by name
+    (``accuracy``, ``top5_accuracy``, ``f1``, ``perplexity``, or your own
+    function ``package.module:function``) or as ``{op: ..., k: K, output:
+    NAME}``. The front end checks the name, ``k`` and the output."""
+
+    op: StrictStr = Field(description=(
+        "`accuracy`, `top_k_accuracy` (with `k`; or `topK_accuracy`), `f1` (macro), "
+        "`perplexity`, or `package.module:function` called with each evaluation batch's "
+        "output and target, returning a number (the mean over the batches is logged)."))
+    k: Optional[Annotated[StrictInt, Field(ge=1)]] = Field(default=None, description=(
+        "`top_k_accuracy`'s k: a target among the k largest outputs counts as right."))
+    output: Optional[StrictStr] = Field(default=None, description=(
+        "The output it measures. Default: every output it applies to (a class output for "
+        "an accuracy or F1, a `CrossEntropyLoss`/`NLLLoss` one for perplexity); a function "
+        "of a spec with several losses names it."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_only(cls, data: Any) -> Any:
+        if isinstance(data, str):
+            return {"op": data}
+        if not isinstance(data, dict):
+            raise _error("metrics", "expected a metric like 'accuracy', 'top5_accuracy' or "
+                         f"{{op: top_k_accuracy, k: 5, output: NAME}}, got {shown(data)}")
+        return data
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, schema, handler):
+        return _json_forms(handler, schema, {"type": "string", "description": "The name alone."})
+
+
 #: ``train.no_decay``: the kinds of parameters kept out of weight decay.
 NO_DECAY = ("biases", "norms", "embeddings")
 #: ``train.amp``: autocast dtypes; YAML reads a bare ``off`` as false.
@@ -979,6 +1011,10 @@ class TrainSpec(_Model):
         "Samples in one epoch of synthetic data, at most 2,147,483,647."))
     workers: StrictInt = Field(default=0, ge=0, le=256, description=(
         "`DataLoader` worker processes."))
+    metrics: Optional[list[MetricSpec]] = Field(default=None, description=(
+        "The evaluation's metrics, logged beside each output's loss (`eval_<name>`, "
+        "`--monitor`'s names). Default: the accuracy of each class output and the perplexity "
+        "of each token loss; `[]`: none."))
 
 
 class Spec(_Model):

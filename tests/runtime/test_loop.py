@@ -81,10 +81,12 @@ def test_evaluate_gives_the_mean_loss_and_the_accuracy():
     x = torch.randn(8, 4)
     batches = [(x[:4], x[:4, :3].argmax(1)), (x[4:], x[4:, :3].argmax(1))]
     autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
-    loss, accuracy = loop.evaluate(TRAINING, model, (nn.CrossEntropyLoss(),), batches, autocast)
-    assert accuracy == [1.0] and loss < 0.5
+    results = loop.evaluate(TRAINING, model, (nn.CrossEntropyLoss(),), batches, autocast)
+    assert list(results) == TRAINING.eval_metrics == ["eval_loss", "eval_accuracy"]
+    assert results["eval_accuracy"] == 1.0 and results["eval_loss"] < 0.5
     wrong = [(batches[0][0], (batches[0][1] + 1) % 3), batches[1]]
-    assert loop.evaluate(TRAINING, model, (nn.CrossEntropyLoss(),), wrong, autocast)[1] == [0.5]
+    found = loop.evaluate(TRAINING, model, (nn.CrossEntropyLoss(),), wrong, autocast)
+    assert found["eval_accuracy"] == 0.5
 
 
 def test_eval_every_logs_an_evaluation_row(tmp_path, capsys):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mpgen.runtime import Stages, Training, hits
+from mpgen.runtime import Metric, Stages, Training
 from mpgen.runtime.pipeline import pick
 
 
@@ -27,10 +27,10 @@ def make_batch(batch_size: int) -> tuple[tuple, tuple]:
     return (x,), ((x[:, :3].argmax(1)),)  # the class is the largest of the first 3
 
 
-def forward_loss(model, loss_fns, inputs, targets, count=False):
+def forward_loss(model, loss_fns, inputs, targets):
     out = model(*inputs)
     loss = loss_fns[0](out, targets[0])
-    return loss, [hits(out, targets[0], 1)] if count else []
+    return loss, ((loss, out, targets[0]),)
 
 
 def optimizer(model: nn.Module, args) -> torch.optim.Optimizer:
@@ -46,8 +46,11 @@ def training(**changes) -> Training:
         targets=("target",),
         batch_dims=(0, 0),
         make_batch=make_batch,
-        losses=lambda: (nn.CrossEntropyLoss(),),
+        losses=lambda *settings: (nn.CrossEntropyLoss(),),
         forward_loss=forward_loss,
+        loss_outputs=("head",),
+        class_dims=(1,),
+        metrics=(Metric("accuracy", "accuracy"),),
         optimizer=optimizer,
         defaults={"steps": 6, "batch_size": 4, "lr": 0.1, "samples": 64},
     )
@@ -81,7 +84,9 @@ class Back(nn.Module):
 
 def stage_loss(outputs, index, targets, loss_fns, microbatches):
     out = outputs[0] if isinstance(outputs, tuple) else outputs
-    return loss_fns[0](out, pick(targets[0], 0, index))
+    target = pick(targets[0], 0, index)
+    loss = loss_fns[0](out, target)
+    return loss, ((loss, out, target),)
 
 
 STAGES = Stages(training=TRAINING, stages=(Front, Back), devices=("cuda:0", "cuda:1"),

@@ -66,6 +66,13 @@ def infer_targets(graph: Graph) -> Graph:
             losses.append(target)
     errors.raise_if_any()
     train = dataclasses.replace(graph.train, losses=tuple(losses))
+    for column in train.metric_columns():  # top-k of fewer than k classes
+        metric, loss = column.metric, train.losses[column.loss]
+        if metric.op == "top_k_accuracy" and isinstance(loss.classes, int) \
+                and metric.k >= loss.classes:
+            errors.add(metric.pos, f"train.metrics: {column.name} of {loss.output!r}, which has "
+                       f"{loss.classes} classes: k must be fewer than the classes")
+    errors.raise_if_any()
     return dataclasses.replace(graph, train=train)
 
 

@@ -246,7 +246,7 @@ def _loss_lines(graph: Graph, reserved: set[str]) -> list[str]:
     else:
         lines = [f"{_tuple(outs)} = outputs{train_codegen.untrained_note(graph, outs)}"]
     losses = graph.train.losses
-    parts = []
+    parts, each = [], []
     for k, loss in enumerate(losses):
         out = outs[graph.outputs.index(loss.output)]
         target = ns.fresh("target" if len(losses) == 1 else f"{loss.output}_target")
@@ -261,9 +261,10 @@ def _loss_lines(graph: Graph, reserved: set[str]) -> list[str]:
         expr = train_codegen.loss_expr(loss, f"loss_fns[{k}]", out, target)
         lines.append(f"{part} = {expr}{scale}")
         parts.append(part)
+        each.append(f"({_tuple([part, out, target])})")
     if len(parts) > 1:
         lines.append(f"loss = {' + '.join(parts)}")
-    lines.append("return loss")
+    lines.append(f"return loss, ({_tuple(each)})")
     return lines
 
 
@@ -356,7 +357,7 @@ def _program(w: PythonWriter, graph: Graph, all_stages: tuple[Stage, ...], ns: N
     w.line()
     with w.block(f"def {n['stage_loss']}(outputs, index, targets, loss_fns, microbatches)"):
         w.docstring([f"The last stage's loss ({train_codegen.losses_text(graph)}) of the "
-                     "micro-batch ``index`` picks."])
+                     "micro-batch ``index`` picks, and each output's loss, output and target."])
         for line in _loss_lines(graph, _reserved(graph) | set(n.values())):
             code, _, comment = line.partition("  # ")
             w.line(code, comment)

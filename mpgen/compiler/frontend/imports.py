@@ -660,8 +660,10 @@ def _located(op: str, parts: list[str], project: Project,
     return chain, sources
 
 
-def check_factory(text: str, project: Project) -> None:
-    """Refuse a data factory ``package.module:function`` that the training
+def check_factory(text: str, project: Project, what: str = "data factory",
+                  example: str = "mydata:make") -> None:
+    """Refuse a data factory (or, as ``what`` says, a metric function)
+    ``package.module:function`` that the training
     script may not import (:class:`Refused`): the policy of dotted ops
     (the module in the project or a package listed under ``imports:``; not
     the standard library, ``torch`` or ``mpgen``; no ``__main__`` or private
@@ -671,8 +673,8 @@ def check_factory(text: str, project: Project) -> None:
     the script imports the module when it runs."""
     module_name, _, function = text.partition(":")
     parts = module_name.split(".")
-    own = ("a data factory is a function of your own module, in the project or in a "
-           "package listed under 'imports:', e.g. 'mydata:make'")
+    own = (f"a {what} is a function of your own module, in the project or in a "
+           f"package listed under 'imports:', e.g. {example!r}")
     if parts[0] in FORBIDDEN or parts[0] in sys.stdlib_module_names:
         where = "the standard library" if parts[0] in sys.stdlib_module_names else parts[0]
         raise Refused(f"{text!r} is in {where}; {own}")
@@ -683,13 +685,13 @@ def check_factory(text: str, project: Project) -> None:
         raise Refused(f"{text!r} names a private {'function' if private == function else 'module'}"
                       f" ({private!r}); {own}")
     try:
-        chain, sources = _located(text, parts, project, "data factory")
+        chain, sources = _located(text, parts, project, what)
     except (OSError, RuntimeError) as exc:  # unreadable, a loop of links
         raise Refused(f"{text!r}: cannot read its module: {_describe(exc)}") from None
     target = chain[-1]
     if target.file is None or not _defines(chain[0], target, _tree(target, sources[-1], text),
                                            function, text, kinds=(ast.FunctionDef, ast.ClassDef)):
-        raise Refused(f"{text!r}: {target.shown} does not define {function!r}: a data factory "
+        raise Refused(f"{text!r}: {target.shown} does not define {function!r}: a {what} "
                       f"is a function its module defines with 'def {function}' (or a class) "
                       f"or imports with 'from .module import {function}'")
 

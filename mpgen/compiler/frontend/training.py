@@ -39,10 +39,10 @@ from torch.optim import lr_scheduler
 
 from mpgen.compiler.frontend import imports, ops
 from mpgen.compiler.frontend.limits import MAX_TRAIN_SIZE
-from mpgen.compiler.ir import DataSource, Graph, Loss, OpKind, Scheduler, TrainConfig
+from mpgen.compiler.ir import DataSource, Graph, Loss, Metric, OpKind, Scheduler, TrainConfig
 from mpgen.errors import Collector, Position, did_you_mean, shown
 from mpgen.spec_schema.load import SourceMap
-from mpgen.spec_schema.models import CallSpec, DataSpec, SchedulerSpec, TrainSpec
+from mpgen.spec_schema.models import FACTORY, CallSpec, DataSpec, MetricSpec, SchedulerSpec, TrainSpec
 
 _CLASS_LOSSES = {"CrossEntropyLoss", "NLLLoss", "MultiMarginLoss"}
 _PROB_LOSSES = {"BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "MultiLabelSoftMarginLoss"}
@@ -165,13 +165,16 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
     if spec.samples > MAX_TRAIN_SIZE:
         errors.add(source.value(("train", "samples")), f"train.samples: at most "
                    f"{MAX_TRAIN_SIZE:,} (the largest size), got {shown(spec.samples)}")
+    metrics = (None if spec.metrics is None
+               else _metrics(spec.metrics, losses, source, errors, project))
     if not _SEEDS[0] <= spec.seed <= _SEEDS[1]:
         errors.add(source.value(("train", "seed")), f"train.seed: {shown(spec.seed)} is outside "
                    f"the range torch.manual_seed takes, [{_SEEDS[0]}, {_SEEDS[1]}]")
     errors.raise_if_any()
     written = spec.model_fields_set
     train = TrainConfig(
-        losses=tuple(losses), optimizer=spec.optimizer.op, optimizer_kwargs=opt_kwargs, lr=lr,
+        losses=tuple(losses), metrics=metrics,
+        optimizer=spec.optimizer.op, optimizer_kwargs=opt_kwargs, lr=lr,
         batch_size=spec.batch_size, steps=spec.steps, seed=spec.seed, log_every=spec.log_every,
         dims=tuple(dims.items()), closure=needs_closure(optimizer),
         one_device=spec.optimizer.op in _ONE_DEVICE_OPTIMIZERS,
@@ -353,6 +356,74 @@ def _factory_allowed(factory: str, key: str, source: SourceMap, errors: Collecto
         errors.add(source.value(("train", key, "factory")), f"train.{key}: {exc}")
         return False
     return True
+
+
+#: ``train.metrics``' short form of top-k accuracy: ``top5_accuracy``.
+_TOP_K = re.compile(r"^top([1-9][0-9]*)_accuracy$")
+
+
+def _metrics(specs: list[MetricSpec], losses: list[Loss], source: SourceMap, errors: Collector,
+             project: Optional[imports.Project]) -> tuple[Metric, ...]:
+    """``train.metrics``: each a metric mpgen knows or a user's function
+    (under the import policy of data factories), on an output with a loss
+    it can measure; their columns distinct."""
+    found = []
+    outputs = [loss.output for loss in losses]
+    for i, spec in enumerate(specs):
+        path = ("train", "metrics", i)
+        pos = _op_position(source, path)
+        op, k = spec.op, spec.k
+        top = _TOP_K.match(op)
+        if top:
+            op, k = "top_k_accuracy", int(top.group(1)) if k is None else k
+        function = None
+        if FACTORY.match(op):
+            function = op
+            try:
+                imports.check_factory(op, project or imports.Project.of("spec.yaml"),
+                                      "metric function", "mymetrics:score")
+            except imports.Refused as exc:
+                errors.add(pos, f"train.metrics: {exc}")
+                continue
+        elif op not in Metric.OPS:
+            errors.add(pos, f"train.metrics: unknown metric {spec.op!r}"
+                       f"{did_you_mean(spec.op, (*Metric.OPS, 'top5_accuracy'))} (or your own "
+                       "function, 'package.module:function')")
+            continue
+        if op == "top_k_accuracy" and k is None:
+            errors.add(pos, "train.metrics: top_k_accuracy needs k (k: 5, or top5_accuracy)")
+            continue
+        if op != "top_k_accuracy" and spec.k is not None:
+            errors.add(source.key((*path, "k")), f"train.metrics: k is top_k_accuracy's, "
+                       f"not {op}'s")
+            continue
+        if spec.output is not None and spec.output not in outputs:
+            errors.add(source.value((*path, "output")), f"train.metrics: {spec.output!r} is "
+                       f"not an output with a loss{did_you_mean(spec.output, outputs)}")
+            continue
+        metric = Metric(op, spec.output, k or 1, function, pos)
+        if function is not None and spec.output is None and len(losses) > 1:
+            errors.add(pos, f"train.metrics: {op} measures which output? Give "
+                       f"{{op: {op}, output: NAME}}, one of {', '.join(outputs)}")
+            continue
+        measured = [loss for loss in losses
+                    if spec.output in (None, loss.output) and metric.applies(loss)]
+        if not measured:
+            what = ("an output of CrossEntropyLoss or NLLLoss" if op == "perplexity"
+                    else "a class output (CrossEntropyLoss, NLLLoss or MultiMarginLoss)")
+            named = f"{spec.output!r} is not one" if spec.output else "the spec has none"
+            errors.add(pos, f"train.metrics: {spec.op} needs {what}; {named}")
+            continue
+        found.append(metric)
+    if len(found) == len(specs):
+        train = TrainConfig(losses=tuple(losses), optimizer="SGD", optimizer_kwargs=(), lr=0.0,
+                            batch_size=1, steps=1, seed=0, log_every=1, dims=(),
+                            metrics=tuple(found))
+        names = [column.name for column in train.metric_columns()]
+        twice = next((c for c in train.metric_columns() if names.count(c.name) > 1), None)
+        if twice is not None:
+            errors.add(twice.metric.pos, f"train.metrics: {twice.name} is listed twice")
+    return tuple(found)
 
 
 def needs_closure(optimizer: type) -> bool:

@@ -67,6 +67,8 @@ class _Defaults:
         self._training = training
 
     def __getattr__(self, flag: str) -> Any:
+        if flag == "settings":  # the spec's train: settings, as args.settings holds them
+            return self._training.settings
         return self._training.default(flag)
 
 
@@ -336,7 +338,7 @@ class ModelSuite:
         model.train()
         args = _Defaults(training)
         optimizer = training.optimizer(model, args) if training.optimizer is not None else None
-        loss_fns = training.losses()
+        loss_fns = training.losses(training.settings)
         torch.manual_seed(0)
         inputs, targets = training.make_batch(self.memory_batch)
 

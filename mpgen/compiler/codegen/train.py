@@ -18,7 +18,6 @@ from mpgen.compiler.codegen.common import (
     _tuple,
     call,
     file_names,
-    float_literal,
     header,
     input_code,
     known,
@@ -34,9 +33,10 @@ from mpgen.compiler.ir import DataSource, Expr, Graph, Loss, Scheduler
 #: The package a build writes beside the scripts (output.runtime).
 RUNTIME = "mpgen_runtime"
 #: The names the file defines, claimed in this order after the model's class.
-OWN_NAMES = ("make_batch", "forward_loss", "make_optimizer", "make_scheduler", "TRAINING")
+OWN_NAMES = ("make_batch", "forward_loss", "make_losses", "make_optimizer", "make_scheduler",
+             "TRAINING")
 #: forward_loss's parameters.
-_LOSS_PARAMS = ("model", "loss_fns", "inputs", "targets")
+_LOSS_PARAMS = ("model", "loss_fns", "inputs", "targets", "count")
 #: The flags' defaults where a spec says nothing: the runtime's BASE_DEFAULTS
 #: (mpgen/runtime/spec.py, which the compiler does not import: tests/runtime
 #: keeps the two equal); a default equal to one is not written.
@@ -136,7 +136,7 @@ def loss_code(graph: Graph) -> tuple[list[str], str]:
     lines = [f"{outputs} = model(*inputs){untrained_note(graph, out_vars)}"]
     multi = len(train.losses) > 1
     loss_device = devices[train.losses[0].output] if train.losses else "cpu"
-    parts, each = [], []
+    parts, hits = [], []
     for k, loss in enumerate(train.losses):
         out = out_vars[graph.outputs.index(loss.output)]
         device = devices[loss.output]
@@ -149,34 +149,21 @@ def loss_code(graph: Graph) -> tuple[list[str], str]:
             lines.append(f"{target} = targets[{k}] if targets[{k}] is not None else {like}")
             lines.append(f'{target} = {target}.to("{device}")')
         expr = loss_expr(loss, f"loss_fns[{k}]", out, target)
-        var = ns.fresh(f"{loss.output}_loss") if multi else "loss"
-        lines.append(f"{var} = {expr}  # on {device}")
+        if loss.class_dim is not None:
+            hits.append(f"{RUNTIME}.hits({out}, {target}, {loss.class_dim})")
         if multi:
+            var = ns.fresh(f"{loss.output}_loss")
+            lines.append(f"{var} = {expr}  # on {device}")
             parts.append(var if device == loss_device else f'{var}.to("{loss_device}")')
-        each.append(f"({_tuple([var, out, target])})")
+        else:
+            lines.append(f"loss = {expr}  # on {device}")
     if multi:
         lines.append(f"loss = {' + '.join(parts)}  # on {loss_device}")
-    lines.append(f"return loss, ({_tuple(each)})")
+    if hits:
+        lines.append(f"return loss, [{', '.join(hits)}] if count else []")
+    else:
+        lines.append("return loss, []")
     return lines, loss_device
-
-
-def metrics_literal(graph: Graph) -> str:
-    """The evaluation's metrics (``ir.TrainConfig.metric_columns``), as
-    ``mpgen_runtime.Metric``s; a user's function by its dotted name."""
-    made = []
-    for column in graph.train.metric_columns():
-        metric = column.metric
-        kwargs = [("loss", column.loss)] * (column.loss > 0)
-        if metric.op == "top_k_accuracy":
-            kwargs.append(("k", metric.k))
-        if metric.op == "f1":
-            kwargs.append(("classes", graph.train.losses[column.loss].classes))
-        if metric.function is not None:
-            module, _, function = metric.function.partition(":")
-            kwargs.append(("function", Expr(f"{module}.{function}")))
-        op = "function" if metric.function is not None else metric.op
-        made.append(call(f"{RUNTIME}.Metric", [literal(column.name), literal(op)], kwargs))
-    return "(" + _tuple(made) + ")"
 
 
 def _source(source: Optional[DataSource]) -> tuple[Optional[str], dict]:
@@ -186,41 +173,90 @@ def _source(source: Optional[DataSource]) -> tuple[Optional[str], dict]:
     return source.text, dict(source.kwargs)
 
 
-def optimizer_code(graph: Graph) -> str:
-    """The optimizer over ``model`` (or one pipeline stage), at ``args.lr``."""
+def optimizer_code(graph: Graph) -> list[str]:
+    """make_optimizer's body: the optimizer over ``model`` (or one pipeline
+    stage) at ``args.lr``, its other keyword arguments the run's settings
+    (the spec's train.optimizer, with --set's changes)."""
     train = graph.train
-    lr = Expr("args.lr")
+    own = '"lr", "weight_decay"' if train.no_decay else '"lr"'
+    lines = ['settings = args.settings["optimizer"]  # train.optimizer, with --set\'s changes',
+             f"kwargs = {RUNTIME}.keywords(settings, {own})"]
     if not train.no_decay:  # the parameters that train (requires_grad: false leaves some out)
         params = ("[p for p in model.parameters() if p.requires_grad]" if graph.frozen_params
                   else "model.parameters()")
-        return call(train.optimizer_callee, [params], [("lr", lr), *train.optimizer_kwargs])
-    kwargs = dict(train.optimizer_kwargs)
-    kwargs.pop("weight_decay", None)  # in the groups: train.weight_decay, written or default
-    groups = (f"{RUNTIME}.param_groups(model, {literal(train.weight_decay)}, "
-              f"{tuple_literal(train.no_decay)})")
-    return call(train.optimizer_callee, [groups], [("lr", lr), *kwargs.items()])
+    else:
+        lines.append('no_decay = tuple(args.settings["no_decay"])')
+        params = f'{RUNTIME}.param_groups(model, settings["weight_decay"], no_decay)'
+    lines.append(f"return {train.optimizer_callee}({params}, lr=args.lr, **kwargs)")
+    return lines
 
 
 def scheduler_code(schedule: Scheduler) -> tuple[list[str], str]:
-    """make_scheduler's body and docstring."""
+    """make_scheduler's body and docstring: the schedule's settings read
+    from the run's (the spec's train.scheduler, with --set's changes)."""
+    read = 'schedule = args.settings["scheduler"]  # train.scheduler, with --set\'s changes'
     if schedule.built_in:
-        floor = (f"{literal(schedule.min_lr)} / args.lr if args.lr else 0.0"
-                 if schedule.min_lr else "0.0")
-        factor = (f"{RUNTIME}.lr_factor(done, args.decay_steps or steps, {schedule.warmup}, "
-                  f"floor, {literal(schedule.op)})")
+        factor = (f'{RUNTIME}.lr_factor(done, args.decay_steps or steps, schedule["warmup"], '
+                  'floor, schedule["op"])')
         warmup = f"linear warmup over {schedule.warmup} steps, then " if schedule.warmup else ""
         doc = f"{warmup}{_DECAYS[schedule.op]}".capitalize() + (
             f" to {literal(schedule.min_lr)}" if schedule.op != "constant" and schedule.min_lr else "")
-        return [f"floor = {floor}",
-                f"return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: {factor})"], doc + "."
-    made = call(f"torch.optim.lr_scheduler.{schedule.op}", ["optimizer"], schedule.kwargs)
+        return [read,
+                'floor = schedule["min_lr"] / args.lr if args.lr else 0.0',
+                f"return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: {factor})"], \
+            doc + " (the spec's; --set changes it)."
+    lines = [read, f'kwargs = {RUNTIME}.keywords(schedule, "warmup")']
+    made = f"torch.optim.lr_scheduler.{schedule.op}(optimizer, **kwargs)"
     if schedule.warmup:
-        factor = float_literal(1 / (schedule.warmup + 1))
-        warm = (f"torch.optim.lr_scheduler.LinearLR(optimizer, start_factor={factor}, "
-                f"total_iters={schedule.warmup})")
+        lines.append('warmup = schedule["warmup"]')
+        warm = ("torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=1 / (warmup + 1), "
+                "total_iters=warmup)")
         made = (f"torch.optim.lr_scheduler.SequentialLR(optimizer, [{warm}, {made}], "
-                f"milestones=[{schedule.warmup}])")
-    return [f"return {made}"], f"torch's {schedule.op}."
+                "milestones=[warmup])")
+    return [*lines, f"return {made}"], f"torch's {schedule.op} (the spec's; --set changes it)."
+
+
+def settings(graph: Graph) -> dict:
+    """The spec's train: settings, resolved, as the script holds them
+    (mpgen_runtime.Training.settings): what --set changes and the code reads."""
+    train = graph.train
+
+    def loss_call(loss: Loss) -> dict:
+        given = {"op": loss.op, **dict(loss.kwargs)}
+        return given | ({"class_dim": loss.class_dim_given}
+                        if loss.class_dim_given is not None else {})
+
+    if train.loss_per_output:
+        loss = {item.output: loss_call(item) for item in train.losses}
+    else:
+        loss = loss_call(train.losses[0]) if train.losses else {"op": "MSELoss"}
+    optimizer = {"op": train.optimizer, "lr": train.lr, **dict(train.optimizer_kwargs)}
+    if train.no_decay and "weight_decay" not in optimizer:
+        optimizer["weight_decay"] = train.weight_decay  # the optimizer's default
+    scheduler = None
+    if train.scheduler is not None:
+        scheduler = {"op": train.scheduler.op, "warmup": train.scheduler.warmup,
+                     **dict(train.scheduler.kwargs)}
+        if train.scheduler.built_in:
+            scheduler["min_lr"] = train.scheduler.min_lr
+
+    def data(source: Optional[DataSource]):
+        if source is None or not source.kwargs:
+            return None if source is None else source.text
+        return {"factory": source.factory, **dict(source.kwargs)}
+
+    return {
+        "loss": loss, "optimizer": optimizer, "batch_size": train.batch_size,
+        "steps": train.steps, "seed": train.seed,
+        "log_every": train.log_every,
+        "dims": {name: size for name, size in train.dims if name in train.dims_given
+                 and name != "batch"},
+        "epochs": train.epochs, "scheduler": scheduler, "grad_clip": train.grad_clip,
+        "accumulate": train.accumulate, "amp": train.amp, "no_decay": list(train.no_decay),
+        "data": data(train.data), "eval_data": data(train.eval_data),
+        "eval_every": train.eval_every, "eval_split": float(train.eval_split),
+        "samples": train.samples, "workers": train.workers,
+    }
 
 
 def defaults(graph: Graph) -> dict:
@@ -276,7 +312,16 @@ def class_range(loss: Loss) -> Optional[tuple[int, Optional[int]]]:
 
 
 def _dict_literal(values: dict) -> str:
-    return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in values.items()) + "}"
+    return "{" + ", ".join(f"{literal(k)}: {data_literal(v)}" for k, v in values.items()) + "}"
+
+
+def data_literal(value) -> str:
+    """A spec value as Python, mappings and lists too (``Training.settings``)."""
+    if isinstance(value, dict):
+        return _dict_literal(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(data_literal(v) for v in value) + "]"
+    return literal(value)
 
 
 def memory_literal(devices: tuple) -> str:
@@ -325,12 +370,25 @@ def render_train(graph: Graph) -> str:
     loss_lines, loss_device = loss_code(graph)
     w.line()
     w.line()
-    with w.block(f"def {n['forward_loss']}(model, loss_fns, inputs, targets)"):
-        w.docstring([f"The loss: {losses_text(graph)}, on {loss_device}; and each output's "
-                     "loss, output and target (the log's and the metrics')."])
+    with w.block(f"def {n['forward_loss']}(model, loss_fns, inputs, targets, count=False)"):
+        classify = any(loss.class_dim is not None for loss in train.losses)
+        w.docstring([f"The loss: {losses_text(graph)}, on {loss_device}"
+                     + ("; with ``count``, also each class output's hits." if classify else ".")])
         for line in loss_lines:
             code, _, comment = line.partition("  # ")
             w.line(code, comment)
+
+    w.line()
+    w.line()
+    with w.block(f"def {n['make_losses']}(settings: dict) -> tuple[nn.Module, ...]"):
+        w.docstring(["Each output's loss, with the run's keyword arguments (train.loss, "
+                     "with --set's changes)."])
+        w.line('loss = settings["loss"]')
+        made = []
+        for loss in train.losses:
+            given = f'loss["{loss.output}"]' if train.loss_per_output else "loss"
+            made.append(f'{loss.callee}(**{RUNTIME}.keywords({given}, "class_dim"))')
+        w.line(f"return ({_tuple(made)})")
 
     trainable = graph.trainable_params > 0
     fields = [("model", graph.name), ("spec", literal(graph.spec_path)),
@@ -344,14 +402,8 @@ def render_train(graph: Graph) -> str:
               ("dtypes", tuple_literal([t.type.dtype for t in graph.inputs]
                                        + [loss.target_type.dtype for loss in train.losses])),
               ("make_batch", n["make_batch"]),
-              ("losses", "lambda: (" + _tuple([call(loss.callee, [], loss.kwargs)
-                                               for loss in train.losses]) + ")"),
-              ("forward_loss", n["forward_loss"]),
-              ("loss_outputs", tuple_literal(loss.output for loss in train.losses))]
-    if any(loss.class_dim is not None for loss in train.losses):
-        fields.append(("class_dims", layouts_literal([loss.class_dim for loss in train.losses])))
-    if train.metric_columns():
-        fields.append(("metrics", metrics_literal(graph)))
+              ("losses", n["make_losses"]),
+              ("forward_loss", n["forward_loss"])]
     ranges = ([(t.high, None) if t.high else None for t in graph.inputs]
               + [class_range(loss) for loss in train.losses])
     if any(ranges):
@@ -362,7 +414,9 @@ def render_train(graph: Graph) -> str:
         w.line()
         w.line()
         with w.block(f"def {n['make_optimizer']}(model: nn.Module, args) -> torch.optim.Optimizer"):
-            w.line(f"return {optimizer_code(graph)}")
+            for line in optimizer_code(graph):
+                code, _, comment = line.partition("  # ")
+                w.line(code, comment)
         fields.append(("optimizer", n["make_optimizer"]))
         if train.scheduler is not None:
             body, doc = scheduler_code(train.scheduler)
@@ -372,7 +426,8 @@ def render_train(graph: Graph) -> str:
                          f"steps: int)"):
                 w.docstring([doc])
                 for line in body:
-                    w.line(line)
+                    code, _, comment = line.partition("  # ")
+                    w.line(code, comment)
             fields.append(("scheduler", n["make_scheduler"]))
         if train.closure:
             fields.append(("closure", "True"))
@@ -382,6 +437,7 @@ def render_train(graph: Graph) -> str:
     if ties:
         fields.append(("ties", "(" + _tuple(ties) + ")"))
     fields.append(("defaults", _dict_literal(defaults(graph))))
+    fields.append(("settings", data_literal(settings(graph))))
     if graph.memory is not None and graph.memory.train:
         fields.append(("memory", memory_literal(graph.memory.train)))
     for key, source in (("data_kwargs", train.data), ("eval_data_kwargs", train.eval_data)):

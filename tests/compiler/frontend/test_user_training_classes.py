@@ -88,8 +88,10 @@ def test_a_users_loss_and_optimizer_train_and_the_generated_tests_pass(tmp_path)
     assert built.returncode == 0, built.stderr
     script = (tmp_path / "out" / "train_focal.py").read_text()
     assert "import mytraining.losses\n" in script
-    assert "    losses=lambda: (mytraining.losses.FocalLoss(gamma=1.5),)," in script
-    assert "mytraining.losses.SignSGD(model.parameters(), lr=args.lr)" in script
+    assert "mytraining.losses.FocalLoss(**mpgen_runtime.keywords(loss, \"class_dim\"))" in script
+    settings = script[script.index("    settings={"):]
+    assert '"op": "mytraining.losses.FocalLoss"' in settings and '"gamma": 1.5' in settings
+    assert "mytraining.losses.SignSGD(model.parameters(), lr=args.lr, **kwargs)" in script
     ran = run(["train_focal.py", "--steps", "3"], tmp_path / "out", str(tmp_path))
     assert ran.returncode == 0, ran.stderr
     assert "step 3/3  loss " in ran.stdout

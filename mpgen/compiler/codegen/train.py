@@ -36,7 +36,7 @@ RUNTIME = "mpgen_runtime"
 OWN_NAMES = ("make_batch", "forward_loss", "make_losses", "make_optimizer", "make_scheduler",
              "TRAINING")
 #: forward_loss's parameters.
-_LOSS_PARAMS = ("model", "loss_fns", "inputs", "targets", "count")
+_LOSS_PARAMS = ("model", "loss_fns", "inputs", "targets")
 #: The flags' defaults where a spec says nothing: the runtime's BASE_DEFAULTS
 #: (mpgen/runtime/spec.py, which the compiler does not import: tests/runtime
 #: keeps the two equal); a default equal to one is not written.
@@ -136,7 +136,7 @@ def loss_code(graph: Graph) -> tuple[list[str], str]:
     lines = [f"{outputs} = model(*inputs){untrained_note(graph, out_vars)}"]
     multi = len(train.losses) > 1
     loss_device = devices[train.losses[0].output] if train.losses else "cpu"
-    parts, hits = [], []
+    parts, each = [], []
     for k, loss in enumerate(train.losses):
         out = out_vars[graph.outputs.index(loss.output)]
         device = devices[loss.output]
@@ -149,21 +149,34 @@ def loss_code(graph: Graph) -> tuple[list[str], str]:
             lines.append(f"{target} = targets[{k}] if targets[{k}] is not None else {like}")
             lines.append(f'{target} = {target}.to("{device}")')
         expr = loss_expr(loss, f"loss_fns[{k}]", out, target)
-        if loss.class_dim is not None:
-            hits.append(f"{RUNTIME}.hits({out}, {target}, {loss.class_dim})")
+        var = ns.fresh(f"{loss.output}_loss") if multi else "loss"
+        lines.append(f"{var} = {expr}  # on {device}")
         if multi:
-            var = ns.fresh(f"{loss.output}_loss")
-            lines.append(f"{var} = {expr}  # on {device}")
             parts.append(var if device == loss_device else f'{var}.to("{loss_device}")')
-        else:
-            lines.append(f"loss = {expr}  # on {device}")
+        each.append(f"({_tuple([var, out, target])})")
     if multi:
         lines.append(f"loss = {' + '.join(parts)}  # on {loss_device}")
-    if hits:
-        lines.append(f"return loss, [{', '.join(hits)}] if count else []")
-    else:
-        lines.append("return loss, []")
+    lines.append(f"return loss, ({_tuple(each)})")
     return lines, loss_device
+
+
+def metrics_literal(graph: Graph) -> str:
+    """The evaluation's metrics (``ir.TrainConfig.metric_columns``), as
+    ``mpgen_runtime.Metric``s; a user's function by its dotted name."""
+    made = []
+    for column in graph.train.metric_columns():
+        metric = column.metric
+        kwargs = [("loss", column.loss)] * (column.loss > 0)
+        if metric.op == "top_k_accuracy":
+            kwargs.append(("k", metric.k))
+        if metric.op == "f1":
+            kwargs.append(("classes", graph.train.losses[column.loss].classes))
+        if metric.function is not None:
+            module, _, function = metric.function.partition(":")
+            kwargs.append(("function", Expr(f"{module}.{function}")))
+        op = "function" if metric.function is not None else metric.op
+        made.append(call(f"{RUNTIME}.Metric", [literal(column.name), literal(op)], kwargs))
+    return "(" + _tuple(made) + ")"
 
 
 def _source(source: Optional[DataSource]) -> tuple[Optional[str], dict]:
@@ -202,7 +215,7 @@ def scheduler_code(schedule: Scheduler) -> tuple[list[str], str]:
         doc = f"{warmup}{_DECAYS[schedule.op]}".capitalize() + (
             f" to {literal(schedule.min_lr)}" if schedule.op != "constant" and schedule.min_lr else "")
         return [read,
-                'floor = schedule["min_lr"] / args.lr if args.lr else 0.0',
+                'floor = schedule.get("min_lr", 0.0) / args.lr if args.lr else 0.0',
                 f"return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: {factor})"], \
             doc + " (the spec's; --set changes it)."
     lines = [read, f'kwargs = {RUNTIME}.keywords(schedule, "warmup")']
@@ -237,7 +250,7 @@ def settings(graph: Graph) -> dict:
     if train.scheduler is not None:
         scheduler = {"op": train.scheduler.op, "warmup": train.scheduler.warmup,
                      **dict(train.scheduler.kwargs)}
-        if train.scheduler.built_in:
+        if train.scheduler.built_in and train.scheduler.min_lr:
             scheduler["min_lr"] = train.scheduler.min_lr
 
     def data(source: Optional[DataSource]):
@@ -370,10 +383,9 @@ def render_train(graph: Graph) -> str:
     loss_lines, loss_device = loss_code(graph)
     w.line()
     w.line()
-    with w.block(f"def {n['forward_loss']}(model, loss_fns, inputs, targets, count=False)"):
-        classify = any(loss.class_dim is not None for loss in train.losses)
-        w.docstring([f"The loss: {losses_text(graph)}, on {loss_device}"
-                     + ("; with ``count``, also each class output's hits." if classify else ".")])
+    with w.block(f"def {n['forward_loss']}(model, loss_fns, inputs, targets)"):
+        w.docstring([f"The loss: {losses_text(graph)}, on {loss_device}; and each output's "
+                     "loss, output and target (the log's and the metrics')."])
         for line in loss_lines:
             code, _, comment = line.partition("  # ")
             w.line(code, comment)
@@ -403,7 +415,12 @@ def render_train(graph: Graph) -> str:
                                        + [loss.target_type.dtype for loss in train.losses])),
               ("make_batch", n["make_batch"]),
               ("losses", n["make_losses"]),
-              ("forward_loss", n["forward_loss"])]
+              ("forward_loss", n["forward_loss"]),
+              ("loss_outputs", tuple_literal(loss.output for loss in train.losses))]
+    if any(loss.class_dim is not None for loss in train.losses):
+        fields.append(("class_dims", layouts_literal([loss.class_dim for loss in train.losses])))
+    if train.metric_columns():
+        fields.append(("metrics", metrics_literal(graph)))
     ranges = ([(t.high, None) if t.high else None for t in graph.inputs]
               + [class_range(loss) for loss in train.losses])
     if any(ranges):

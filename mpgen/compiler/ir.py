@@ -824,6 +824,7 @@ class TrainConfig:
     dims_given: tuple[str, ...] = ()  # the symbolic dims train.dims (or batch_size) sizes
     #: ``train.metrics``; None: the default (:meth:`metric_columns`).
     metrics: Optional[tuple[Metric, ...]] = None
+    loss_per_output: bool = False  # train.loss is a mapping of output -> loss
 
     @property
     def optimizer_callee(self) -> str:

@@ -61,6 +61,9 @@ HELP = {
     "merge": "write one state dict of {} from DIR's newest complete checkpoint to OUT and exit (no torchrun)",
     "memory": "measure the peak memory of the run's second step (its first of one step) on each "
     "device of this process and print it beside the build's plan",
+    "set": "change a train: setting of the spec for this run, VALUE read as YAML: "
+    "optimizer.weight_decay=0.05, optimizer.betas=[0.9,0.95], loss.label_smoothing=0.1, "
+    "scheduler.warmup=100 (repeatable; checked as the spec is; docs/training.md)",
     "pp_resume": "continue from DIR's newest complete checkpoint, on any --dp or layout; none yet: start "
     "at step 0 (one command line for the first launch and torchrun --max-restarts)",
     "monitor": "the evaluation metric (a column of log.csv's evaluation rows) whose best step is kept "
@@ -177,10 +180,26 @@ def parser(
     add("--samples", type=int, default=d("samples"), help=HELP["samples"])
     add("--workers", type=int, default=d("workers"), help="DataLoader worker processes")
     add("--memory", action="store_true", help=HELP["memory"])
+    add("--set", action="append", metavar="KEY=VALUE", help=HELP["set"])
     if pipeline:
         text, names = HELP["merge"].format(name), ("DIR", "OUT")
         add("--merge", nargs=2, metavar=names, help=text)
+    show_defaults(p)
     return p
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Each flag's help ends with its default (the spec's, where it sets
+    one), a flag without help text too; not where the text says it, nor for
+    a switch that is off or a flag with no default."""
+    for action in parser._actions:
+        default = action.default
+        if not action.option_strings or default in (None, argparse.SUPPRESS):
+            continue
+        if default is False or default == [] or "default" in (action.help or ""):
+            continue
+        text = "(default: %(default)s)"
+        action.help = f"{action.help} {text}" if action.help else text
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -16,7 +16,7 @@ import sys
 import torch
 from torch import nn
 
-from . import checkpoint, flags, memory, trackers
+from . import checkpoint, flags, memory, settings, trackers
 from .data import (
     as_batch,
     batches,
@@ -134,7 +134,7 @@ class Single:
             except ValueError as error:
                 sys.exit(f"--init {args.init}: {error}")
             print(f"started from {args.init}")
-        self.loss_fns = training.losses()
+        self.loss_fns = training.losses(args.settings)
         self.optimizer = self.scheduler = None
         if (
             training.optimizer is not None
@@ -173,10 +173,15 @@ class Single:
         try:
             saved = checkpoint.load(self.path)
             parts = (self.model, self.optimizer, self.scheduler, self.scaler)
+            fresh = settings.hyperparameters(self.optimizer)
             done = checkpoint.restore(saved, *parts)
         except Exception as error:  # not a checkpoint of this script's model
             sys.exit(f"--resume: cannot resume from {self.path} ({one_line(error)})")
         ignored = flags.NOT_INIT * bool(self.args.init)
+        record = saved if "settings" in saved else None  # (older checkpoints: none)
+        settings.reapply(self.optimizer, fresh, record, self.args)
+        for line in settings.on_resume(record, self.args):
+            print(line)
         print(f"resumed from {self.path} at step {done}{ignored}")
         return done
 
@@ -184,8 +189,10 @@ class Single:
         if self.path is None:
             return
         parts = (self.model, self.optimizer, self.scheduler, self.scaler)
+        state = checkpoint.state(*parts, done)
+        state |= settings.record(self.args)  # the run's train: settings and its --set
         try:
-            checkpoint.save(checkpoint.state(*parts, done), self.path)
+            checkpoint.save(state, self.path)
         except OSError as error:
             sys.exit(
                 f"step {done}: cannot write {self.path} ({error}); the previous checkpoint is kept"
@@ -397,6 +404,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     parser = flags.parser(training)
     args = parser.parse_args(argv)
     flags.check(parser, args)
+    settings.apply(parser, args, training, argv=argv)
     trackers.check(parser, args)
     check_devices(training, argv)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
@@ -419,6 +427,8 @@ def train(training: Training, argv: list[str] | None = None) -> None:
         print(
             f"{training.name}: {size:,} parameters{frozen}; {last} steps of {micro}{args.batch_size} samples"
         )
+    if args.overrides:
+        print(f"overrides: {' '.join(args.overrides)}")
     note = no_evaluation(args, parser)  # the spec's eval_every with --data alone
     if note:
         print(note)

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import pathlib
 import sys
 import warnings
@@ -70,6 +71,7 @@ from . import (
     launch,
     mesh,
     normalise,
+    settings,
     sharded,
     timeline,
     trackers,
@@ -362,7 +364,7 @@ class Pipelined:
             follow_owners(self.groups, modules, self.optimizers, device)
         self.loss_fns = tuple(
             normalise.TokenMean(fn) if normalise.TokenMean.applies(fn) else fn
-            for fn in training.losses()
+            for fn in training.losses(args.settings)
         )
         self.normalises = any(
             isinstance(fn, normalise.TokenMean) for fn in self.loss_fns
@@ -480,10 +482,12 @@ class Pipelined:
         done, path = self.resumed, sharded.folder(self.args.checkpoint, self.resumed)
         # The schedule's lr at step done, before the optimizer's state (it keeps that lr).
         self.fast_forward(done)
+        fresh = {k: settings.hyperparameters(o) for k, o in self.optimizers.items()}
         state, owned = self.state()
         try:  # the same file on every rank: every rank stops here, or none
             saved = sharded.keys(path)
             layout = self.layout_of(path) if "layout" in saved else ""
+            ran = self.ran_with(path) if "settings" in saved else None
         except Exception as error:  # a refused or damaged file
             stop(f"--resume: cannot read {path} ({one_line(error)})")
         # A tied copy's optimizer state, where the layout that wrote it held
@@ -534,7 +538,11 @@ class Pipelined:
                 set_optimizer_state_dict(module, self.optimizers[k], mine, options=FLAT)
         if same:
             checkpoint.set_rng_states(state["rng"][f"rank_{self.grid.rank}"])
+        for k, optimizer in self.optimizers.items():
+            settings.reapply(optimizer, fresh[k], ran, self.args)
         if self.logs:
+            for line in settings.on_resume(ran, self.args):
+                print(line)
             ignored = flags.NOT_INIT * bool(self.args.init)
             how = (
                 ""
@@ -638,11 +646,18 @@ class Pipelined:
         self.check_ties(done)
         state, _ = self.state()
         state["step"] = done
+        state["settings"] = json.dumps(settings.record(self.args))  # and its --set
         try:
             sharded.save(self.args.checkpoint, done, state)
         except OSError as error:
             stop(f"step {done}: cannot write {self.args.checkpoint} ({error})")
         self.where = str(sharded.folder(self.args.checkpoint, done))
+
+    def ran_with(self, path: pathlib.Path) -> dict | None:
+        """The settings of the run that wrote a checkpoint, and its --set."""
+        found = {"settings": ""}
+        sharded.load(path, found, no_dist=True)
+        return json.loads(found["settings"])
 
     def check_ties(self, done: int) -> None:
         """Before a save: every tied copy equals its owner's, on every rank,
@@ -808,6 +823,8 @@ class Pipelined:
                 else f"{training.name}: {count} stages on {grid.pp} ranks, --schedule {args.schedule}; "
                 f"{self.last} steps of {micro}{args.batch_size} samples in {m} micro-batches"
             )
+            if args.overrides:
+                print(f"overrides: {' '.join(args.overrides)}")
         return stream
 
     def normalise(self, targets: tuple) -> None:
@@ -988,6 +1005,7 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         sharded.merge(stages, *args.merge)
         return
     flags.check(parser, args)
+    settings.apply(parser, args, stages.training, pipeline=True, argv=argv)
     note = no_evaluation(args, parser)  # the spec's eval_every with --data alone
     evaluates = bool(args.eval_data or args.eval_split or args.eval_every) and not note
     if note and environ.get("RANK") == "0":

@@ -30,7 +30,7 @@ class Training:
     #: batch is its outer factor (``b*R + r``), 1 when its inner (``r*B + b``).
     batch_dims: tuple[Optional[int] | tuple[int, int], ...]
     make_batch: Callable
-    losses: Callable[[], tuple]
+    losses: Callable[[dict], tuple]  # each output's loss, for the run's settings
     forward_loss: Callable
     optimizer: Optional[Callable] = None  # None: no parameters, nothing to train
     scheduler: Optional[Callable] = None
@@ -49,6 +49,10 @@ class Training:
     #: of fixed rows (a learned position Embedding): data past it is refused.
     dim_limits: tuple[tuple[str, int, str], ...] = ()
     data_kwargs: dict = field(default_factory=dict)  # for the spec's data factory
+    #: The spec's ``train:`` section, resolved (each loss, optimizer and
+    #: schedule a mapping with its ``op``): what ``--set`` changes, and the
+    #: run's copy (``args.settings``) what the generated code reads.
+    settings: dict = field(default_factory=dict)
     eval_data_kwargs: dict = field(default_factory=dict)
     #: The build's memory plan of this script's step: device -> peak bytes (--memory).
     memory: dict = field(default_factory=dict)

@@ -186,6 +186,7 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
         workers=spec.workers, optimizer_module=optimizer_module,
         weight_decay=_weight_decay(optimizer, spec.optimizer.kwargs),
         dims_given=tuple(name for name in dims if name in spec.dims or name == "batch"),
+        loss_per_output=not isinstance(spec.loss, CallSpec),
     )
     return dataclasses.replace(graph, train=train, dims=train.dims)
 

@@ -745,6 +745,17 @@ def changed(settings: dict, key: str, value: Any) -> dict:
         )
     if parts[0] in REBUILT:
         raise Rebuild(f"it changes train.{parts[0]} ({REBUILT[parts[0]]})")
+    losses = settings.get("loss") or {}
+    if (
+        parts[0] == "loss" and len(parts) > 1 and "op" not in losses
+    ):  # a loss per output
+        if parts[1] not in losses:
+            hint = did_you_mean(parts[1], losses)
+            if not hint:  # an output without a loss, or none at all: the build knows
+                raise Rebuild("it changes train.loss's outputs")
+            raise Refused(f"train.loss: {parts[1]!r} is not an output{hint}")
+        if len(parts) == 2:
+            value = call(value)
     node, path = new, []
     for part in parts[:-1]:
         path.append(part)

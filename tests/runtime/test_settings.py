@@ -173,3 +173,17 @@ def test_help_shows_every_flags_default():
                   "--log-every K (default: 1)", "--steps STEPS optimizer steps (default: 6)",
                   "--batch-size BATCH_SIZE samples per step", "(default: 4)"):
         assert shown in flat
+
+
+def test_a_loss_per_output_is_set_by_its_output():
+    each = SETTINGS | {"loss": {"cls": {"op": "CrossEntropyLoss"}, "reg": {"op": "HuberLoss"}}}
+    new = settings.changed(each, "loss.reg.delta", 2.0)
+    settings.check(new)
+    assert new["loss"]["reg"] == {"op": "HuberLoss", "delta": 2.0}
+    assert settings.changed(each, "loss.reg", "HuberLoss")["loss"]["reg"] == {"op": "HuberLoss"}
+    with pytest.raises(settings.Refused, match=r"'rg' is not an output \(did you mean 'reg'\?\)"):
+        settings.changed(each, "loss.rg.delta", 2.0)
+    with pytest.raises(settings.Rebuild, match="train.loss's outputs"):
+        settings.changed(each, "loss.label_smoothing", 0.1)
+    with pytest.raises(settings.Refused, match="HuberLoss cannot be computed with delta=-1"):
+        settings.check(settings.changed(each, "loss.reg.delta", -1))

@@ -918,6 +918,10 @@ def apply(parser, args, training, pipeline: bool = False, argv=None) -> None:
                     f"{flag} {getattr(args, key)} sets train.{key} too; give one",
                 )
             setattr(args, key, flag_value(key, settings[key]))
+    if "steps" in sets and "decay_steps" in vars(args) and "decay_steps" not in given:
+        args.decay_steps = settings[
+            "steps"
+        ]  # a built-in schedule's length: the spec's steps
     if "optimizer.lr" in set_keys or "optimizer" in set_keys:
         lr = settings["optimizer"].get("lr")
         if "lr" in given and lr is not None and float(lr) != args.lr:

@@ -95,6 +95,18 @@ def test_a_setting_that_is_a_flag_sets_it_and_the_rest_go_into_args_settings():
                               "optimizer.betas=[0.8, 0.9]", "scheduler.warmup=2"]
 
 
+def test_set_steps_is_a_built_in_schedules_length_too_as_the_specs_steps_are():
+    made = training(settings=SETTINGS, defaults=training().defaults | {"decay_steps": 6})
+    parser = flags.parser(made)
+    args = parser.parse_args(["--set", "steps=40"])
+    settings.apply(parser, args, made, argv=["--set", "steps=40"])
+    assert (args.steps, args.decay_steps) == (40, 40)
+    argv = ["--set", "steps=40", "--decay-steps", "9"]
+    args = parser.parse_args(argv)
+    settings.apply(parser, args, made, argv=argv)
+    assert (args.steps, args.decay_steps) == (40, 9)
+
+
 def test_without_set_the_settings_are_the_specs_with_the_flags_values():
     args = parsed(["--steps", "2", "--lr", "0.3"])
     assert args.overrides == [] and args.settings["steps"] == 2

@@ -133,6 +133,8 @@ def parser(
     add("--seed", type=int, default=d("seed"))
     add("--log-every", type=int, default=d("log_every"), metavar="K")
     add("--log-dir", metavar="DIR", help=HELP["log_dir"].format(run))
+    text = "also log to W&B or MLflow, installed (repeatable; default: $MPGEN_LOGGER)"
+    add("--logger", action="append", choices=("wandb", "mlflow"), help=text)
     text = (
         f"write {saved} at the end, every --save-every steps and on Ctrl-C or SIGTERM"
     )

@@ -30,7 +30,11 @@ def missing(names: list[str]) -> str | None:
     for name in names:
         if name not in PACKAGES:
             return f"--logger {name}: expected one of {', '.join(PACKAGES)}"
-        if importlib.util.find_spec(PACKAGES[name]) is None:
+        try:
+            found = importlib.util.find_spec(PACKAGES[name])
+        except ValueError:  # in sys.modules as None: not importable
+            found = None
+        if found is None:
             return (
                 f"--logger {name}: the {PACKAGES[name]} package is not installed "
                 f"(pip install {'mlflow-skinny' if name == 'mlflow' else name})"
@@ -85,7 +89,15 @@ class MLflow:
         self.mlflow.end_run()
 
 
-def start(names: list[str], folder, name: str) -> list:
-    """The trackers ``names`` asks for, each started for the run ``name``."""
-    made = {"wandb": WandB, "mlflow": MLflow}
-    return [made[tracker](folder, name) for tracker in names]
+def start(names: list[str], folder, name: str, stop) -> list:
+    """The trackers ``names`` asks for, each started for the run ``name``;
+    ``stop`` says in one line why one cannot start (its own settings: a
+    tracking URI it refuses, a W&B run without a login and not offline)."""
+    made, started = {"wandb": WandB, "mlflow": MLflow}, []
+    for tracker in names:
+        try:
+            started.append(made[tracker](folder, name))
+        except Exception as error:  # the tracker's own: say its first line
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            stop(f"--logger {tracker}: cannot start ({type(error).__name__}: {first})")
+    return started

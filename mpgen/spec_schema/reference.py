@@ -72,6 +72,8 @@ def _refs(schema: dict, path: str) -> Iterator[tuple[str, str]]:
         yield from _refs(branch, path)
     if isinstance(schema.get("additionalProperties"), dict):
         yield from _refs(schema["additionalProperties"], f"{path}.NAME")
+    if isinstance(schema.get("items"), dict):  # a list's items (train.metrics)
+        yield from _refs(schema["items"], f"{path}[]")
 
 
 def _mapping_form(schema: dict) -> Optional[dict]:

@@ -42,7 +42,8 @@ from mpgen.compiler.frontend.limits import MAX_TRAIN_SIZE
 from mpgen.compiler.ir import DataSource, Graph, Loss, Metric, OpKind, Scheduler, TrainConfig
 from mpgen.errors import Collector, Position, did_you_mean, shown
 from mpgen.spec_schema.load import SourceMap
-from mpgen.spec_schema.models import FACTORY, CallSpec, DataSpec, MetricSpec, SchedulerSpec, TrainSpec
+from mpgen.spec_schema.models import (FACTORY, CallSpec, DataSpec, MetricSpec, SchedulerSpec,
+                                      TrainSpec)
 
 _CLASS_LOSSES = {"CrossEntropyLoss", "NLLLoss", "MultiMarginLoss"}
 _PROB_LOSSES = {"BCELoss", "BCEWithLogitsLoss", "KLDivLoss", "MultiLabelSoftMarginLoss"}
@@ -388,8 +389,9 @@ def _metrics(specs: list[MetricSpec], losses: list[Loss], source: SourceMap, err
                 continue
         elif op not in Metric.OPS:
             errors.add(pos, f"train.metrics: unknown metric {spec.op!r}"
-                       f"{did_you_mean(spec.op, (*Metric.OPS, 'top5_accuracy'))} (or your own "
-                       "function, 'package.module:function')")
+                       f"{did_you_mean(spec.op, (*Metric.OPS, 'top5_accuracy'))}; expected "
+                       "accuracy, top_k_accuracy (topK_accuracy), f1, perplexity or your own "
+                       "function 'package.module:function'")
             continue
         if op == "top_k_accuracy" and k is None:
             errors.add(pos, "train.metrics: top_k_accuracy needs k (k: 5, or top5_accuracy)")

@@ -27,6 +27,7 @@ from .data import (
     training_data,
 )
 from .log import Log
+from .monitor import Monitor, best_record, choose, link, prune_files, step_files
 from .metrics import Tally, eval_columns, hits, loss_columns, parts_losses
 from .spec import Training
 
@@ -182,20 +183,51 @@ class Single:
         settings.reapply(self.optimizer, fresh, record, self.args)
         for line in settings.on_resume(record, self.args):
             print(line)
-        print(f"resumed from {self.path} at step {done}{ignored}")
+        afresh = self.monitor.restore(saved.get("monitor"))
+        # a best.pt written after this checkpoint (a run killed between) stays the best
+        self.monitor.restore(best_record(self.best_path), since=False)
+        print(f"resumed from {self.path} at step {done}{ignored}{afresh}")
         return done
 
-    def save(self, done: int) -> None:
+    @property
+    def best_path(self) -> pathlib.Path:
+        return self.path.with_name("best.pt")
+
+    best_is_step = False  # best.pt is a file of its own, beside last.pt
+
+    @property
+    def best_where(self) -> str:
+        return str(self.best_path)
+
+    def agreed(self, results: dict) -> dict:
+        """The evaluation's results every rank monitors: this process's."""
+        return results
+
+    def save(self, done: int, best: bool = False) -> None:
+        """DIR/last.pt (with --keep-last past 1, DIR/step_N.pt and last.pt a
+        link to it, the older ones pruned), or (``best``) DIR/best.pt."""
         if self.path is None:
             return
         parts = (self.model, self.optimizer, self.scheduler, self.scaler)
         state = checkpoint.state(*parts, done)
+        state["monitor"] = self.monitor.state()
         state |= settings.record(self.args)  # the run's train: settings and its --set
+        keep, folder = self.args.keep_last, self.path.parent
+        path = self.best_path if best else self.path
         try:
-            checkpoint.save(state, self.path)
+            if best:
+                checkpoint.save(state, path)
+            elif keep > 1:
+                earlier = [k for k in step_files(folder) if k < done]
+                state["monitor"]["kept"] = kept = [*earlier[-(keep - 1) :], done]
+                checkpoint.save(state, folder / f"step_{done}.pt")
+                link(folder / f"step_{done}.pt", path)
+                prune_files(folder, kept)
+            else:
+                checkpoint.save(state, path)
         except OSError as error:
             sys.exit(
-                f"step {done}: cannot write {self.path} ({error}); the previous checkpoint is kept"
+                f"step {done}: cannot write {path} ({error}); the previous checkpoint is kept"
             )
 
     def start(self, done: int):
@@ -317,10 +349,14 @@ def run(
     log each step, evaluate every --eval-every steps and at the end
     (``evaluates``: whether there is evaluation data, where this rank holds
     none of it), save every --save-every steps, at the end and on Ctrl-C or
-    SIGTERM (after the step, on every rank; a second one stops at once)."""
+    SIGTERM (after the step, on every rank; a second one stops at once);
+    keep the --monitor's best step, stop early after --early-stop
+    evaluations without a better one."""
     evaluates = eval_data is not None if evaluates is None else evaluates
     engine.evaluates = evaluates
+    engine.monitor = Monitor(args.monitor, args.monitor_mode, args.early_stop)
     done = engine.resume() if args.resume else 0
+    saved = None  # the step of the newest save, where this run made it
     started = done
     stream = engine.start(done)
     log = None
@@ -384,20 +420,36 @@ def run(
                 if log is not None:
                     log.evaluation(step, epoch, results)
             engine.stepped(loss, results["eval_loss"] if results else None)
+            if results is not None and engine.monitor.update(
+                step, engine.agreed(results)
+            ):
+                engine.save(done, best=True)
+                saved = done if engine.best_is_step else saved
+            if engine.monitor.stopping:
+                if engine.logs:
+                    print(engine.monitor.stopped(step), flush=True)
+                break
             if engine.interrupted(interrupted):
-                engine.save(done)
+                if saved != done:
+                    engine.save(done)
                 saving = f"; saved {engine.where}" if args.checkpoint else ""
                 engine.stop(f"interrupted after step {step}{saving}")
             if args.save_every and step % args.save_every == 0 and step < last:
-                engine.save(done)
+                if saved != done:
+                    engine.save(done)
+                saved = done
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if log is not None:
             log.close(started)
-    engine.save(done)
+    if saved != done:
+        engine.save(done)
     if args.checkpoint and engine.logs:
         print(f"saved {engine.where} at step {done}")
+    best = engine.monitor.summary(engine.best_where if args.checkpoint else None)
+    if best and engine.logs:
+        print(best)
 
 
 def train(training: Training, argv: list[str] | None = None) -> None:
@@ -409,6 +461,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     trackers.check(parser, args)
     check_devices(training, argv)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
+    choose(parser, args, training, evaluates=eval_data is not None)
     per_epoch = (
         epoch_batches(data, args.batch_size) // args.accumulate
     )  # optimizer steps

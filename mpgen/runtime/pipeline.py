@@ -88,6 +88,7 @@ from .data import (
 from .loop import autocast, last_step, run, tokens_per_sample
 from .metrics import Tally
 from .mesh import stop
+from .monitor import choose, decode, encode
 from .spec import Stages
 
 #: A checkpoint's optimizer state: flat, keyed by the parameters' state-dict
@@ -487,6 +488,7 @@ class Pipelined:
         try:  # the same file on every rank: every rank stops here, or none
             saved = sharded.keys(path)
             layout = self.layout_of(path) if "layout" in saved else ""
+            record = self.monitored(path) if "monitor" in saved else None
             ran = self.ran_with(path) if "settings" in saved else None
         except Exception as error:  # a refused or damaged file
             stop(f"--resume: cannot read {path} ({one_line(error)})")
@@ -540,6 +542,7 @@ class Pipelined:
             checkpoint.set_rng_states(state["rng"][f"rank_{self.grid.rank}"])
         for k, optimizer in self.optimizers.items():
             settings.reapply(optimizer, fresh[k], ran, self.args)
+        afresh = self.monitor.restore(record)
         if self.logs:
             for line in settings.on_resume(ran, self.args):
                 print(line)
@@ -549,7 +552,7 @@ class Pipelined:
                 if same
                 else f" (resharded onto {self.grid.pp} x {self.grid.dp} ranks)"
             )
-            print(f"resumed from {path} at step {done}{how}{ignored}")
+            print(f"resumed from {path} at step {done}{how}{ignored}{afresh}")
         return done
 
     def twins(self, key: str) -> list[str]:
@@ -640,24 +643,52 @@ class Pipelined:
                 for _ in range(done):
                     scheduler.step()
 
-    def save(self, done: int) -> None:
+    def save(self, done: int, best: bool = False) -> None:
+        """DIR/step_N, the --keep-last newest kept (and the best); ``best``:
+        DIR/best links to it."""
         if not self.args.checkpoint:
             return
         self.check_ties(done)
         state, _ = self.state()
         state["step"] = done
+        root, keep = self.args.checkpoint, self.args.keep_last
+        record = self.monitor.state()
+        earlier = [k for k in sharded.complete(root) if k < done]
+        record["kept"] = [*earlier[len(earlier) - keep + 1 :], done]
+        state["monitor"] = encode(record)
         state["settings"] = json.dumps(settings.record(self.args))  # and its --set
         try:
-            sharded.save(self.args.checkpoint, done, state)
+            sharded.save(root, done, state, keep=keep, best=best)
         except OSError as error:
             stop(f"step {done}: cannot write {self.args.checkpoint} ({error})")
         self.where = str(sharded.folder(self.args.checkpoint, done))
+
+    best_is_step = True  # the best is a step_N folder DIR/best links to
+
+    @property
+    def best_where(self) -> str:
+        step = self.monitor.best_step
+        return f"{self.args.checkpoint}/{sharded.BEST} -> step_{step}"
+
+    def agreed(self, results: dict) -> dict:
+        """The evaluation's results as the logging rank has them, on every
+        rank (a collective): each rank then elects the same best and stops
+        at the same step."""
+        found = [results]
+        dist.broadcast_object_list(found, src=self.grid.of(self.grid.ranks[-1], 0))
+        return found[0]
 
     def ran_with(self, path: pathlib.Path) -> dict | None:
         """The settings of the run that wrote a checkpoint, and its --set."""
         found = {"settings": ""}
         sharded.load(path, found, no_dist=True)
         return json.loads(found["settings"])
+
+    def monitored(self, path: pathlib.Path) -> dict | None:
+        """The monitor's record in a checkpoint (by this rank alone)."""
+        found = {"monitor": ""}
+        sharded.load(path, found, no_dist=True)
+        return decode(found["monitor"])
 
     def check_ties(self, done: int) -> None:
         """Before a save: every tied copy equals its owner's, on every rank,
@@ -1010,6 +1041,7 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
     evaluates = bool(args.eval_data or args.eval_split or args.eval_every) and not note
     if note and environ.get("RANK") == "0":
         print(note)
+    choose(parser, args, stages.training, evaluates)
     ranks = mesh.stage_ranks(stages, args.schedule)
     pp = max(ranks) + 1
     world = pp * args.dp

@@ -745,6 +745,17 @@ def changed(settings: dict, key: str, value: Any) -> dict:
         )
     if parts[0] in REBUILT:
         raise Rebuild(f"it changes train.{parts[0]} ({REBUILT[parts[0]]})")
+    losses = settings.get("loss") or {}
+    if (
+        parts[0] == "loss" and len(parts) > 1 and "op" not in losses
+    ):  # a loss per output
+        if parts[1] not in losses:
+            hint = did_you_mean(parts[1], losses)
+            if not hint:  # an output without a loss, or none at all: the build knows
+                raise Rebuild("it changes train.loss's outputs")
+            raise Refused(f"train.loss: {parts[1]!r} is not an output{hint}")
+        if len(parts) == 2:
+            value = call(value)
     node, path = new, []
     for part in parts[:-1]:
         path.append(part)
@@ -907,6 +918,10 @@ def apply(parser, args, training, pipeline: bool = False, argv=None) -> None:
                     f"{flag} {getattr(args, key)} sets train.{key} too; give one",
                 )
             setattr(args, key, flag_value(key, settings[key]))
+    if "steps" in sets and "decay_steps" in vars(args) and "decay_steps" not in given:
+        args.decay_steps = settings[
+            "steps"
+        ]  # a built-in schedule's length: the spec's steps
     if "optimizer.lr" in set_keys or "optimizer" in set_keys:
         lr = settings["optimizer"].get("lr")
         if "lr" in given and lr is not None and float(lr) != args.lr:

@@ -171,7 +171,7 @@ def leftovers(root: str) -> list[pathlib.Path]:
 
 
 def remove(path: pathlib.Path) -> None:
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():  # a link goes, not what it links to
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import mpgen, write_spec
+from helpers import GATE, mpgen, write_spec
 from mpgen.commands import ci_summary
 
 
@@ -219,20 +219,6 @@ def test_a_batch_change_shows_each_device_s_memory_plan(repo):
     assert re.search(r"^  cuda:1 train peak .* -> .* \(\+\d+%\)$", shown, re.M)
 
 
-GATE = """\
-from torch import nn
-
-
-class Gate(nn.Module):
-    def __init__(self, dim):
-        super().__init__()
-        self.proj = nn.Linear(dim, dim)
-
-    def forward(self, x):
-        return self.proj(x).sigmoid() * x
-"""
-
-
 @pytest.mark.slow  # compiles a spec that imports the project's own module, in a child
 def test_the_project_s_tool_mpgen_gives_the_specs_the_device_map_and_the_root(repo):
     """ci-summary reads ``[tool.mpgen]`` as ``build`` does: ``specs`` (files
@@ -240,11 +226,10 @@ def test_the_project_s_tool_mpgen_gives_the_specs_the_device_map_and_the_root(re
     are found (docs/project.md)."""
     (repo / "pyproject.toml").write_text(
         pyproject('["layouts/*.spec"]', device_map="cuda:1=cuda:0") + 'root = "src"\n')
-    (repo / "src" / "mylayers").mkdir(parents=True)
-    (repo / "src" / "mylayers" / "__init__.py").write_text("")
-    (repo / "src" / "mylayers" / "gates.py").write_text(GATE)
+    (repo / "src").mkdir()
+    (repo / "src" / "mylayers.py").write_text(GATE)
     gated = spec_text("Gated").replace("layer1: {op: Linear, args: [10, 20]}",
-                                       "gate: {op: mylayers.gates.Gate, args: [10]}\n"
+                                       "gate: {op: mylayers.Gate, args: [10]}\n"
                                        "  layer1: {op: Linear, args: [10, 20]}")
     (repo / "layouts").mkdir()
     write_spec(repo, gated, "layouts/gated.spec")

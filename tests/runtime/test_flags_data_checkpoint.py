@@ -16,6 +16,7 @@ TRAIN_FLAGS = {"--steps", "--epochs", "--batch-size", "--lr", "--seed", "--log-e
                "--log-dir", "--checkpoint", "--save-every", "--resume", "--amp",
                "--grad-clip", "--accumulate", "--data", "--eval-data", "--eval-split",
                "--eval-every", "--samples", "--workers", "--init", "--memory", "--set"}
+TRAIN_FLAGS |= {"--monitor", "--monitor-mode", "--keep-last", "--early-stop"}
 # Every flag of the single-process script that applies (not fp16's --amp: a
 # gradient scaler would span the ranks), and the pipeline's own.
 PIPELINE_FLAGS = TRAIN_FLAGS | {"--microbatches", "--schedule", "--decay-steps", "--merge",

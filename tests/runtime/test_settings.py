@@ -95,6 +95,18 @@ def test_a_setting_that_is_a_flag_sets_it_and_the_rest_go_into_args_settings():
                               "optimizer.betas=[0.8, 0.9]", "scheduler.warmup=2"]
 
 
+def test_set_steps_is_a_built_in_schedules_length_too_as_the_specs_steps_are():
+    made = training(settings=SETTINGS, defaults=training().defaults | {"decay_steps": 6})
+    parser = flags.parser(made)
+    args = parser.parse_args(["--set", "steps=40"])
+    settings.apply(parser, args, made, argv=["--set", "steps=40"])
+    assert (args.steps, args.decay_steps) == (40, 40)
+    argv = ["--set", "steps=40", "--decay-steps", "9"]
+    args = parser.parse_args(argv)
+    settings.apply(parser, args, made, argv=argv)
+    assert (args.steps, args.decay_steps) == (40, 9)
+
+
 def test_without_set_the_settings_are_the_specs_with_the_flags_values():
     args = parsed(["--steps", "2", "--lr", "0.3"])
     assert args.overrides == [] and args.settings["steps"] == 2
@@ -173,3 +185,17 @@ def test_help_shows_every_flags_default():
                   "--log-every K (default: 1)", "--steps STEPS optimizer steps (default: 6)",
                   "--batch-size BATCH_SIZE samples per step", "(default: 4)"):
         assert shown in flat
+
+
+def test_a_loss_per_output_is_set_by_its_output():
+    each = SETTINGS | {"loss": {"cls": {"op": "CrossEntropyLoss"}, "reg": {"op": "HuberLoss"}}}
+    new = settings.changed(each, "loss.reg.delta", 2.0)
+    settings.check(new)
+    assert new["loss"]["reg"] == {"op": "HuberLoss", "delta": 2.0}
+    assert settings.changed(each, "loss.reg", "HuberLoss")["loss"]["reg"] == {"op": "HuberLoss"}
+    with pytest.raises(settings.Refused, match=r"'rg' is not an output \(did you mean 'reg'\?\)"):
+        settings.changed(each, "loss.rg.delta", 2.0)
+    with pytest.raises(settings.Rebuild, match="train.loss's outputs"):
+        settings.changed(each, "loss.label_smoothing", 0.1)
+    with pytest.raises(settings.Refused, match="HuberLoss cannot be computed with delta=-1"):
+        settings.check(settings.changed(each, "loss.reg.delta", -1))

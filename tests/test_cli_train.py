@@ -177,6 +177,7 @@ def foreground_job(cwd: Path, *script_args: str):
 def test_ctrl_c_reaches_the_script_which_saves_and_mpgen_returns_its_status(tmp_path):
     with foreground_job(tmp_path, "--steps", "1000000", "--checkpoint", "ck") as process:
         folder = built_into(process.stderr.readline())
+        assert process.stdout.readline().startswith("torch threads: ")
         assert process.stdout.readline().startswith("SimpleModel: 430 parameters")
         assert process.stdout.readline().startswith("step 1/1000000  loss ")
         os.killpg(process.pid, signal.SIGINT)  # what Ctrl-C at a terminal does
@@ -196,6 +197,7 @@ def test_ctrl_c_reaches_the_script_which_saves_and_mpgen_returns_its_status(tmp_
 def test_a_sigterm_to_mpgen_alone_stops_the_script_too(tmp_path):
     with foreground_job(tmp_path, "--steps", "1000000") as process:
         folder = built_into(process.stderr.readline())
+        assert process.stdout.readline().startswith("torch threads: ")
         assert process.stdout.readline().startswith("SimpleModel: 430 parameters")
         process.send_signal(signal.SIGTERM)
         out, err = process.communicate(timeout=120)

@@ -7,6 +7,7 @@ import argparse
 import math
 import pathlib
 
+from . import threads
 from .data import DATA_HELP
 from .spec import Stages, Training
 
@@ -186,6 +187,7 @@ def parser(
     if pipeline:
         text, names = HELP["merge"].format(name), ("DIR", "OUT")
         add("--merge", nargs=2, metavar=names, help=text)
+    threads.add_flag(p)
     show_defaults(p)
     return p
 

@@ -16,7 +16,7 @@ import sys
 import torch
 from torch import nn
 
-from . import checkpoint, flags, memory, settings, trackers
+from . import checkpoint, flags, memory, settings, threads, trackers
 from .data import (
     as_batch,
     batches,
@@ -460,6 +460,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     settings.apply(parser, args, training, argv=argv)
     trackers.check(parser, args)
     check_devices(training, argv)
+    threads.cap(args.threads, sys.stdout)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
     choose(parser, args, training, evaluates=eval_data is not None)
     per_epoch = (

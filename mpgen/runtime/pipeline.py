@@ -73,6 +73,7 @@ from . import (
     normalise,
     settings,
     sharded,
+    threads,
     timeline,
     trackers,
 )
@@ -1088,6 +1089,7 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
             f"--schedule {args.schedule} runs {len(stages.stages)} stages on {pp} ranks{replicas} = {world}, "
             f"but torchrun started {environ['WORLD_SIZE']}: {command}"
         )
+    threads.cap(args.threads, sys.stdout if environ["RANK"] == "0" else None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     wait = timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=wait, **launch.attempt_store(wait))

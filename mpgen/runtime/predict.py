@@ -50,7 +50,7 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import checkpoint, sharded
+from . import checkpoint, sharded, threads
 from .data import (
     DATA_FILES,
     TensorData,
@@ -149,6 +149,7 @@ def parser(
     if stages:
         text = "seconds a send may wait for another rank before every rank stops"
         add("--timeout", type=float, default=120.0, metavar="SECONDS", help=text)
+    threads.add_flag(p)
     return p
 
 
@@ -556,6 +557,7 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     check(p, args)
     check_devices(training, argv, f"predict_{training.run}.py")
+    threads.cap(args.threads, sys.stdout)
     torch.manual_seed(args.seed)
     model = training.model()
     where = load_weights([model], list(model.state_dict()), training, args)
@@ -707,6 +709,7 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
             f"--predict runs {count} stages on {count} ranks, but torchrun started "
             f"{environ['WORLD_SIZE']}: {command}"
         )
+    threads.cap(args.threads, sys.stdout if environ["RANK"] == "0" else None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     wait = timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=wait, **launch.attempt_store(wait))

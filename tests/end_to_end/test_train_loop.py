@@ -774,7 +774,7 @@ def test_resume_is_bit_exact_with_bf16_a_scheduler_accumulation_and_a_data_file(
     ok(stepped, capsys, *same, "--steps", "6", "--checkpoint", "A")
     ok(stepped, capsys, *same, "--steps", "3", "--checkpoint", "B")
     run = ok(stepped, capsys, *same, "--steps", "6", "--checkpoint", "B", "--resume")
-    assert run.out.splitlines()[1] == "resumed from B/last.pt at step 3"
+    assert run.out.splitlines()[2] == "resumed from B/last.pt at step 3"  # after threads, model
     a, b = checkpoint(here / "A"), checkpoint(here / "B")
     assert a["step"] == b["step"] == 6
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
@@ -803,7 +803,8 @@ def test_without_a_terminal_progress_is_plain_lines_the_log_a_csv_and_a_summary(
                           "--log-dir", "logs")
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""  # no progress bar
-    lines = done.stdout.splitlines()
+    threads, *lines = done.stdout.splitlines()
+    assert threads.startswith("torch threads: ")
     assert lines[0] == "LoopCls: 15 parameters; 4 steps of 4 samples"
     assert [line.split()[:2] for line in lines[1:5]] == [
         ["step", "2/4"], ["eval", "at"], ["step", "4/4"], ["eval", "at"]]

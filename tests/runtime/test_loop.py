@@ -26,7 +26,8 @@ def losses(folder) -> list[float]:
 def test_training_lowers_the_loss_and_logs_every_step(tmp_path, capsys):
     train("--steps", "40", "--log-dir", str(tmp_path))
     out = capsys.readouterr().out
-    assert out.startswith("Tiny: 67 parameters; 40 steps of 4 samples\n")
+    assert out.startswith("torch threads: ")  # then the model's line
+    assert out.splitlines()[1] == "Tiny: 67 parameters; 40 steps of 4 samples"
     logged = losses(tmp_path)
     assert len(logged) == 40 and logged[-1] < logged[0] / 2
 

@@ -593,11 +593,15 @@ def _ci_summary(args: argparse.Namespace) -> int:
         _say(f"mpgen ci-summary: warning: {name} is set: the pull request's specs are compiled, "
              "and the code they name runs, with it in the environment; compute the summary "
              "in a job without tokens (docs/ci.md)", sys.stderr)
-    # [tool.mpgen] root, as build reads it (ci_summary reads specs, device-map
-    # and time-limit itself, from each side's pyproject.toml)
-    if args.root is None:
-        project = config.load()
-        args.root = project.folder_path("root") if project is not None else None
+    # [tool.mpgen] root, as build reads it, and its time-limit raise said as
+    # build says it (ci_summary reads specs, device-map and time-limit itself,
+    # from each side's pyproject.toml)
+    project = config.load()
+    if args.root is None and project is not None:
+        args.root = project.folder_path("root")
+    note = project.time_limit_note() if project is not None else None
+    if note and args.time_limit is None:  # NOTE [A config a pull request can change]
+        _say(note, sys.stderr)
     result = ci_summary.summarize(args.base, args.specs or None, args.root, args.time_limit)
     if args.output is None:
         _say(result.markdown.rstrip("\n"))
@@ -644,7 +648,9 @@ def _run(args: argparse.Namespace) -> int:
     device_map = _device_map(args.device_map, where)
     # Unset: the default budget (0 is refused: _seconds). build and check take ``...`` for
     # the default: a check of current specs imports no compiler (and no torch).
-    default = ... if args.command in ("build", "check") else _default_time_limit()
+    default = (... if args.command in ("build", "check")
+               else None if args.command == "ci-summary"  # [tool.mpgen]'s, else the budget
+               else _default_time_limit())
     args.time_limit = default if args.time_limit is None else args.time_limit
     if args.command == "build":
         return _build(args, device_map)

@@ -164,6 +164,15 @@ def test_the_spec_list_of_the_project_counts_whatever_the_file_is_named(repo):
     assert "  layer2: cuda:1 -> cuda:3" in text
 
 
+def test_a_raised_time_limit_of_the_project_is_said_as_build_says_it(repo):
+    (repo / "pyproject.toml").write_text(pyproject() + "time-limit = 60\n")
+    ran = mpgen("ci-summary", "--base", "main", cwd=repo)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stderr == "pyproject.toml:3:14: note: time-limit raised to 60 s CPU (default 8 s)\n"
+    ran = mpgen("ci-summary", "--base", "main", "--time-limit", "9", cwd=repo)
+    assert (ran.returncode, ran.stderr) == (0, "")  # the command line's, not the file's
+
+
 def test_a_broken_device_map_of_the_pull_request_is_one_line(repo):
     (repo / "pyproject.toml").write_text(pyproject(device_map="cuda:0=gpu0"))
     ran = mpgen("ci-summary", "--base", "main", cwd=repo)

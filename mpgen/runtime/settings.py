@@ -23,6 +23,7 @@ the synthetic data's ``dims``) is refused, naming the rebuild to run.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import difflib
 import importlib
@@ -30,6 +31,7 @@ import inspect
 import json
 import math
 import re
+import sys
 import warnings
 from typing import Any, Callable, Optional
 
@@ -833,9 +835,6 @@ def flag_value(key: str, value: Any) -> Any:
 
 def _given(parser, argv: Optional[list]) -> set:
     """The flags given on the command line (their dests), not defaulted."""
-    import argparse
-    import sys
-
     saved = [(action, action.default) for action in parser._actions]
     for action, _ in saved:
         action.default = argparse.SUPPRESS
@@ -918,12 +917,15 @@ def apply(parser, args, training, pipeline: bool = False, argv=None) -> None:
                     f"{flag} {getattr(args, key)} sets train.{key} too; give one",
                 )
             setattr(args, key, flag_value(key, settings[key]))
+    # A built-in schedule's length is the spec's steps, unless --decay-steps is given.
     if "steps" in sets and "decay_steps" in vars(args) and "decay_steps" not in given:
-        args.decay_steps = settings[
-            "steps"
-        ]  # a built-in schedule's length: the spec's steps
+        args.decay_steps = settings["steps"]
     if "optimizer.lr" in set_keys or "optimizer" in set_keys:
         lr = settings["optimizer"].get("lr")
+        if (
+            lr is None
+        ):  # a whole optimizer without lr: the class's default, as in a spec
+            lr = _check_optimizer(settings["optimizer"])[1]
         if "lr" in given and lr is not None and float(lr) != args.lr:
             refuse(
                 set_keys.get("optimizer.lr", set_keys.get("optimizer")),

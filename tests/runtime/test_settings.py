@@ -107,6 +107,11 @@ def test_set_steps_is_a_built_in_schedules_length_too_as_the_specs_steps_are():
     assert (args.steps, args.decay_steps) == (40, 9)
 
 
+def test_a_whole_optimizer_without_lr_has_its_classs_default_as_in_a_spec():
+    args = parsed(["--set", "optimizer={op: AdamW, weight_decay: 0.05}"])
+    assert args.lr == 0.001 and args.settings["optimizer"]["weight_decay"] == 0.05
+
+
 def test_without_set_the_settings_are_the_specs_with_the_flags_values():
     args = parsed(["--steps", "2", "--lr", "0.3"])
     assert args.overrides == [] and args.settings["steps"] == 2

@@ -48,6 +48,10 @@ TRAINS = {
 #: (spec, KEY, VALUE as written after --set ...=).
 CASES = [
     ("adamw_cosine", "optimizer.weight_decay", "0.05"),
+    ("adamw_cosine", "optimizer", "{op: AdamW, weight_decay: 0.05}"),
+    ("adamw_cosine", "optimizer", "{op: AdamW, weight_decay: 0}"),
+    ("adamw_cosine", "scheduler", "{op: linear, warmup: 3}"),
+    ("adamw_cosine", "loss", "{op: CrossEntropyLoss, label_smoothing: 0.2}"),
     ("adamw_cosine", "optimizer.wieght_decay", "0.05"),
     ("adamw_cosine", "optimizer.weight_decay", "-1"),
     ("adamw_cosine", "optimizer.weight_decay", "abc"),

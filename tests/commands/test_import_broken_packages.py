@@ -69,37 +69,33 @@ def site(tmp_path, monkeypatch) -> Path:
     return tmp_path / "site"
 
 
-def test_a_dependency_built_for_another_torch(site):
+#: case -> (zoo's import line, zoo's version, what the line says after "zoo:Net:
+#: cannot import 'zoo': "); visionops is a dependency built for another torch.
+CASES = {
+    "built for another torch": (
+        "import visionops", "3.0",
+        "the package visionops 1.2.0 fails to import: RuntimeError: operator visionops::nms "
+        "does not exist; visionops 1.2.0 was built for another torch than "
+        f"{torch.__version__}: install the visionops built for this torch"),
+    "a dependency not installed": (
+        "import einops_not_installed", None,
+        "the package zoo fails to import: ModuleNotFoundError: No module named "
+        "'einops_not_installed'; install einops_not_installed, which zoo imports"),
+    "any other failure": (
+        "raise ValueError('zoo: bad default dtype')", "3.0",
+        "the package zoo 3.0 fails to import: ValueError: zoo: bad default dtype; reinstall "
+        "zoo, or install the versions it needs (`pip check` lists conflicts)"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_package_that_fails_its_error_and_the_fix(case, site):
+    imports, version, said = CASES[case]
     package(site, "visionops", OPS_FOR_ANOTHER_TORCH.format(name="visionops"), "1.2.0")
-    package(site, "zoo", MODEL.format(imports="import visionops"), "3.0")
+    package(site, "zoo", MODEL.format(imports=imports), version)
     ran = mpgen("import", "zoo:Net", "--input", "x=batch,4", cwd=site.parent / "project")
     assert (ran.returncode, ran.stdout) == (2, "")
-    assert ran.stderr == (
-        "zoo:Net: cannot import 'zoo': the package visionops 1.2.0 fails to import: "
-        "RuntimeError: operator visionops::nms does not exist; visionops 1.2.0 was built for "
-        f"another torch than {torch.__version__}: install the visionops built for this "
-        "torch\n")
-
-
-def test_a_dependency_that_is_not_installed(site):
-    package(site, "zoo", MODEL.format(imports="import einops_not_installed"))
-    ran = mpgen("import", "zoo:Net", "--input", "x=batch,4", cwd=site.parent / "project")
-    assert ran.returncode == 2
-    assert ran.stderr == (
-        "zoo:Net: cannot import 'zoo': the package zoo fails to import: ModuleNotFoundError: "
-        "No module named 'einops_not_installed'; install einops_not_installed, which zoo "
-        "imports\n")
-
-
-def test_any_other_failure_names_the_package_and_pip_check(site):
-    package(site, "zoo", MODEL.format(imports="raise ValueError('zoo: bad default dtype')"),
-            "3.0")
-    ran = mpgen("import", "zoo:Net", "--input", "x=batch,4", cwd=site.parent / "project")
-    assert ran.returncode == 2
-    assert ran.stderr == (
-        "zoo:Net: cannot import 'zoo': the package zoo 3.0 fails to import: ValueError: zoo: "
-        "bad default dtype; reinstall zoo, or install the versions it needs (`pip check` "
-        "lists conflicts)\n")
+    assert ran.stderr == f"zoo:Net: cannot import 'zoo': {said}\n"
 
 
 def test_the_projects_own_module_shows_its_error_as_it_is(tmp_path):

@@ -119,8 +119,6 @@ def test_a_tracker_asked_for_and_missing_is_one_line(monkeypatch, capsys):
 
 @pytest.mark.slow  # W&B starts a service process
 def test_wandb_offline_and_mlflow_file_store_get_every_row(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
-    pytest.importorskip("mlflow")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())

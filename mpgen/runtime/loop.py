@@ -175,12 +175,14 @@ class Single:
             saved = checkpoint.load(self.path)
             parts = (self.model, self.optimizer, self.scheduler, self.scaler)
             fresh = settings.hyperparameters(self.optimizer)
+            schedule = settings.schedule_state(self.scheduler)
             done = checkpoint.restore(saved, *parts)
         except Exception as error:  # not a checkpoint of this script's model
             sys.exit(f"--resume: cannot resume from {self.path} ({one_line(error)})")
         ignored = flags.NOT_INIT * bool(self.args.init)
         record = saved if "settings" in saved else None  # (older checkpoints: none)
         settings.reapply(self.optimizer, fresh, record, self.args)
+        settings.reapply_schedule(self.scheduler, schedule, record, self.args)
         for line in settings.on_resume(record, self.args):
             print(line)
         afresh = self.monitor.restore(saved.get("monitor"))

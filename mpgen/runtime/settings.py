@@ -1009,3 +1009,37 @@ def hyperparameters(optimizer) -> list[dict]:
         {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
         for g in optimizer.param_groups
     ]
+
+
+def schedule_state(scheduler) -> Optional[dict]:
+    """A schedule's state before a load, to :func:`reapply_schedule` after."""
+    return None if scheduler is None else copy.deepcopy(scheduler.state_dict())
+
+
+def reapply_schedule(
+    scheduler, fresh: Optional[dict], saved: Optional[dict], args
+) -> None:
+    """After ``scheduler.load_state_dict``, which brings back a torch
+    class's arguments (they are its state): this run's, from ``fresh``
+    (its state before the load), for each of train.scheduler's keys whose
+    value differs from the checkpoint's run; a changed warmup is its
+    SequentialLR's milestone and its LinearLR's length. (A built-in
+    schedule reads args.settings itself.)"""
+    if not saved or scheduler is None or fresh is None:
+        return
+    before = saved["settings"].get("scheduler") or {}
+    now = args.settings.get("scheduler") or {}
+    keys = [k for k in {**before, **now} if k != "op" and before.get(k) != now.get(k)]
+    pairs = [(scheduler, fresh)]
+    if getattr(scheduler, "_schedulers", None):  # SequentialLR: [warmup, the class]
+        pairs += list(zip(scheduler._schedulers, fresh["_schedulers"]))
+    for key in keys:
+        names = (
+            ("_milestones", "total_iters", "start_factor")
+            if key == "warmup"
+            else (key,)
+        )
+        for made, state in pairs:
+            for name in names:
+                if name in state and name in vars(made):
+                    setattr(made, name, copy.deepcopy(state[name]))

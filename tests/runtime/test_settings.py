@@ -6,6 +6,8 @@ values: test_settings_as_spec.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import annotated_types
 import pytest
 import torch
@@ -204,3 +206,34 @@ def test_a_loss_per_output_is_set_by_its_output():
         settings.changed(each, "loss.label_smoothing", 0.1)
     with pytest.raises(settings.Refused, match="HuberLoss cannot be computed with delta=-1"):
         settings.check(settings.changed(each, "loss.reg.delta", -1))
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_resume_applies_a_changed_argument_of_a_torch_schedule(warmup):
+    def made(step_size: int, warmup: int):
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=1.0)
+        main = torch.optim.lr_scheduler.StepLR(optimizer, step_size=step_size)
+        if not warmup:
+            return main
+        warm = torch.optim.lr_scheduler.LinearLR(optimizer, 1 / (warmup + 1), total_iters=warmup)
+        return torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, main], [warmup])
+
+    each = SETTINGS | {"scheduler": {"op": "StepLR", "warmup": warmup, "step_size": 2}}
+    before = SimpleNamespace(settings=each, overrides=["scheduler.step_size=2"])
+    now_settings = settings.changed(each, "scheduler.step_size", 5)
+    later = warmup + 1 if warmup else 0  # from none to some is a rebuild, not a resume
+    now_settings["scheduler"]["warmup"] = later
+    now = SimpleNamespace(settings=now_settings, overrides=["scheduler.step_size=5"])
+    old = made(2, warmup)
+    for _ in range(3):
+        old.optimizer.step()
+        old.step()
+    scheduler = made(5, later)
+    fresh = settings.schedule_state(scheduler)
+    scheduler.load_state_dict(old.state_dict())  # the checkpoint's step_size 2 comes back
+    settings.reapply_schedule(scheduler, fresh, settings.record(before), now)
+    main = scheduler._schedulers[1] if warmup else scheduler
+    assert main.step_size == 5
+    if warmup:
+        assert scheduler._milestones == [later]
+        assert scheduler._schedulers[0].total_iters == later

@@ -62,6 +62,9 @@ HELP = {
     "merge": "write one state dict of {} from DIR's newest complete checkpoint to OUT and exit (no torchrun)",
     "memory": "measure the peak memory of the run's second step (its first of one step) on each "
     "device of this process and print it beside the build's plan",
+    "lr": "the optimizer's base learning rate (the schedule scales it)",
+    "seed": "seeds the model's initialisation, the data order and every RNG",
+    "log_every": "a progress line every K steps and at the last",
     "set": "change a train: setting of the spec for this run, VALUE read as YAML: "
     "optimizer.weight_decay=0.05, optimizer.betas=[0.9,0.95], loss.label_smoothing=0.1, "
     "scheduler.warmup=100 (repeatable; checked as the spec is; docs/training.md)",
@@ -124,15 +127,16 @@ def parser(
             metavar="SECONDS",
             help=HELP["timeout"],
         )
-    add("--lr", type=float, default=d("lr"))
+    add("--lr", type=float, default=d("lr"), help=HELP["lr"])
     if pipeline or "decay_steps" in training.defaults:  # a built-in schedule reads it
         steps, text = (
             training.defaults.get("decay_steps", d("steps")),
             HELP["decay_steps"],
         )
         add("--decay-steps", type=int, default=steps, metavar="N", help=text)
-    add("--seed", type=int, default=d("seed"))
-    add("--log-every", type=int, default=d("log_every"), metavar="K")
+    add("--seed", type=int, default=d("seed"), help=HELP["seed"])
+    text = HELP["log_every"]
+    add("--log-every", type=int, default=d("log_every"), metavar="K", help=text)
     add("--log-dir", metavar="DIR", help=HELP["log_dir"].format(run))
     text = "also log to W&B or MLflow, installed (repeatable; default: $MPGEN_LOGGER)"
     add("--logger", action="append", choices=("wandb", "mlflow"), help=text)

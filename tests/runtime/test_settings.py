@@ -188,8 +188,8 @@ def test_resume_says_a_changed_override_and_applies_it_to_the_optimizer():
 def test_help_shows_every_flags_default():
     text = flags.parser(training(settings=SETTINGS)).format_help()
     flat = " ".join(text.split())
-    for shown in ("--lr LR (default: 0.1)", "--seed SEED (default: 0)",
-                  "--log-every K (default: 1)", "--steps STEPS optimizer steps (default: 6)",
+    for shown in ("base learning rate (the schedule scales it) (default: 0.1)",
+                  "every RNG (default: 0)", "at the last (default: 1)", "--steps STEPS optimizer steps (default: 6)",
                   "--batch-size BATCH_SIZE samples per step", "(default: 4)"):
         assert shown in flat
 

@@ -662,10 +662,11 @@ def check_names(settings: dict) -> None:
         )
 
 
-def check(settings: dict, symbols: tuple = ()) -> None:
+def check(settings: dict, symbols: tuple = (), devices: tuple = ()) -> None:
     """Raise Refused where ``settings`` (a ``train:`` section, as
     ``Training.settings`` holds one) is not what the spec accepts;
-    ``symbols``: the symbolic dims of the model's inputs (train.dims' keys)."""
+    ``symbols``: the symbolic dims of the model's inputs (train.dims' keys),
+    ``devices``: the model's."""
     for name, size in (settings.get("dims") or {}).items():
         if name not in symbols:
             raise Refused(
@@ -708,6 +709,11 @@ def check(settings: dict, symbols: tuple = ()) -> None:
                 f"train.no_decay: {name}'s weight_decay {said}, so no parameter decays; "
                 "set train.optimizer.weight_decay (nanoGPT uses 0.1)"
             )
+    if settings["optimizer"].get("capturable") and "cpu" in devices:
+        raise Refused(
+            f"train.optimizer: {name} with capturable keeps its step on a GPU, but parameters "
+            "are on cpu; drop capturable, or place every layer with parameters on a GPU"
+        )
     if settings.get("eval_data") is not None and settings.get("eval_split", 0) > 0:
         raise Refused(
             "train.eval_split: the evaluation data is train.eval_data; hold out a split "
@@ -891,7 +897,8 @@ def apply(parser, args, training, pipeline: bool = False, argv=None) -> None:
             new = changed(settings, key, value)
             why = need_rebuild(spec, new)
             check_names(new)
-            check(new, symbols(training))  # as far as this script's torch can try it
+            # as far as this script's torch can try it
+            check(new, symbols(training), training.devices)
             if why is not None:
                 raise Rebuild(f"it changes {why}")
         except Refused as error:

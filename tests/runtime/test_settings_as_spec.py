@@ -61,6 +61,7 @@ CASES = [
     ("adamw_cosine", "optimizer.betas", "[0.9, 1.5]"),
     ("adamw_cosine", "optimizer.eps", "1e-6"),
     ("adamw_cosine", "optimizer.amsgrad", "true"),
+    ("adamw_cosine", "optimizer.capturable", "true"),
     ("adamw_cosine", "optimizer.lr", "3.0e-4"),
     ("adamw_cosine", "optimizer.lr", "-0.1"),
     ("adamw_cosine", "optimizer.lr", ".inf"),
@@ -167,7 +168,7 @@ def runtime_verdict(spec_settings: dict, key: str, value) -> str:
     try:
         new = runtime.changed(spec_settings, key, value)
         runtime.check_names(new)
-        runtime.check(new, ("batch",))
+        runtime.check(new, ("batch",), ("cpu",))
         if runtime.need_rebuild(spec_settings, new) is not None:
             return "rebuild"
     except runtime.Refused as error:

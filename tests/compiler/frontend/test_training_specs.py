@@ -208,8 +208,8 @@ def test_capturable_builds_for_gpus(tmp_path):
     code, err = build(tmp_path, MODEL + "train: {optimizer: {op: Adam, capturable: true}}\n")
     assert code == 0, err
     script = (tmp_path / "out" / "train_m.py").read_text()
-    assert ("    return torch.optim.Adam(model.parameters(), lr=args.lr, capturable=True)"
-            in script)
+    assert "    return torch.optim.Adam(model.parameters(), lr=args.lr, **kwargs)" in script
+    assert '"optimizer": {"op": "Adam", "lr": 0.001, "capturable": True}' in script
 
 
 def test_capturable_on_the_cpu_is_refused(tmp_path):

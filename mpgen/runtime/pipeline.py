@@ -1098,17 +1098,18 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         if args.checkpoint:
             launch.prepare(args.checkpoint)
         engine = Pipelined(stages, args, grid, device)
-        try:
-            run(
-                engine,
-                args,
-                engine.last,
-                engine.per_epoch,
-                engine.eval_data if engine.feeds else None,
-                evaluates=evaluates,
-            )
-        except (RuntimeError, dist.DistBackendError) as error:
-            launch.lost(grid, error)
+        with launch.holding_sigterm():
+            try:
+                run(
+                    engine,
+                    args,
+                    engine.last,
+                    engine.per_epoch,
+                    engine.eval_data if engine.feeds else None,
+                    evaluates=evaluates,
+                )
+            except (RuntimeError, dist.DistBackendError) as error:
+                launch.lost(grid, error)
     finally:
         launch.stop_beating()
         if dist.is_initialized():

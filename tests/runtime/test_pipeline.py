@@ -113,6 +113,7 @@ def single(tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # two ranks, each a process of its own
 def test_two_ranks_train_as_the_single_process_loop_does(single, tmp_path):
     argv = ["--steps", "4", "--batch-size", "8", "--log-dir", str(tmp_path / "pp"),
             "--init", str(single / "init.safetensors"), "--checkpoint", str(tmp_path / "stages")]
@@ -125,6 +126,7 @@ def test_two_ranks_train_as_the_single_process_loop_does(single, tmp_path):
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # four ranks, then two
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
 def test_two_replicas_of_two_stages_train_as_one_process(single, tmp_path, mode):
     # 2 stages x 2 replicas: each replica takes half of every batch; a

@@ -18,6 +18,7 @@ TRAIN_FLAGS = {"--steps", "--epochs", "--batch-size", "--lr", "--seed", "--log-e
                "--eval-every", "--samples", "--workers", "--init", "--memory", "--set"}
 TRAIN_FLAGS |= {"--monitor", "--monitor-mode", "--keep-last", "--early-stop"}
 TRAIN_FLAGS |= {"--threads"}  # torch's intra-op threads (runtime/threads.py)
+TRAIN_FLAGS |= {"--logger"}  # W&B or MLflow beside log.csv (runtime/trackers.py)
 # Every flag of the single-process script that applies (not fp16's --amp: a
 # gradient scaler would span the ranks), and the pipeline's own.
 PIPELINE_FLAGS = TRAIN_FLAGS | {"--microbatches", "--schedule", "--decay-steps", "--merge",

@@ -503,13 +503,13 @@ def test_evaluate_counts_right_predictions(cls):
         return mpgen_runtime.loop.evaluate(cls.train.TRAINING, model, losses, data, autocast)
 
     autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
-    loss, accuracy = evaluate(model, (nn.CrossEntropyLoss(),), batches, autocast)
-    assert accuracy == [1.0]
+    found = evaluate(model, (nn.CrossEntropyLoss(),), batches, autocast)
+    assert list(found) == ["eval_loss", "eval_accuracy"] and found["eval_accuracy"] == 1.0
     wrong = [(x, (t + 1) % 3) if k == 0 else (x, t) for k, (x, t) in enumerate(batches)]
-    assert evaluate(model, (nn.CrossEntropyLoss(),), wrong, autocast)[1] == [0.5]
+    assert evaluate(model, (nn.CrossEntropyLoss(),), wrong, autocast)["eval_accuracy"] == 0.5
     # ignore_index (-100) targets are not counted.
     ignored = [(x, torch.where(torch.arange(4) < 2, -100, (t + 1) % 3)) for x, t in batches]
-    assert evaluate(model, (nn.CrossEntropyLoss(),), ignored, autocast)[1] == [0.0]
+    assert evaluate(model, (nn.CrossEntropyLoss(),), ignored, autocast)["eval_accuracy"] == 0.0
     assert model.training  # evaluate() puts it back in training mode
 
 

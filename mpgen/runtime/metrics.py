@@ -149,14 +149,15 @@ class Tally:
         sums = self.sums.cpu().tolist()
         means = [s / batches / replicas for s in sums[: 1 + self.outputs]]
         found = {"eval_loss": means[0]}
-        for name, mean in zip(self.training.loss_outputs, means[1:]):
-            if self.outputs > 1:
-                found[f"eval_loss_{name}"] = mean
+        if self.outputs > 1:  # each output's, beside the loss they sum to
+            names = self.training.loss_outputs
+            found |= {f"eval_loss_{name}": mean for name, mean in zip(names, means[1:])}
         for metric, at in zip(self.training.metrics, self.starts):
             found[f"eval_{metric.name}"] = self.value(metric, sums, at, means)
         return found
 
     def value(self, metric: Metric, sums: list, at: int, means: list) -> float:
+        """``metric``'s value from its sums (from ``at``) and the losses' means."""
         if metric.op == "perplexity":
             loss = means[1 + metric.loss] if self.outputs > 1 else means[0]
             return math.exp(min(loss, 700.0))  # past e**700: inf in a float

@@ -462,7 +462,6 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     settings.apply(parser, args, training, argv=argv)
     trackers.check(parser, args)
     check_devices(training, argv)
-    threads.cap(args.threads, sys.stdout)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
     choose(parser, args, training, evaluates=eval_data is not None)
     per_epoch = (
@@ -473,6 +472,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
             f"one optimizer step needs {args.accumulate * args.batch_size} samples, more than one pass over the data gives; lower --batch-size or --accumulate"
         )
     last = last_step(args, per_epoch)
+    threads.cap(args.threads, sys.stdout)  # the data read: a bad file is its line alone
     engine = Single(training, args, data, last)
     size = sum(p.numel() for p in engine.model.parameters())
     trains = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)

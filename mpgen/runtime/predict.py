@@ -557,7 +557,6 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     check(p, args)
     check_devices(training, argv, f"predict_{training.run}.py")
-    threads.cap(args.threads, sys.stdout)
     torch.manual_seed(args.seed)
     model = training.model()
     where = load_weights([model], list(model.state_dict()), training, args)
@@ -567,6 +566,7 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
     microbatches = args.microbatches or 1
     data, given, named = read_data(training, args)
     args.batch_size = per_forward(data, args, training)
+    threads.cap(args.threads, sys.stdout)  # the weights and data read
     n = len(training.inputs)
     scores = Scores(predicting) if given.targets else None
     loss_fns = training.losses(training.settings) if scores is not None else ()

@@ -16,7 +16,18 @@ package imports only torch and the standard library, never mpgen.
 """
 
 from .loop import hits, train
+from .metrics import Metric
 from .optim import lr_factor, param_groups
+from .settings import keywords
 from .spec import Stages, Training
 
-__all__ = ["Stages", "Training", "hits", "lr_factor", "param_groups", "train"]
+__all__ = [
+    "Metric",
+    "Stages",
+    "Training",
+    "hits",
+    "keywords",
+    "lr_factor",
+    "param_groups",
+    "train",
+]

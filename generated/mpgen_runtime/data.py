@@ -563,6 +563,21 @@ def training_data(training, args) -> Dataset | DataLoader:
     return load_flag(training, args, "data")
 
 
+def no_evaluation(args, parser) -> Optional[str]:
+    """The line to print once where the spec's ``eval_every`` finds no
+    evaluation data (--data with neither --eval-data nor --eval-split): the
+    run trains without evaluating; None where there is some, or no
+    eval_every. --eval-every given so is a usage error."""
+    if not args.eval_every or args.eval_data or args.eval_split or not args.data:
+        return None
+    if args.eval_every != parser.get_default("eval_every"):
+        parser.error("--eval-every needs --eval-data or --eval-split")
+    return (
+        f"no evaluation data: the spec's eval_every {args.eval_every} evaluates nothing "
+        "with --data alone (give --eval-data or --eval-split)"
+    )
+
+
 def split_data(
     training, args, parser, data
 ) -> tuple[Dataset | DataLoader, Optional[DataLoader]]:
@@ -584,8 +599,8 @@ def split_data(
     elif args.eval_every and not args.data:
         size = max(args.samples // 10, args.batch_size)
         eval_data = SyntheticData(training, size, args.seed, first=args.samples)
-    elif args.eval_every:
-        parser.error("--eval-every needs --eval-data or --eval-split")
+    else:
+        no_evaluation(args, parser)  # --eval-every given so: a usage error
     if isinstance(eval_data, Dataset):
         collated = functools.partial(collate, training=training)
         size, workers = args.batch_size, args.workers

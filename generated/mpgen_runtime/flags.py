@@ -8,6 +8,7 @@ import argparse
 import math
 import pathlib
 
+from . import threads
 from .data import DATA_HELP
 from .spec import Stages, Training
 
@@ -62,8 +63,20 @@ HELP = {
     "merge": "write one state dict of {} from DIR's newest complete checkpoint to OUT and exit (no torchrun)",
     "memory": "measure the peak memory of the run's second step (its first of one step) on each "
     "device of this process and print it beside the build's plan",
+    "lr": "the optimizer's base learning rate (the schedule scales it)",
+    "seed": "seeds the model's initialisation, the data order and every RNG",
+    "log_every": "a progress line every K steps and at the last",
+    "set": "change a train: setting of the spec for this run, VALUE read as YAML: "
+    "optimizer.weight_decay=0.05, optimizer.betas=[0.9,0.95], loss.label_smoothing=0.1, "
+    "scheduler.warmup=100 (repeatable; checked as the spec is; docs/training.md)",
     "pp_resume": "continue from DIR's newest complete checkpoint, on any --dp or layout; none yet: start "
     "at step 0 (one command line for the first launch and torchrun --max-restarts)",
+    "monitor": "the evaluation metric (a column of log.csv's evaluation rows) whose best step is kept "
+    "as {} (default: eval_loss where the run has evaluation data, else none)",
+    "monitor_mode": "whether lower or higher --monitor is better (default: as its name says: a loss, "
+    "perplexity or error min; an accuracy, F1... max)",
+    "keep_last": "keep the N newest saves: {} (the best kept besides)",
+    "early_stop": "stop after P evaluations without a better --monitor, saving as at the end (0: never)",
 }
 
 
@@ -115,16 +128,19 @@ def parser(
             metavar="SECONDS",
             help=HELP["timeout"],
         )
-    add("--lr", type=float, default=d("lr"))
+    add("--lr", type=float, default=d("lr"), help=HELP["lr"])
     if pipeline or "decay_steps" in training.defaults:  # a built-in schedule reads it
         steps, text = (
             training.defaults.get("decay_steps", d("steps")),
             HELP["decay_steps"],
         )
         add("--decay-steps", type=int, default=steps, metavar="N", help=text)
-    add("--seed", type=int, default=d("seed"))
-    add("--log-every", type=int, default=d("log_every"), metavar="K")
+    add("--seed", type=int, default=d("seed"), help=HELP["seed"])
+    text = HELP["log_every"]
+    add("--log-every", type=int, default=d("log_every"), metavar="K", help=text)
     add("--log-dir", metavar="DIR", help=HELP["log_dir"].format(run))
+    text = "also log to W&B or MLflow, installed (repeatable; default: $MPGEN_LOGGER)"
+    add("--logger", action="append", choices=("wandb", "mlflow"), help=text)
     text = (
         f"write {saved} at the end, every --save-every steps and on Ctrl-C or SIGTERM"
     )
@@ -133,6 +149,22 @@ def parser(
     text = HELP["pp_resume"] if pipeline else f"continue from {saved}"
     add("--resume", action="store_true", help=text)
     add("--init", metavar="FILE", help=HELP["init"].format(name))
+    best = "DIR/best (a link to its step_N)" if pipeline else "DIR/best.pt"
+    add(
+        "--monitor",
+        default=d("monitor"),
+        metavar="METRIC",
+        help=HELP["monitor"].format(best),
+    )
+    text = HELP["monitor_mode"]
+    add("--monitor-mode", choices=("min", "max"), default=d("monitor_mode"), help=text)
+    kept = (
+        "DIR/step_N folders" if pipeline else "last.pt and, past 1, DIR/step_N.pt files"
+    )
+    text = HELP["keep_last"].format(kept)
+    add("--keep-last", type=int, default=d("keep_last"), metavar="N", help=text)
+    text = HELP["early_stop"]
+    add("--early-stop", type=int, default=d("early_stop"), metavar="P", help=text)
     if pipeline:
         amp = d("amp") if d("amp") != "fp16" else "off"
         add("--amp", choices=("off", "bf16"), default=amp, help=HELP["pp_amp"])
@@ -156,10 +188,27 @@ def parser(
     add("--samples", type=int, default=d("samples"), help=HELP["samples"])
     add("--workers", type=int, default=d("workers"), help="DataLoader worker processes")
     add("--memory", action="store_true", help=HELP["memory"])
+    add("--set", action="append", metavar="KEY=VALUE", help=HELP["set"])
     if pipeline:
         text, names = HELP["merge"].format(name), ("DIR", "OUT")
         add("--merge", nargs=2, metavar=names, help=text)
+    threads.add_flag(p)
+    show_defaults(p)
     return p
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Each flag's help ends with its default (the spec's, where it sets
+    one), a flag without help text too; not where the text says it, nor for
+    a switch that is off or a flag with no default."""
+    for action in parser._actions:
+        default = action.default
+        if not action.option_strings or default in (None, argparse.SUPPRESS):
+            continue
+        if default is False or default == [] or "default" in (action.help or ""):
+            continue
+        text = "(default: %(default)s)"
+        action.help = f"{action.help} {text}" if action.help else text
 
 
 def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -182,8 +231,8 @@ def check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     least = dict.fromkeys(
         "steps epochs batch_size accumulate microbatches dp".split(), 1
     )
-    least |= dict.fromkeys(("decay_steps", "log_every", "samples"), 1)
-    least |= dict.fromkeys(("workers", "save_every", "eval_every"), 0)
+    least |= dict.fromkeys(("decay_steps", "log_every", "samples", "keep_last"), 1)
+    least |= dict.fromkeys(("workers", "save_every", "eval_every", "early_stop"), 0)
     for name, low in least.items():
         value = given.get(name)
         if value is not None and value < low:

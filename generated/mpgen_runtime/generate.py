@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import threads
 from .loop import check_devices
 from .predict import load_weights
 from .spec import Training
@@ -357,6 +358,7 @@ def parser(generating: Generating) -> argparse.ArgumentParser:
         action="store_true",
         help="run the whole window again for every token (no KV cache)",
     )
+    threads.add_flag(p)
     return p
 
 
@@ -599,7 +601,7 @@ def generate(generating: Generating, argv: list[str] | None = None) -> None:
     tok = tokenizer(args.tokenizer) if args.tokenizer else None
     batch = prompts(args, tok)
     check(generating, args, batch)
-    check_devices(training)
+    check_devices(training, argv, f"generate_{training.run}.py")
     stop = stops(args, tok)
     use_cache = not args.no_cache and generating.cached is not None
     if not args.no_cache and generating.cached is None:
@@ -612,6 +614,7 @@ def generate(generating: Generating, argv: list[str] | None = None) -> None:
     model = (generating.cached if use_cache else training.model)()
     where = load_weights([model], list(model.state_dict()), training, args)
     model.eval()
+    threads.cap(args.threads, sys.stderr)  # stdout is the sequences
     out, times = continue_prompts(model, batch, args, stop, use_cache)
     made = sum(len(o) - len(p) for o, p in zip(out, batch))
     rate = times["decoded"] * len(batch) / max(times["decode"], 1e-9)

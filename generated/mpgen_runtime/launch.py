@@ -13,12 +13,15 @@ and the one line a rank that lost the others ends with.
 # that wait and a confirmation round as long. A killed rank, or one stopped
 # (SIGSTOP), beats no more; a live one keeps beating while it waits, and
 # lets the SIGTERM torchrun's agent sends every worker when one ends wait
-# until it has named the lost ranks (else it would be named among them).
+# until it has named the lost ranks (else it would be named among them):
+# from the moment the failure is raised (holding_sigterm()), since the
+# agent's SIGTERM may come while the error is still on its way to lost().
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import signal
 import sys
 import threading
@@ -31,7 +34,7 @@ import torch.distributed as dist
 
 from . import mesh, sharded
 from .data import one_line
-from .loop import device_map
+from .loop import device_map, gpus_here, run_elsewhere
 from .mesh import stop
 from .spec import Stages
 
@@ -44,10 +47,11 @@ def check_devices(stages: Stages) -> torch.device:
     local, count = int(environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
     if local >= count:
         training = stages.training
+        mapping = device_map(training.devices, count)
         stop(
             f"{stages.script} was built for CUDA devices, and local rank {local} has none "
-            f"(this machine has {count}). Rebuild it for this machine: mpgen build {training.spec} "
-            f"--device-map {device_map(training.devices, count)}"
+            f"(this machine has {gpus_here(count)}). "
+            f"{run_elsewhere(training, mapping, stages.script, None)}"
         )
     device = torch.device("cuda", local)
     torch.cuda.set_device(device)
@@ -140,6 +144,31 @@ def prepare(folder: str) -> None:
             sharded.remove(path)
             print(f"removed {path}, left by a save that did not finish")
     dist.barrier()
+
+
+@contextlib.contextmanager
+def holding_sigterm():
+    """SIGTERM as before, except while an exception is being handled (the
+    training loop's failure on its way to lost(), then the exit): then it
+    is ignored, so that torchrun's agent, which sends it to every worker
+    once one ends, does not kill a live rank before it has named the lost
+    ones (NOTE [A lost rank]). The loop's own handler still saves on it."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame) -> None:
+        if sys.exc_info()[1] is not None:  # failing: lost() names the ranks, then exits
+            return
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:  # the default: end now, by the signal
+            signal.signal(signum, signal.SIG_DFL)
+            signal.raise_signal(signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def lost(grid: mesh.Mesh, error: BaseException, wait: float = 3.0) -> None:

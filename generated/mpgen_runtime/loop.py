@@ -10,15 +10,26 @@ from __future__ import annotations
 import argparse
 import math
 import pathlib
+import shlex
 import signal
 import sys
 
 import torch
 from torch import nn
 
-from . import checkpoint, flags, memory
-from .data import as_batch, batches, epoch_batches, one_line, split_data, training_data
+from . import checkpoint, flags, memory, settings, threads, trackers
+from .data import (
+    as_batch,
+    batches,
+    epoch_batches,
+    no_evaluation,
+    one_line,
+    split_data,
+    training_data,
+)
 from .log import Log
+from .monitor import Monitor, best_record, choose, link, prune_files, step_files
+from .metrics import Tally, eval_columns, hits, loss_columns, parts_losses
 from .spec import Training
 
 AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -27,13 +38,6 @@ AMP_DTYPES = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 def autocast(device_type: str, amp: str) -> torch.autocast:
     """--amp's autocast on ``device_type`` (off: none)."""
     return torch.autocast(device_type, dtype=AMP_DTYPES[amp], enabled=amp != "off")
-
-
-def hits(output: torch.Tensor, target: torch.Tensor, class_dim: int) -> tuple:
-    """How many of ``output``'s predictions (argmax on ``class_dim``) match
-    ``target``, and how many count (targets >= 0)."""
-    counted = target >= 0  # ignore_index is negative
-    return (output.argmax(class_dim).eq(target) & counted).sum(), counted.sum()
 
 
 def tokens_per_sample(training: Training, batch: tuple) -> int | None:
@@ -58,8 +62,37 @@ def device_map(devices: list, count: int) -> str:
     return ",".join(f"{d}=cuda:{k % count}" for k, d in enumerate(devices))
 
 
-def check_devices(training: Training) -> None:
-    """Stop, naming it, when a device the model is placed on is missing here."""
+def gpus_here(count: int) -> str:
+    """What this machine has, for the rebuild hint."""
+    return f"{count} CUDA device(s)" if count else "no CUDA device"
+
+
+def run_elsewhere(
+    training: Training, mapping: str, script: str, argv: list[str] | None
+) -> str:
+    """How to run ``script ARGV`` on this machine with ``--device-map
+    MAPPING``, never writing into the folder it was built into (a committed
+    one, which ``mpgen check`` compares with the spec): ``mpgen train``
+    builds into a temporary folder; another script runs from a build of its
+    own under build/."""
+    args = shlex.join(sys.argv[1:] if argv is None else argv)
+    spec = shlex.quote(training.spec)
+    if script == f"train_{training.run}.py":
+        rest = f" -- {args}" if args else ""
+        return f"Run it here with: mpgen train {spec} --device-map {mapping}{rest}"
+    out = f"build/{training.run}-{'cpu' if mapping == 'cpu' else 'here'}"
+    then = shlex.join(["python", f"{out}/{script}"]) + (f" {args}" if args else "")
+    return (
+        f"Build a copy for this machine and run that one: mpgen build {spec} "
+        f"--device-map {mapping} -o {out}, then {then}"
+    )
+
+
+def check_devices(
+    training: Training, argv: list[str] | None = None, script: str | None = None
+) -> None:
+    """Stop, naming it, when a device the model is placed on is missing here,
+    with how to run ``script`` (the training script's by default) here."""
     count = torch.cuda.device_count()
     missing = [
         d
@@ -68,10 +101,10 @@ def check_devices(training: Training) -> None:
     ]
     if missing:
         mapping = device_map(missing, count)
+        script = script or f"train_{training.run}.py"
         sys.exit(
             f"{training.name} is placed on {', '.join(missing)}, but this machine has "
-            f"{count} CUDA device(s). Rebuild it for this machine: mpgen build {training.spec} "
-            f"--device-map {mapping} (or run it at once: mpgen train {training.spec} --device-map {mapping})"
+            f"{gpus_here(count)}. {run_elsewhere(training, mapping, script, argv)}"
         )
 
 
@@ -103,7 +136,7 @@ class Single:
             except ValueError as error:
                 sys.exit(f"--init {args.init}: {error}")
             print(f"started from {args.init}")
-        self.loss_fns = training.losses()
+        self.loss_fns = training.losses(args.settings)
         self.optimizer = self.scheduler = None
         if (
             training.optimizer is not None
@@ -118,6 +151,7 @@ class Single:
             {},
             None,
         )  # the log's: tokens per sample, from the first batch
+        self.parts = []  # the step's loss of each output (the log's, where several)
 
     def autocast(self) -> torch.autocast:
         return autocast(self.training.device_type, self.args.amp)
@@ -129,7 +163,11 @@ class Single:
         return bool(signals)
 
     def metrics(self) -> dict:
-        return {"grad_norm": None if self.norm is None else float(self.norm)}
+        """The shown step's gradient norm and each output's loss."""
+        return {
+            "grad_norm": None if self.norm is None else float(self.norm),
+            "losses": [float(part) for part in self.parts],
+        }
 
     def resume(self) -> int:
         if not self.path.exists():
@@ -137,22 +175,62 @@ class Single:
         try:
             saved = checkpoint.load(self.path)
             parts = (self.model, self.optimizer, self.scheduler, self.scaler)
+            fresh = settings.hyperparameters(self.optimizer)
+            schedule = settings.schedule_state(self.scheduler)
             done = checkpoint.restore(saved, *parts)
         except Exception as error:  # not a checkpoint of this script's model
             sys.exit(f"--resume: cannot resume from {self.path} ({one_line(error)})")
         ignored = flags.NOT_INIT * bool(self.args.init)
-        print(f"resumed from {self.path} at step {done}{ignored}")
+        record = saved if "settings" in saved else None  # (older checkpoints: none)
+        settings.reapply(self.optimizer, fresh, record, self.args)
+        settings.reapply_schedule(self.scheduler, schedule, record, self.args)
+        for line in settings.on_resume(record, self.args):
+            print(line)
+        afresh = self.monitor.restore(saved.get("monitor"))
+        # a best.pt written after this checkpoint (a run killed between) stays the best
+        self.monitor.restore(best_record(self.best_path), since=False)
+        print(f"resumed from {self.path} at step {done}{ignored}{afresh}")
         return done
 
-    def save(self, done: int) -> None:
+    @property
+    def best_path(self) -> pathlib.Path:
+        return self.path.with_name("best.pt")
+
+    best_is_step = False  # best.pt is a file of its own, beside last.pt
+
+    @property
+    def best_where(self) -> str:
+        return str(self.best_path)
+
+    def agreed(self, results: dict) -> dict:
+        """The evaluation's results every rank monitors: this process's."""
+        return results
+
+    def save(self, done: int, best: bool = False) -> None:
+        """DIR/last.pt (with --keep-last past 1, DIR/step_N.pt and last.pt a
+        link to it, the older ones pruned), or (``best``) DIR/best.pt."""
         if self.path is None:
             return
         parts = (self.model, self.optimizer, self.scheduler, self.scaler)
+        state = checkpoint.state(*parts, done)
+        state["monitor"] = self.monitor.state()
+        state |= settings.record(self.args)  # the run's train: settings and its --set
+        keep, folder = self.args.keep_last, self.path.parent
+        path = self.best_path if best else self.path
         try:
-            checkpoint.save(checkpoint.state(*parts, done), self.path)
+            if best:
+                checkpoint.save(state, path)
+            elif keep > 1:
+                earlier = [k for k in step_files(folder) if k < done]
+                state["monitor"]["kept"] = kept = [*earlier[-(keep - 1) :], done]
+                checkpoint.save(state, folder / f"step_{done}.pt")
+                link(folder / f"step_{done}.pt", path)
+                prune_files(folder, kept)
+            else:
+                checkpoint.save(state, path)
         except OSError as error:
             sys.exit(
-                f"step {done}: cannot write {self.path} ({error}); the previous checkpoint is kept"
+                f"step {done}: cannot write {path} ({error}); the previous checkpoint is kept"
             )
 
     def start(self, done: int):
@@ -166,28 +244,35 @@ class Single:
         if optimizer is not None and self.training.closure:
             batch = next(stream)
 
+            first = []
+
             def closure() -> torch.Tensor:
                 """Forward, the loss and its gradients: the optimizer evaluates them several times a step."""
                 optimizer.zero_grad(set_to_none=True)
-                loss, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+                loss, parts = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+                first.append(parts_losses(parts))
                 loss.backward()
                 if args.grad_clip:
                     nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
                 return loss
 
-            return optimizer.step(closure).detach()  # the loss before the step
+            loss = optimizer.step(closure).detach()  # the loss before the step
+            self.parts = first[0]
+            return loss
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        loss = 0.0
+        loss, self.parts = 0.0, []
         for _ in range(args.accumulate):  # gradients add up over the micro-batches
             batch = next(stream)
             if "tokens" not in self.rates:
                 self.rates["tokens"] = tokens_per_sample(self.training, batch)
             with self.autocast():
-                micro, _ = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+                micro, parts = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
             if optimizer is not None:
                 self.scaler.scale(micro / args.accumulate).backward()
             loss = loss + micro.detach() / args.accumulate
+            each = [part / args.accumulate for part in parts_losses(parts)]
+            self.parts = [a + b for a, b in zip(self.parts, each)] or each
         if optimizer is not None:
             if args.grad_clip:
                 self.scaler.unscale_(optimizer)  # clip the true gradients
@@ -213,32 +298,41 @@ class Single:
         elif not self.evaluates:
             self.scheduler.step(loss.item())
 
-    def evaluate(self, data) -> tuple[float, list[float]]:
+    def evaluate(self, data) -> dict[str, float]:
         return evaluate(self.training, self.model, self.loss_fns, data, self.autocast)
 
 
-def evaluate(training: Training, model, loss_fns, data, autocast) -> tuple:
-    """The mean loss over ``data``'s batches, and each class output's accuracy, in eval mode."""
+def evaluate(training: Training, model, loss_fns, data, autocast) -> dict[str, float]:
+    """The evaluation over ``data``'s batches, in eval mode, by its log
+    column: ``eval_loss`` (the mean over the batches), each output's loss
+    (``eval_loss_<output>``, where several) and each metric's value
+    (``eval_accuracy``, ...; metrics.py)."""
     n, keys = len(training.inputs), training.keys
     model.eval()
-    total, count, correct, counted = 0.0, 0, None, None
+    tally, count = Tally(training), 0
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
         for batch in data:
             batch = as_batch(batch, keys)
             with autocast():
-                loss, found = training.forward_loss(
-                    model, loss_fns, batch[:n], batch[n:], count=True
+                loss, parts = training.forward_loss(
+                    model, loss_fns, batch[:n], batch[n:]
                 )
-            total, count = total + loss.item(), count + 1
-            if correct is None:
-                correct, counted = [0] * len(found), [0] * len(found)
-            for k, (right, seen) in enumerate(found):
-                correct[k] += right.item()
-                counted[k] += seen.item()
+            tally.add_losses(loss, parts_losses(parts))
+            tally.add_outputs(parts)
+            count += 1
     model.train()
     if not count:
         sys.exit("the evaluation data gives no batch")
-    return total / count, [r / max(s, 1) for r, s in zip(correct, counted)]
+    return tally.results(count)
+
+
+def hparams(training: Training, args: argparse.Namespace, engine) -> dict:
+    """The run's settings, as hparams.json records them: the model, its
+    spec and script, and every flag's value (--set's overrides among them,
+    as the flags hold them)."""
+    script = getattr(engine, "script", f"train_{training.run}.py")
+    found = {"model": training.name, "spec": training.spec, "script": script}
+    return found | {k: v for k, v in vars(args).items() if not k.startswith("_")}
 
 
 def last_step(args: argparse.Namespace, per_epoch: int) -> int:
@@ -258,10 +352,14 @@ def run(
     log each step, evaluate every --eval-every steps and at the end
     (``evaluates``: whether there is evaluation data, where this rank holds
     none of it), save every --save-every steps, at the end and on Ctrl-C or
-    SIGTERM (after the step, on every rank; a second one stops at once)."""
+    SIGTERM (after the step, on every rank; a second one stops at once);
+    keep the --monitor's best step, stop early after --early-stop
+    evaluations without a better one."""
     evaluates = eval_data is not None if evaluates is None else evaluates
     engine.evaluates = evaluates
+    engine.monitor = Monitor(args.monitor, args.monitor_mode, args.early_stop)
     done = engine.resume() if args.resume else 0
+    saved = None  # the step of the newest save, where this run made it
     started = done
     stream = engine.start(done)
     log = None
@@ -269,7 +367,23 @@ def run(
         try:
             folder = pathlib.Path(args.log_dir or args.checkpoint or engine.folder)
             every, size = args.log_every, engine.samples_per_step
-            log = Log(folder, last, done, every, size, engine.devices, engine.rates)
+            training = engine.training
+            columns = (loss_columns(training), eval_columns(training))
+            folder.mkdir(parents=True, exist_ok=True)
+            chosen = trackers.chosen(args)
+            runs = trackers.start(chosen, folder, folder.name, engine.stop)
+            log = Log(
+                folder,
+                last,
+                done,
+                every,
+                size,
+                engine.devices,
+                engine.rates,
+                columns=columns,
+                hparams=hparams(training, args, engine),
+                trackers=runs,
+            )
         except OSError as error:  # a folder that cannot be made or written
             engine.stop(f"cannot write the log ({error})")
     interrupted = engine.signals = []
@@ -301,28 +415,44 @@ def run(
             extra = engine.metrics() if shown else None  # (every rank: a collective)
             if log is not None:
                 log.step(step, epoch, loss.item(), engine.lr(), extra)
-            eval_loss = None
+            results = None  # the evaluation's, by column (eval_loss, ...)
             if evaluates and (
                 step == last or args.eval_every and step % args.eval_every == 0
             ):
-                eval_loss, accuracy = engine.evaluate(eval_data)
+                results = engine.evaluate(eval_data)
                 if log is not None:
-                    log.evaluation(step, epoch, eval_loss, accuracy)
-            engine.stepped(loss, eval_loss)
+                    log.evaluation(step, epoch, results)
+            engine.stepped(loss, results["eval_loss"] if results else None)
+            if results is not None and engine.monitor.update(
+                step, engine.agreed(results)
+            ):
+                engine.save(done, best=True)
+                saved = done if engine.best_is_step else saved
+            if engine.monitor.stopping:
+                if engine.logs:
+                    print(engine.monitor.stopped(step), flush=True)
+                break
             if engine.interrupted(interrupted):
-                engine.save(done)
+                if saved != done:
+                    engine.save(done)
                 saving = f"; saved {engine.where}" if args.checkpoint else ""
                 engine.stop(f"interrupted after step {step}{saving}")
             if args.save_every and step % args.save_every == 0 and step < last:
-                engine.save(done)
+                if saved != done:
+                    engine.save(done)
+                saved = done
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
         if log is not None:
             log.close(started)
-    engine.save(done)
+    if saved != done:
+        engine.save(done)
     if args.checkpoint and engine.logs:
         print(f"saved {engine.where} at step {done}")
+    best = engine.monitor.summary(engine.best_where if args.checkpoint else None)
+    if best and engine.logs:
+        print(best)
 
 
 def train(training: Training, argv: list[str] | None = None) -> None:
@@ -330,8 +460,11 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     parser = flags.parser(training)
     args = parser.parse_args(argv)
     flags.check(parser, args)
-    check_devices(training)
+    settings.apply(parser, args, training, argv=argv)
+    trackers.check(parser, args)
+    check_devices(training, argv)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
+    choose(parser, args, training, evaluates=eval_data is not None)
     per_epoch = (
         epoch_batches(data, args.batch_size) // args.accumulate
     )  # optimizer steps
@@ -340,6 +473,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
             f"one optimizer step needs {args.accumulate * args.batch_size} samples, more than one pass over the data gives; lower --batch-size or --accumulate"
         )
     last = last_step(args, per_epoch)
+    threads.cap(args.threads, sys.stdout)  # the data read: a bad file is its line alone
     engine = Single(training, args, data, last)
     size = sum(p.numel() for p in engine.model.parameters())
     trains = sum(p.numel() for p in engine.model.parameters() if p.requires_grad)
@@ -351,4 +485,9 @@ def train(training: Training, argv: list[str] | None = None) -> None:
         print(
             f"{training.name}: {size:,} parameters{frozen}; {last} steps of {micro}{args.batch_size} samples"
         )
+    if args.overrides:
+        print(f"overrides: {' '.join(args.overrides)}")
+    note = no_evaluation(args, parser)  # the spec's eval_every with --data alone
+    if note:
+        print(note)
     run(engine, args, last, per_epoch, eval_data)

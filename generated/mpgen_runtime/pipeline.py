@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import json
 import pathlib
 import sys
 import warnings
@@ -64,10 +65,32 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
 
-from . import batchnorm, checkpoint, flags, launch, mesh, normalise, sharded, timeline
-from .data import batches, epoch_batches, one_line, share, split_data, training_data
+from . import (
+    batchnorm,
+    checkpoint,
+    flags,
+    launch,
+    mesh,
+    normalise,
+    settings,
+    sharded,
+    threads,
+    timeline,
+    trackers,
+)
+from .data import (
+    batches,
+    epoch_batches,
+    no_evaluation,
+    one_line,
+    share,
+    split_data,
+    training_data,
+)
 from .loop import autocast, last_step, run, tokens_per_sample
+from .metrics import Tally
 from .mesh import stop
+from .monitor import choose, decode, encode
 from .spec import Stages
 
 #: A checkpoint's optimizer state: flat, keyed by the parameters' state-dict
@@ -244,6 +267,11 @@ class Pipelined:
     def __init__(self, stages: Stages, args, grid: mesh.Mesh, device) -> None:
         self.stages, self.args, self.grid, self.device = stages, args, grid, device
         training, count = stages.training, len(stages.stages)
+        self.training, self.script = training, stages.script
+        # The step's loss of each output on this rank (its last stage's, else
+        # zeros), and the evaluation's sums while it runs (metrics.Tally).
+        self.parts = torch.zeros(len(training.loss_outputs), device=device)
+        self.tally = None
         self.mine = mine = grid.mine
         self.first, self.last_stage = 0 in mine, count - 1 in mine
         self.logs = dist.get_rank() == grid.of(grid.ranks[-1], 0)
@@ -339,7 +367,7 @@ class Pipelined:
             follow_owners(self.groups, modules, self.optimizers, device)
         self.loss_fns = tuple(
             normalise.TokenMean(fn) if normalise.TokenMean.applies(fn) else fn
-            for fn in training.losses()
+            for fn in training.losses(args.settings)
         )
         self.normalises = any(
             isinstance(fn, normalise.TokenMean) for fn in self.loss_fns
@@ -457,10 +485,13 @@ class Pipelined:
         done, path = self.resumed, sharded.folder(self.args.checkpoint, self.resumed)
         # The schedule's lr at step done, before the optimizer's state (it keeps that lr).
         self.fast_forward(done)
+        fresh = {k: settings.hyperparameters(o) for k, o in self.optimizers.items()}
         state, owned = self.state()
         try:  # the same file on every rank: every rank stops here, or none
             saved = sharded.keys(path)
             layout = self.layout_of(path) if "layout" in saved else ""
+            record = self.monitored(path) if "monitor" in saved else None
+            ran = self.ran_with(path) if "settings" in saved else None
         except Exception as error:  # a refused or damaged file
             stop(f"--resume: cannot read {path} ({one_line(error)})")
         # A tied copy's optimizer state, where the layout that wrote it held
@@ -511,14 +542,19 @@ class Pipelined:
                 set_optimizer_state_dict(module, self.optimizers[k], mine, options=FLAT)
         if same:
             checkpoint.set_rng_states(state["rng"][f"rank_{self.grid.rank}"])
+        for k, optimizer in self.optimizers.items():
+            settings.reapply(optimizer, fresh[k], ran, self.args)
+        afresh = self.monitor.restore(record)
         if self.logs:
+            for line in settings.on_resume(ran, self.args):
+                print(line)
             ignored = flags.NOT_INIT * bool(self.args.init)
             how = (
                 ""
                 if same
                 else f" (resharded onto {self.grid.pp} x {self.grid.dp} ranks)"
             )
-            print(f"resumed from {path} at step {done}{how}{ignored}")
+            print(f"resumed from {path} at step {done}{how}{ignored}{afresh}")
         return done
 
     def twins(self, key: str) -> list[str]:
@@ -609,17 +645,52 @@ class Pipelined:
                 for _ in range(done):
                     scheduler.step()
 
-    def save(self, done: int) -> None:
+    def save(self, done: int, best: bool = False) -> None:
+        """DIR/step_N, the --keep-last newest kept (and the best); ``best``:
+        DIR/best links to it."""
         if not self.args.checkpoint:
             return
         self.check_ties(done)
         state, _ = self.state()
         state["step"] = done
+        root, keep = self.args.checkpoint, self.args.keep_last
+        record = self.monitor.state()
+        earlier = [k for k in sharded.complete(root) if k < done]
+        record["kept"] = [*earlier[len(earlier) - keep + 1 :], done]
+        state["monitor"] = encode(record)
+        state["settings"] = json.dumps(settings.record(self.args))  # and its --set
         try:
-            sharded.save(self.args.checkpoint, done, state)
+            sharded.save(root, done, state, keep=keep, best=best)
         except OSError as error:
             stop(f"step {done}: cannot write {self.args.checkpoint} ({error})")
         self.where = str(sharded.folder(self.args.checkpoint, done))
+
+    best_is_step = True  # the best is a step_N folder DIR/best links to
+
+    @property
+    def best_where(self) -> str:
+        step = self.monitor.best_step
+        return f"{self.args.checkpoint}/{sharded.BEST} -> step_{step}"
+
+    def agreed(self, results: dict) -> dict:
+        """The evaluation's results as the logging rank has them, on every
+        rank (a collective): each rank then elects the same best and stops
+        at the same step."""
+        found = [results]
+        dist.broadcast_object_list(found, src=self.grid.of(self.grid.ranks[-1], 0))
+        return found[0]
+
+    def ran_with(self, path: pathlib.Path) -> dict | None:
+        """The settings of the run that wrote a checkpoint, and its --set."""
+        found = {"settings": ""}
+        sharded.load(path, found, no_dist=True)
+        return json.loads(found["settings"])
+
+    def monitored(self, path: pathlib.Path) -> dict | None:
+        """The monitor's record in a checkpoint (by this rank alone)."""
+        found = {"monitor": ""}
+        sharded.load(path, found, no_dist=True)
+        return decode(found["monitor"])
 
     def check_ties(self, done: int) -> None:
         """Before a save: every tied copy equals its owner's, on every rank,
@@ -717,9 +788,15 @@ class Pipelined:
         scale = m * args.accumulate
 
         def loss(outputs, index: torch.Tensor) -> torch.Tensor:
-            given = stages.loss(
+            given, parts = stages.loss(
                 outputs, index, self.current[0], self.loss_fns, m * args.dp
             )
+            each = [part.detach().float() for part, _, _ in parts]
+            if self.tally is not None:  # evaluating: a batch's loss, each output's
+                self.tally.add_losses(given.detach() / m, [x / m for x in each])
+                self.tally.add_outputs(parts)
+            elif each:
+                self.parts += torch.stack(each) / scale
             return given / scale
 
         try:
@@ -779,6 +856,8 @@ class Pipelined:
                 else f"{training.name}: {count} stages on {grid.pp} ranks, --schedule {args.schedule}; "
                 f"{self.last} steps of {micro}{args.batch_size} samples in {m} micro-batches"
             )
+            if args.overrides:
+                print(f"overrides: {' '.join(args.overrides)}")
         return stream
 
     def normalise(self, targets: tuple) -> None:
@@ -817,6 +896,7 @@ class Pipelined:
         args, device = self.args, self.device
         for optimizer in self.optimizers.values():
             optimizer.zero_grad(set_to_none=True)
+        self.parts.zero_()
         total = torch.zeros((), device=device)
         for _ in range(args.accumulate):
             losses = []
@@ -849,10 +929,11 @@ class Pipelined:
         self.stopping = bool(word[1].item())
         return word[0]
 
-    def evaluate(self, data) -> tuple[float, list[float]]:
-        """The mean loss over the evaluation data's whole batches (each
-        replica its part), forward only; no accuracy (outputs stay on the
-        last stages)."""
+    def evaluate(self, data) -> dict[str, float]:
+        """The evaluation over the evaluation data's whole batches (each
+        replica its part), forward only, by its log column (as loop.evaluate):
+        the last stages sum the losses and the metrics' counts (a Tally),
+        then every rank's sums add up in one all_reduce."""
         args = self.args
         count = [None]
         if self.feeds:
@@ -866,21 +947,19 @@ class Pipelined:
         dist.broadcast_object_list(count, src=self.grid.of(0, 0))
         if not count[0]:
             stop(f"the evaluation data gives no whole batch of {args.batch_size}")
-        total = torch.zeros((), device=self.device)
+        self.tally = tally = Tally(self.training, self.device)
         for module in self.modules.values():
             module.eval()
-        with torch.no_grad():
-            for _ in range(count[0]):
-                losses = []
-                self.run_batch(stream, losses, backward=False)
-                if losses:
-                    total += (
-                        torch.stack([x.float() for x in losses]).sum() * args.accumulate
-                    )
+        try:
+            with torch.no_grad():
+                for _ in range(count[0]):
+                    self.run_batch(stream, [], backward=False)
+        finally:
+            self.tally = None
         for module in self.modules.values():
             module.train()
-        dist.all_reduce(total)
-        return (total / args.dp / count[0]).item(), []
+        dist.all_reduce(tally.sums)
+        return tally.results(count[0], args.dp)
 
     def whole(self, batch) -> bool:
         """Whether an evaluation batch has --batch-size samples."""
@@ -902,7 +981,8 @@ class Pipelined:
         on a GPU: one all_reduce, on every rank."""
         grid, cuda = self.grid, self.device.type == "cuda"
         world = dist.get_world_size()
-        found = torch.zeros(grid.pp + world, dtype=torch.float64)
+        found = torch.zeros(grid.pp + world + len(self.parts), dtype=torch.float64)
+        found[grid.pp + world :] = self.parts.double().cpu()
         busy = timeline.read(self.busy)
         if grid.replica == 0:
             found[grid.pp_rank] = busy
@@ -916,7 +996,8 @@ class Pipelined:
         return {
             "grad_norm": float(self.norm),
             "busy": found[: grid.pp],
-            "memory": found[grid.pp :] if cuda else None,
+            "memory": found[grid.pp : grid.pp + world] if cuda else None,
+            "losses": [x / self.args.dp for x in found[grid.pp + world :]],
         }
 
     def lr(self) -> float:
@@ -952,10 +1033,17 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         return
     parser = flags.parser(stages.training, stages)
     args = parser.parse_args(argv)
+    trackers.check(parser, args)
     if args.merge:
         sharded.merge(stages, *args.merge)
         return
     flags.check(parser, args)
+    settings.apply(parser, args, stages.training, pipeline=True, argv=argv)
+    note = no_evaluation(args, parser)  # the spec's eval_every with --data alone
+    evaluates = bool(args.eval_data or args.eval_split or args.eval_every) and not note
+    if note and environ.get("RANK") == "0":
+        print(note)
+    choose(parser, args, stages.training, evaluates)
     ranks = mesh.stage_ranks(stages, args.schedule)
     pp = max(ranks) + 1
     world = pp * args.dp
@@ -1002,6 +1090,7 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
             f"--schedule {args.schedule} runs {len(stages.stages)} stages on {pp} ranks{replicas} = {world}, "
             f"but torchrun started {environ['WORLD_SIZE']}: {command}"
         )
+    threads.cap(args.threads, sys.stdout if environ["RANK"] == "0" else None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     wait = timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=wait, **launch.attempt_store(wait))
@@ -1010,17 +1099,18 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
         if args.checkpoint:
             launch.prepare(args.checkpoint)
         engine = Pipelined(stages, args, grid, device)
-        try:
-            run(
-                engine,
-                args,
-                engine.last,
-                engine.per_epoch,
-                engine.eval_data if engine.feeds else None,
-                evaluates=bool(args.eval_data or args.eval_split or args.eval_every),
-            )
-        except (RuntimeError, dist.DistBackendError) as error:
-            launch.lost(grid, error)
+        with launch.holding_sigterm():
+            try:
+                run(
+                    engine,
+                    args,
+                    engine.last,
+                    engine.per_epoch,
+                    engine.eval_data if engine.feeds else None,
+                    evaluates=evaluates,
+                )
+            except (RuntimeError, dist.DistBackendError) as error:
+                launch.lost(grid, error)
     finally:
         launch.stop_beating()
         if dist.is_initialized():

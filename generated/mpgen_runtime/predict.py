@@ -51,7 +51,7 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from . import checkpoint, sharded
+from . import checkpoint, sharded, threads
 from .data import (
     DATA_FILES,
     TensorData,
@@ -112,7 +112,8 @@ def parser(
     add = p.add_argument
     text = (
         "the weights: a train script's DIR (its last.pt), a pipeline checkpoint DIR (its newest "
-        "complete step_N) or one state-dict file"
+        "complete step_N) or one of its step folders (DIR/best, DIR/step_N), or one state-dict file "
+        "(DIR/best.pt)"
     )
     add("--checkpoint", metavar="PATH", help=text)
     text = (
@@ -149,6 +150,7 @@ def parser(
     if stages:
         text = "seconds a send may wait for another rank before every rank stops"
         add("--timeout", type=float, default=120.0, metavar="SECONDS", help=text)
+    threads.add_flag(p)
     return p
 
 
@@ -240,8 +242,8 @@ def weights(args) -> tuple[dict, str]:
     try:
         if path.is_dir() and (path / "last.pt").is_file():
             path = path / "last.pt"
-        elif path.is_dir() and sharded.complete(str(path)):
-            path = sharded.folder(str(path), sharded.complete(str(path))[-1])
+        elif path.is_dir() and sharded.resolve(str(path)):
+            path = sharded.resolve(str(path))[0]  # a step folder, or the newest
             return Checkpointed(path), f"{flag} {path}"
         elif path.is_dir() and any(
             (path / n).is_file() for n in PRETRAINED + PRETRAINED_INDEX
@@ -555,7 +557,7 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
     p = parser(predicting)
     args = p.parse_args(argv)
     check(p, args)
-    check_devices(training)
+    check_devices(training, argv, f"predict_{training.run}.py")
     torch.manual_seed(args.seed)
     model = training.model()
     where = load_weights([model], list(model.state_dict()), training, args)
@@ -565,9 +567,10 @@ def predict(predicting: Predicting, argv: list[str] | None = None) -> None:
     microbatches = args.microbatches or 1
     data, given, named = read_data(training, args)
     args.batch_size = per_forward(data, args, training)
+    threads.cap(args.threads, sys.stdout)  # the weights and data read
     n = len(training.inputs)
     scores = Scores(predicting) if given.targets else None
-    loss_fns = training.losses() if scores is not None else ()
+    loss_fns = training.losses(training.settings) if scores is not None else ()
     outputs = Outputs(predicting)
     progress = bar(batches_in(data) or _count(data, args.batch_size or 1))
     started, samples = time.perf_counter(), 0
@@ -707,6 +710,7 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
             f"--predict runs {count} stages on {count} ranks, but torchrun started "
             f"{environ['WORLD_SIZE']}: {command}"
         )
+    threads.cap(args.threads, sys.stdout if environ["RANK"] == "0" else None)
     backend = "nccl" if device.type == "cuda" else "gloo"
     wait = timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=wait, **launch.attempt_store(wait))
@@ -757,7 +761,7 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
         # joined here along each output's layout, not by torch's merge (dim 0).
         schedule._merge_outputs = lambda chunks: None
         scores = Scores(predicting) if last and shapes[1] else None
-        loss_fns = training.losses() if scores is not None else ()
+        loss_fns = training.losses(training.settings) if scores is not None else ()
         outputs = Outputs(predicting)
         progress = bar(None) if last else None
         started, samples = time.perf_counter(), 0
@@ -796,7 +800,7 @@ def pipeline(stages: Stages, argv: list[str]) -> None:
                 if scores is not None:
                     targets = tuple(t for t in batch[n:])
                     raw = each if len(each) > 1 else each[0]
-                    loss = stages.loss(raw, torch.arange(size), targets, loss_fns, 1)
+                    loss, _ = stages.loss(raw, torch.arange(size), targets, loss_fns, 1)
                     scores.add(loss, each, targets, size)
                 outputs.add(each, size)
                 samples += size

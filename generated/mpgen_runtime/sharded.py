@@ -18,6 +18,16 @@ rank at once with torch.distributed.checkpoint (DCP), each rank its shards.
 # job need a folder they all see (a shared filesystem); check_shared says
 # so at the start instead of a resume that depends on the node.
 
+# NOTE: [The best step]
+# The step where the monitored metric was best (--monitor) is saved as any
+# step is, DIR/step_N, and DIR/best is a relative symbolic link to it,
+# replaced atomically (a new link renamed over it) once the step is
+# complete. Pruning (--keep-last) keeps the newest N complete steps and the
+# one DIR/best links to; the run's newest step is never older than its best,
+# so a resume reads the best's record (its value and step) from the newest.
+# --merge DIR/best OUT and predict's --checkpoint DIR/best read the step it
+# links to (any step folder, DIR/step_N, is read alike).
+
 # NOTE: [Reading a checkpoint folder safely]
 # A checkpoint folder may come from someone else, and DCP reads two kinds of
 # pickle: the .metadata file (plain pickle.load) and the non-tensor values
@@ -55,6 +65,8 @@ from .mesh import tied_apart
 
 MARKER = "COMPLETE"
 STEP = re.compile(r"step_(\d+)")
+#: The link to the step of the monitored metric's best (NOTE [The best step]).
+BEST = "best"
 
 #: What a checkpoint's .metadata may name (NOTE [Reading a checkpoint folder safely]).
 METADATA_CLASSES = {
@@ -160,7 +172,7 @@ def leftovers(root: str) -> list[pathlib.Path]:
 
 
 def remove(path: pathlib.Path) -> None:
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():  # a link goes, not what it links to
         shutil.rmtree(path, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
@@ -184,9 +196,12 @@ def check_shared(root: str, group=None) -> bool:
     return bool(seen.item())
 
 
-def save(root: str, step: int, state: dict) -> pathlib.Path:
+def save(
+    root: str, step: int, state: dict, keep: int = 1, best: bool = False
+) -> pathlib.Path:
     """Write ``state`` (every rank's, a collective) as DIR/step_N
-    (NOTE [Coordinated checkpoints]); the older ones are removed."""
+    (NOTE [Coordinated checkpoints]); ``best``: DIR/best links to it. All
+    but the ``keep`` newest and the best are removed."""
     partial = pathlib.Path(root, f".step_{step}.partial")
     rank = dist.get_rank()
     if rank == 0:
@@ -203,11 +218,48 @@ def save(root: str, step: int, state: dict) -> pathlib.Path:
         final = folder(root, step)
         remove(final)
         partial.rename(final)
-        for old in complete(root):
-            if old != step:
-                remove(folder(root, old))
+        if best:
+            point(root, step)
+        prune(root, keep)
     dist.barrier()
     return folder(root, step)
+
+
+def point(root: str, step: int) -> None:
+    """DIR/best a link to DIR/step_N, replaced atomically (NOTE [The best step])."""
+    tmp = pathlib.Path(root, f".{BEST}.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(f"step_{step}", tmp)
+    os.replace(tmp, pathlib.Path(root, BEST))
+
+
+def best_step(root: str) -> int | None:
+    """The step DIR/best links to, where it links to a complete one."""
+    path = pathlib.Path(root, BEST)
+    match = STEP.fullmatch(os.readlink(path)) if path.is_symlink() else None
+    if match and (path / MARKER).is_file():
+        return int(match.group(1))
+    return None
+
+
+def prune(root: str, keep: int) -> None:
+    """Remove all but the ``keep`` newest complete steps and the best."""
+    found, kept = complete(root), best_step(root)
+    for old in found[: max(len(found) - keep, 0)]:
+        if old != kept:
+            remove(folder(root, old))
+
+
+def resolve(where: str) -> tuple[pathlib.Path, int] | None:
+    """The checkpoint --merge and --predict read from ``where``: a step folder
+    itself (DIR/step_N, DIR/best), else its newest complete step; and its
+    step. None: neither."""
+    path = pathlib.Path(where)
+    if (path / MARKER).is_file():  # its marker says "step N"
+        said = (path / MARKER).read_text().split()
+        return path, int(said[1]) if len(said) > 1 and said[1].isdigit() else -1
+    found = complete(where)
+    return (folder(where, found[-1]), found[-1]) if found else None
 
 
 def keys(path: pathlib.Path) -> dict:
@@ -261,12 +313,12 @@ def merge(stages, where: str, out: str) -> None:
     in ``where`` (it loads with strict=True)."""
     if pathlib.Path(out).is_dir():
         sys.exit(f"--merge: {out} is a folder; give the file to write")
-    found = complete(where)
-    if not found:
+    found = resolve(where)
+    if found is None:
         sys.exit(
             f"--merge: no complete checkpoint in {where} (a step_N folder with its {MARKER} marker)"
         )
-    path = folder(where, found[-1])
+    path, step = found
     try:
         state = model_state(path)
     except Exception as error:  # not a checkpoint of this program
@@ -284,4 +336,4 @@ def merge(stages, where: str, out: str) -> None:
         save_file(state, pathlib.Path(out))
     except OSError as error:
         sys.exit(f"--merge: cannot write {out} ({error})")
-    print(f"merged {path} (step {found[-1]}) into {out} ({len(state)} tensors)")
+    print(f"merged {path} (step {step}) into {out} ({len(state)} tensors)")

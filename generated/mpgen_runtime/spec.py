@@ -10,13 +10,14 @@ from typing import Any, Callable, Optional
 #: for a flag not here): a train: section's defaults.
 BASE_DEFAULTS = dict(seed=0, log_every=1, amp="off", grad_clip=0.0, accumulate=1)
 BASE_DEFAULTS |= dict(eval_split=0.0, eval_every=0, samples=1024, workers=0)
+BASE_DEFAULTS |= dict(keep_last=1, early_stop=0)
 
 
 @dataclass(frozen=True)
 class Training:
     """One model's training, as ``train_<name>.py`` states it: ``make_batch(batch_size)``
     gives synthetic ``(inputs, targets)``, ``forward_loss(model, loss_fns, inputs,
-    targets, count)`` the loss (and with ``count`` each class output's ``hits``),
+    targets)`` the loss and each output's ``(loss, output, target)``,
     ``optimizer(model, args)`` and ``scheduler(optimizer, args, steps)`` make them
     for a model or a stage; ``defaults``: the flags' defaults the spec sets."""
 
@@ -30,7 +31,7 @@ class Training:
     #: batch is its outer factor (``b*R + r``), 1 when its inner (``r*B + b``).
     batch_dims: tuple[Optional[int] | tuple[int, int], ...]
     make_batch: Callable
-    losses: Callable[[], tuple]
+    losses: Callable[[dict], tuple]  # each output's loss, for the run's settings
     forward_loss: Callable
     optimizer: Optional[Callable] = None  # None: no parameters, nothing to train
     scheduler: Optional[Callable] = None
@@ -49,9 +50,19 @@ class Training:
     #: of fixed rows (a learned position Embedding): data past it is refused.
     dim_limits: tuple[tuple[str, int, str], ...] = ()
     data_kwargs: dict = field(default_factory=dict)  # for the spec's data factory
+    #: The spec's ``train:`` section, resolved (each loss, optimizer and
+    #: schedule a mapping with its ``op``): what ``--set`` changes, and the
+    #: run's copy (``args.settings``) what the generated code reads.
+    settings: dict = field(default_factory=dict)
     eval_data_kwargs: dict = field(default_factory=dict)
     #: The build's memory plan of this script's step: device -> peak bytes (--memory).
     memory: dict = field(default_factory=dict)
+    #: The output each loss is of, in ``targets``' order, and its class dim
+    #: (None: not a class-index loss): the log's columns and the metrics'.
+    loss_outputs: tuple[str, ...] = ()
+    class_dims: tuple[Optional[int], ...] = ()
+    #: The evaluation's metrics (``metrics.Metric``), in the log's order.
+    metrics: tuple = ()
 
     @property
     def name(self) -> str:
@@ -67,6 +78,14 @@ class Training:
         return self.inputs + self.targets
 
     @property
+    def eval_metrics(self) -> list[str]:
+        """The columns of log.csv's evaluation rows, in order: what
+        ``evaluate()`` returns and ``--monitor`` may name."""
+        from .metrics import eval_columns
+
+        return eval_columns(self)
+
+    @property
     def device_type(self) -> str:
         """Where autocast applies: the type of the model's devices."""
         return "cuda" if any(d.startswith("cuda") for d in self.devices) else "cpu"
@@ -79,7 +98,8 @@ class Training:
 class Stages:
     """The model as a pipeline, as ``pp_<name>.py`` states it: the stage
     classes in order with the device of each in the spec, the last stage's
-    loss ``loss(outputs, index, targets, loss_fns, microbatches)``, and the
+    loss ``loss(outputs, index, targets, loss_fns, microbatches)`` (with each
+    output's ``(loss, output, target)``, as ``forward_loss``), and the
     parameters tied across stages (the owner's ``(stage, key)``, then each
     copy's)."""
 

@@ -222,6 +222,7 @@ def model(project: Path, cls: str, **kwargs) -> torch.nn.Module:
     return getattr(importlib.import_module("importmodels"), cls)(**kwargs)
 
 
+@pytest.mark.slow  # 3 s: too long for the quick loop
 def test_residual_cnn(project):
     text = imported(project, "ResidualCNN", "x=batch,3,32,32")
     assert "conv1: {op: Conv2d, args: [3, 16, 3], padding: 1, bias: false}" in text
@@ -255,6 +256,7 @@ def test_a_shared_parameter_is_a_tie(project):
         p.numel() for p in original.parameters())
 
 
+@pytest.mark.slow  # 3 s: too long for the quick loop
 def test_alike_instances_of_a_user_module_are_a_repeated_block(project):
     text = imported(project, "Stack", "x=batch,5")
     assert ("blocks:\n  Residual:\n    layers:\n"

@@ -90,6 +90,7 @@ def test_place_write_keeps_every_other_byte_and_the_layout(tmp_path, capsys):
     assert path.read_bytes().decode() == text
 
 
+@pytest.mark.slow  # 65 s: too long for the quick loop
 def test_place_write_round_trips_the_gpt2_example(tmp_path):
     path = tmp_path / "gpt2_auto.yaml"
     original = (EXAMPLES / "gpt2_auto.yaml").read_bytes()
@@ -103,6 +104,7 @@ def test_place_write_round_trips_the_gpt2_example(tmp_path):
     assert new[-7:] == old[-7:]  # the train block, untouched
 
 
+@pytest.mark.slow  # 4 s: too long for the quick loop
 def test_place_write_of_a_flow_placement_with_crlf(tmp_path):
     text = TRICKY.replace(
         "placement:   # where things go\n  # chosen by mpgen\n  auto:\n"
@@ -140,6 +142,7 @@ def test_place_write_adds_a_block_to_a_spec_without_one(tmp_path):
     assert devices(path) == [("a", ("cuda:1",)), ("b", ("cuda:1",))]
 
 
+@pytest.mark.slow  # 89 s: too long for the quick loop
 def test_place_write_leaves_an_explicit_spec_alone(tmp_path, capsys):
     path = tmp_path / "bert.yaml"
     path.write_bytes((EXAMPLES / "bert_base.yaml").read_bytes())
@@ -290,6 +293,7 @@ def test_diff_against_a_git_revision(repo, capsys):
     assert "  + h.2 [batch, 8]: cuda:0 -> cuda:1 (64 bytes)\n" in out
 
 
+@pytest.mark.slow  # 3 s: too long for the quick loop
 def test_a_side_that_is_both_a_file_and_a_revision_path_is_refused(repo):
     # A file named like REV:path (a pull request can commit one) never
     # silently stands in for the spec in git, nor the other way round.

@@ -79,6 +79,7 @@ def test_a_two_line_placement_round_trips_to_the_same_two_lines(tmp_path, capsys
     assert [line for line in lines if not line.startswith("  # ")] == original.splitlines()
 
 
+@pytest.mark.slow  # 40 s: too long for the quick loop
 def test_an_automatic_gpt_writes_one_bookmark_per_device(tmp_path):
     path = tmp_path / "gpt2_auto.yaml"
     path.write_bytes((EXAMPLES / "gpt2_auto.yaml").read_bytes())
@@ -96,6 +97,7 @@ def test_an_automatic_gpt_writes_one_bookmark_per_device(tmp_path):
             "  #   auto:\n") in text
 
 
+@pytest.mark.slow  # 37 s: too long for the quick loop
 def test_the_written_spec_builds_to_the_same_layout(tmp_path):
     (tmp_path / "old").mkdir()
     (tmp_path / "new").mkdir()

@@ -59,6 +59,7 @@ def test_tensor_types_at_concrete_sizes():
     assert t.nbytes({"batch": 3}) == 24
 
 
+@pytest.mark.slow  # 12 s: too long for the quick loop
 def test_a_repeated_layer_split_over_devices_moves_the_output_of_an_instance():
     graph = driver.compile_spec(EXAMPLES / "gpt2_small.yaml")
     moved = [t.value for t in graph.plan.transfers if t.src is not None]
@@ -71,6 +72,7 @@ def test_a_repeated_layer_split_over_devices_moves_the_output_of_an_instance():
     assert graph.node("wte").units == (UnitRef("wte"),)
 
 
+@pytest.mark.slow  # 13 s: too long for the quick loop
 def test_modules_and_functions_keep_constructor_and_call_arguments_apart():
     graph = driver.compile_spec(EXAMPLES / "gpt2_small.yaml")
     lm_head = graph.node("lm_head")

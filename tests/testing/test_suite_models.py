@@ -207,6 +207,7 @@ def suites(tmp_path):
     return tmp_path / "test_suites.py"
 
 
+@pytest.mark.slow  # 5 s: too long for the quick loop
 def test_each_test_gets_the_model_as_built_and_each_mode_is_built_once(suites):
     run = run_pytest(suites)
     assert run.exit_code == 0, run.text[-3000:]

@@ -3,6 +3,8 @@ and the one note that says why a decoder's form cannot be cached."""
 
 from __future__ import annotations
 
+import pytest
+
 from helpers import ROOT, write_spec
 from mpgen.compiler import driver
 from mpgen.compiler.analysis import cache
@@ -98,6 +100,7 @@ def test_a_model_that_is_not_a_decoder_has_no_plan():
     assert cache.plan(graph) is None
 
 
+@pytest.mark.slow  # 5 s: too long for the quick loop
 def test_transformer_encoder_layers_with_a_causal_mask_are_cached():
     graph = driver.compile_spec(ROOT / "examples" / "gpt2_small.yaml", CPU)
     plan = cache.plan(graph)

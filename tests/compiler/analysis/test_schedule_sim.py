@@ -431,6 +431,7 @@ def test_device_speed_divides_the_forward(tmp_path):
     assert times.forward == (flops["cuda:0"], flops["cuda:1"] / 2)
 
 
+@pytest.mark.slow  # 5 s: too long for the quick loop
 def test_the_documented_example_runs():
     """docs/pipelining.md's example, as written."""
     text = (ROOT / "docs" / "pipelining.md").read_text()

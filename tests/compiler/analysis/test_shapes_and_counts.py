@@ -27,6 +27,7 @@ def test_resnet18_has_the_published_parameter_count_and_state_dict_names():
     assert [t.dst for t in graph.plan.transfers] == ["cuda:0", "cuda:1"]
 
 
+@pytest.mark.slow  # 4 s: too long for the quick loop
 def test_gpt2_small_counts_once_the_head_tied_to_the_embedding():
     graph = build.compile_spec(EXAMPLES / "gpt2_small.yaml")
     assert graph.total_params == 124_439_808  # GPT-2 small as published
@@ -35,6 +36,7 @@ def test_gpt2_small_counts_once_the_head_tied_to_the_embedding():
     assert str(graph.node("lm_head").out) == "[batch, seq, 50257]"
 
 
+@pytest.mark.slow  # 5 s: too long for the quick loop
 def test_bert_base_counts():
     graph = build.compile_spec(EXAMPLES / "bert_base.yaml")
     assert graph.total_params - graph.node("classifier").params == 109_482_240

@@ -484,6 +484,7 @@ def test_a_spec_that_takes_a_name_of_the_file_is_black_clean(tmp_path, spec, ren
     assert_black_clean(graph)
 
 
+@pytest.mark.slow  # 4 s: too long for the quick loop
 def test_every_name_of_the_files_with_a_suffix_is_black_clean(monkeypatch):
     """Suffixes on all the files' own names move black's line breaks; the
     files still come out in black's layout."""

@@ -15,6 +15,7 @@ from mpgen.compiler.codegen.generate import render_generate, wanted
 DECODERS = ["nano_gpt", "tiny_llama", "gpt2_small", "lstm_lm"]
 
 
+@pytest.mark.slow  # 4 s: too long for the quick loop
 @pytest.mark.parametrize("example", DECODERS)
 def test_a_decoder_gets_a_black_clean_generate_script(example):
     graph = driver.compile_spec(EXAMPLES / f"{example}.yaml")

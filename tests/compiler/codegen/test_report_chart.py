@@ -62,6 +62,7 @@ def check_against_table(report: str, memory_title: str, params_title: str) -> No
         assert value <= params["top"]
 
 
+@pytest.mark.slow  # 4 s: too long for the quick loop
 def test_gpt2_report_charts_memory_and_parameters_as_in_the_table():
     report = build.generate(EXAMPLES / "gpt2_auto.yaml").files["gpt2_auto.placement.md"]
     check_against_table(report, "Estimated training memory per device in MiB",

@@ -23,6 +23,7 @@ def devices_of(graph):
 
 # -- the outside acceptance check -------------------------------------------
 
+@pytest.mark.slow  # 7 s: too long for the quick loop
 def test_gpt2_small_over_four_gpus_by_params(tmp_path):
     result = build.generate(GPT2_AUTO)
     graph = result.graph
@@ -238,6 +239,7 @@ def test_report_of_an_auto_layout_with_capacity(tmp_path):
     assert "capacities `cuda:0` 1.0 MiB, `cuda:1` 1.0 MiB" in report
 
 
+@pytest.mark.slow  # 19 s: too long for the quick loop
 def test_report_is_deterministic_and_check_covers_it(tmp_path):
     first = build.generate(GPT2_AUTO).files
     second = build.generate(GPT2_AUTO).files

@@ -249,6 +249,7 @@ train:
 """
 
 
+@pytest.mark.slow  # 3 s: too long for the quick loop
 @pytest.mark.parametrize("checkpoint", ["false", "true"])
 def test_attention_with_dropout_is_planned_as_it_trains(tmp_path, checkpoint):
     # The plan runs the step in training: dropout_p is 0.1 there (it was
@@ -261,6 +262,7 @@ def test_attention_with_dropout_is_planned_as_it_trains(tmp_path, checkpoint):
     assert graph.memory.of("inference")["cpu"].peak < graph.memory.of("train")["cpu"].peak
 
 
+@pytest.mark.slow  # 14 s: too long for the quick loop
 def test_checkpointed_blocks_keep_less_and_still_match(tmp_path):
     plain, training = _built(tmp_path / "a", GPT.replace("{tie}", "").replace(
         "{checkpoint}", "false"), "PlanGptPlain", ALL_ON_CPU)
@@ -273,6 +275,7 @@ def test_checkpointed_blocks_keep_less_and_still_match(tmp_path):
 
 # -- several devices: virtual CUDA devices -----------------------------------------
 
+@pytest.mark.slow  # 6 s: too long for the quick loop
 @pytest.mark.parametrize("text, name, devices", [
     (CNN, "PlanCnnTwo", 2),
     (GPT.replace("{tie}", ", tie: {{weight: wte.weight}}").replace("{checkpoint}", "false"),
@@ -372,6 +375,7 @@ def test_gpipe_holds_more_micro_batches_than_1f1b_on_the_first_stage(tmp_path):
         one_f_one_b.of("pipeline")["cuda:0"].activations
 
 
+@pytest.mark.slow  # 6 s: too long for the quick loop
 def test_the_plan_is_the_same_on_every_call(tmp_path):
     # A storage dies when reference counting frees it, never when a garbage
     # collection happens to run: the first call used to differ from later ones.
@@ -383,6 +387,7 @@ def test_the_plan_is_the_same_on_every_call(tmp_path):
     assert plans[0] == plans[1] == plans[2]
 
 
+@pytest.mark.slow  # 3 s: too long for the quick loop
 def test_a_cpu_build_plans_each_rank_by_its_spec_device_with_the_cpus_optimizer(tmp_path):
     cpu, _ = _built(tmp_path / "cpu", TWO_HEADS, "PlanHeadsRanks", ALL_ON_CPU)
     split, _ = _built(tmp_path / "split", TWO_HEADS, "PlanHeadsRanks")

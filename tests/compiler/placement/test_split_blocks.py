@@ -164,6 +164,7 @@ def test_an_instance_that_is_a_model_output_splits(tmp_path):
     assert graph.type_of("model") == graph.node("model.norm").out
 
 
+@pytest.mark.slow  # 3 s: too long for the quick loop
 def test_automatic_placement_splits_the_instances_it_is_told_to(tmp_path):
     text = SPEC + "placement:\n  auto: {devices: [cuda:0, cuda:1], split: [model]}\n"
     graph, Model, _ = build(tmp_path, text)

@@ -3,6 +3,8 @@ what it takes from the stage before and gives to the one after."""
 
 from __future__ import annotations
 
+import pytest
+
 from helpers import EXAMPLES, write_spec
 from mpgen.compiler.driver import compile_spec
 from mpgen.compiler.placement.stages import stages
@@ -17,6 +19,7 @@ def test_the_seed_passes_one_tensor():
                                             ("cuda:1", ("layer1",), ("layer2",))]
 
 
+@pytest.mark.slow  # 6 s: too long for the quick loop
 def test_skip_connections_and_outputs_are_passed_through_every_stage_between():
     # U-Net: the encoder's skips cross to the decoder's device.
     assert shape(EXAMPLES / "unet.yaml")[0][2] == ("inc", "down1", "down2", "down3")

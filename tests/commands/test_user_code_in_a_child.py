@@ -89,7 +89,9 @@ def test_a_module_that_sleeps_is_stopped(tmp_path):
     root = project(tmp_path, "import time; time.sleep(600)")
     start = time.monotonic()
     result = mpgen("check", "spec.yaml", "-o", "out", cwd=root)
-    assert time.monotonic() - start < 20 + isolate.IDLE_SECONDS  # the idle watchdog, not 600 s
+    # The idle watchdog (the message below), not the end of the sleep; the bound
+    # leaves a loaded machine the child's start (Python, torch, the compiler).
+    assert time.monotonic() - start < 300
     assert result.returncode == 2
     assert result.stderr.startswith(
         f"spec.yaml:6:3: building this spec runs code of the project's own, in a child "

@@ -31,7 +31,9 @@ on samples), :mod:`.arguments` (constructor and function arguments),
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -98,16 +100,31 @@ def import_module(root: nn.Module, inputs: Sequence[InputSpec], command: str,
     cannot import is traced with TorchDynamo instead, and a note says so
     (docs/import.md, "Which tracer")."""
     try:
-        if not fallback or tracer != "fx":
-            imported, checked = _unchecked(root, inputs, command, devices, tracer)
-        else:
-            imported, checked = _fx_or_dynamo(root, inputs, command, devices)
+        with _quiet_fake_tensors():
+            if not fallback or tracer != "fx":
+                imported, checked = _unchecked(root, inputs, command, devices, tracer)
+            else:
+                imported, checked = _fx_or_dynamo(root, inputs, command, devices)
     except TraceFailure as failed:
         raise failed.hinted(TRY_INSTEAD[failed.tracer]) from None
     # A spec that does not build is the model's (a table read along a
     # symbolic dim) or mpgen's to report: the other tracer is not tried.
     text = check_builds(imported.text, time_limit, checked)
     return dataclasses.replace(imported, text=text)
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensors():
+    """torch's fake tensors log a traceback (``log.exception``) when an op's
+    meta kernel raises, before the error reaches the tracer, whose failure
+    the import says in one line: not while a model is traced."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _fx_or_dynamo(root: nn.Module, inputs: Sequence[InputSpec], command: str,

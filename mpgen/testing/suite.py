@@ -345,7 +345,9 @@ class ModelSuite:
         def loss_and_gradients() -> torch.Tensor:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=True)
-            loss, _ = training.forward_loss(model, loss_fns, inputs, targets)
+            # The loss alone: the outputs and targets beside it are not held
+            # through backward (the training loop drops them too).
+            loss = training.forward_loss(model, loss_fns, inputs, targets)[0]
             if optimizer is not None:
                 loss.backward()
             return loss

@@ -148,14 +148,16 @@ def _measured(training, devices: int = 0) -> dict[str, int]:
         torch.manual_seed(0)
         model = training.model()
         defaults = dict(training.defaults)
-        args = argparse.Namespace(lr=defaults.pop("lr", 0.01), **defaults)
+        args = argparse.Namespace(
+            lr=defaults.pop("lr", 0.01), settings=training.settings, **defaults
+        )
         optimizer = training.optimizer(model, args)
-        losses = training.losses()
+        losses = training.losses(training.settings)
 
         def step():
             optimizer.zero_grad(set_to_none=True)
             inputs, targets = training.make_batch(defaults["batch_size"])
-            loss, _ = training.forward_loss(model, losses, inputs, targets)
+            loss = training.forward_loss(model, losses, inputs, targets)[0]
             loss.backward()
             if defaults.get("grad_clip"):
                 nn.utils.clip_grad_norm_(model.parameters(), defaults["grad_clip"])

@@ -148,7 +148,8 @@ def test_every_module_of_the_importer_is_in_its_order():
 #: What the training runtime may import: it is copied into output folders and
 #: run where mpgen is not installed (NOTE [One runtime per output folder]).
 RUNTIME_IMPORTS = ("torch", "numpy", "safetensors", "tqdm", "mpgen.runtime",
-                   "transformers")  # transformers: generate.py's --tokenizer, imported then
+                   "transformers",  # transformers: generate.py's --tokenizer, imported then
+                   "wandb", "mlflow")  # trackers.py's --logger wandb/mlflow, imported then
 
 
 @pytest.mark.parametrize("module", [m for m in MODULES if _within(m, "mpgen.runtime")])

@@ -554,12 +554,15 @@ def test_completion_script_completes_commands_and_files(shell, tmp_path):
         assert done.stdout.split("\n")[:2] == ["ci-summary", "seed.yaml"], done.stderr
 
 
-def test_the_documented_local_hook_is_the_hook_on_the_installed_mpgen():
+def test_the_documented_local_hooks_are_the_hooks_on_the_installed_mpgen():
     blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "ci.md").read_text(), re.S)
     configs = [yaml.safe_load(b) for b in blocks if b.startswith("repos:")]
-    local = next(c for c in configs if c["repos"][0]["repo"] == "local")["repos"][0]["hooks"][0]
-    hook = hooks()["mpgen-check"]
-    assert local == {**{k: hook[k] for k in local}, "language": "system"}
-    assert set(hook) - set(local) == {"description"}
+    documented = next(c for c in configs if c["repos"][0]["repo"] == "local")["repos"][0]["hooks"]
+    installed = hooks()
+    assert [h["id"] for h in documented] == ["mpgen-check", "mpgen-build"]
+    for local in documented:
+        hook = installed[local["id"]]
+        assert local == {**{k: hook[k] for k in local}, "language": "system"}
+        assert set(hook) - set(local) == {"description"}
     remote = next(c for c in configs if c["repos"][0]["repo"] != "local")["repos"][0]
-    assert remote["hooks"] == [{"id": "mpgen-check"}]
+    assert remote["hooks"] == [{"id": "mpgen-check"}, {"id": "mpgen-build"}]

@@ -115,7 +115,7 @@ def test_the_optimizer_gets_only_what_trains(built):
     out, _ = built
     model = import_generated(out / "frozen.py").Frozen()
     training = import_generated(out / "train_frozen.py").TRAINING
-    optimizer = training.optimizer(model, type("Args", (), {"lr": 0.1})())
+    optimizer = training.optimizer(model, type("Args", (), {"lr": 0.1, "settings": training.settings})())
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert held == {id(p) for p in model.parameters() if p.requires_grad}
 

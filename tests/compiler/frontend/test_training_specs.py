@@ -129,10 +129,10 @@ def test_lbfgs_gets_the_closure_form_of_the_step_and_trains(tmp_path):
     script = (tmp_path / "out" / "train_m.py").read_text()
     # The spec says the optimizer's step takes a closure; the runtime's loop
     # (loop.Single.step, tests/runtime/test_loop.py) recomputes the loss in it.
-    assert "    return torch.optim.LBFGS(model.parameters(), lr=args.lr)" in script
+    assert "    return torch.optim.LBFGS(model.parameters(), lr=args.lr, **kwargs)" in script
     assert "    closure=True," in script.splitlines()
     printed = train_one_step(tmp_path / "out" / "train_m.py")
-    assert printed.splitlines()[1].startswith("step 1/1  loss ")
+    assert printed.splitlines()[2].startswith("step 1/1  loss ")  # after threads, the summary
 
 
 def test_lbfgs_passes_the_generated_tests_on_one_device(tmp_path):

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import logging
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -133,19 +132,6 @@ def _recording_calls(root: nn.Module, calls: dict):
             handle.remove()
 
 
-@contextlib.contextmanager
-def _quiet_logs() -> Iterator[None]:
-    """No log records while dynamo traces: a failed trace is one line
-    (TraceFailure's), but torch 2.14's FakeTensor logs the kernel that failed
-    with its traceback at ERROR before raising."""
-    before = logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logging.disable(before)
-
-
 def capture(root: nn.Module, inputs: Sequence[InputSpec]) -> Captured:
     import torch._dynamo as dynamo  # noqa: PLC0415 (slow to import)
 
@@ -159,7 +145,7 @@ def capture(root: nn.Module, inputs: Sequence[InputSpec]) -> Captured:
     calls: dict[str, list] = {}
     dynamo.reset()
     try:
-        with warnings.catch_warnings(), torch.no_grad(), _quiet_logs():
+        with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
             gm, _ = dynamo.export(root, tracing_mode="symbolic")(**samples)
     except Exception as exc:  # whatever the library's code raised: its line

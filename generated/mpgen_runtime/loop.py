@@ -251,6 +251,7 @@ class Single:
                 optimizer.zero_grad(set_to_none=True)
                 loss, parts = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
                 first.append(parts_losses(parts))
+                del parts  # outputs and targets: not held through backward
                 loss.backward()
                 if args.grad_clip:
                     nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -268,10 +269,11 @@ class Single:
                 self.rates["tokens"] = tokens_per_sample(self.training, batch)
             with self.autocast():
                 micro, parts = forward_loss(model, self.loss_fns, batch[:n], batch[n:])
+            each = [part / args.accumulate for part in parts_losses(parts)]
+            del parts  # outputs and targets: not held through backward (the plan's step)
             if optimizer is not None:
                 self.scaler.scale(micro / args.accumulate).backward()
             loss = loss + micro.detach() / args.accumulate
-            each = [part / args.accumulate for part in parts_losses(parts)]
             self.parts = [a + b for a, b in zip(self.parts, each)] or each
         if optimizer is not None:
             if args.grad_clip:

@@ -303,9 +303,11 @@ def _import_command(sub) -> None:
                           "layers) or TorchDynamo, keeping the module hierarchy as blocks "
                           "(default for installed libraries' models and your classes that "
                           "hold them, and where torch.fx fails)")
-    cmd.add_argument("--input", action="append", required=True, metavar="NAME=D0,D1,...",
+    cmd.add_argument("--input", action="append", metavar="NAME=D0,D1,...",
                      help="a forward argument's shape, dims as sizes or names (batch), "
-                          "optionally :DTYPE (idx=batch,seq:int64); once per argument")
+                          "optionally :DTYPE (idx=batch,seq:int64); once per argument "
+                          "(default: what the library says a torchvision, Hugging Face or "
+                          "timm model takes)")
     cmd.add_argument("-o", "--out", metavar="SPEC", help="write the spec to SPEC, not stdout")
     cmd.add_argument("--force", action="store_true", help="overwrite SPEC if it exists")
     cmd.add_argument("--devices", type=int, metavar="N",
@@ -323,12 +325,19 @@ MAX_IMPORT_DEVICES = 4096
 def _import(args: argparse.Namespace) -> int:
     from mpgen.commands import importer
 
-    inputs = [importer.parse_input(text) for text in args.input]
+    inputs = [importer.parse_input(text) for text in args.input or ()]
     if args.devices is not None and not 1 <= args.devices <= MAX_IMPORT_DEVICES:
         raise MpgenError(None, f"--devices {args.devices}: expected a number of GPUs from 1 "
                                f"to {MAX_IMPORT_DEVICES}")
     root = importer.load_module(args.target, args.args, args.config)
     tracer = args.trace or importer.default_tracer(args.target, root)
+    if not args.input:  # the library's word for what the model takes, recorded as given
+        known = importer.known_inputs(args.target, root)
+        if known is None:
+            raise importer.no_inputs(args.target, root)
+        _say(f"mpgen import: note: {known.note()}", sys.stderr)
+        args.input = list(known.texts)
+        inputs = [importer.parse_input(text) for text in args.input]
     command = ["mpgen", "import", args.target]
     if args.args is not None:
         command += ["--args", args.args]

@@ -130,8 +130,8 @@ def test_nothing_outside_the_runtime_imports_it(module):
 #: The modules of ``mpgen import``, first to last: its passes and the spec they
 #: build (docs/architecture.md); the package itself is the command.
 IMPORTER = [*(f"mpgen.commands.importer.{m}" for m in
-              ("trace", "arguments", "layers", "nodes", "order", "fold", "capture", "scopes",
-               "emit")),
+              ("trace", "inputs", "arguments", "layers", "nodes", "order", "fold", "capture",
+               "scopes", "emit")),
             "mpgen.commands.importer"]
 
 

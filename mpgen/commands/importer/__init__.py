@@ -22,7 +22,8 @@ layer of the spec (docs/import.md):
 
 The passes, one module each, each importing only those before it:
 :mod:`.trace` (the command line's values, the class built, traced and run
-on samples), :mod:`.arguments` (constructor and function arguments),
+on samples), :mod:`.inputs` (the inputs a library's model takes, without
+``--input``), :mod:`.arguments` (constructor and function arguments),
 :mod:`.layers` (the spec being built), :mod:`.nodes` (each node a layer),
 :mod:`.order` (NOTE [Parameter order]), :mod:`.fold` (repeats and blocks),
 :mod:`.capture` and :mod:`.scopes` (the TorchDynamo path) and :mod:`.emit`
@@ -44,6 +45,7 @@ from mpgen.commands.importer.capture import capture
 from mpgen.commands.importer.emit import (
     check_builds, model_name, render, spec_text, write_spec)
 from mpgen.commands.importer.fold import fold_blocks, fold_repeats
+from mpgen.commands.importer.inputs import KnownInputs, known_inputs, no_inputs
 from mpgen.commands.importer.nodes import Importer
 from mpgen.commands.importer.order import param_order, reorder
 from mpgen.commands.importer.scopes import import_hierarchy
@@ -54,8 +56,9 @@ from mpgen.compiler.frontend.limits import DEFAULT_TIME_LIMIT
 from mpgen.errors import MpgenError
 
 __all__ = ["LAYER_FIELDS", "MAX_ARGS_DEPTH", "SAMPLE_BATCH", "SAMPLE_DIM", "Imported",
-           "InputSpec", "TRY_INSTEAD", "TraceFailure", "constructor", "default_tracer",
-           "import_module", "library_modules", "load_module", "parse_input", "write_spec"]
+           "InputSpec", "KnownInputs", "TRY_INSTEAD", "TraceFailure", "constructor",
+           "default_tracer", "import_module", "known_inputs", "library_modules",
+           "load_module", "no_inputs", "parse_input", "write_spec"]
 
 
 @dataclass(frozen=True)

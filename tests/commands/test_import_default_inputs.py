@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 from helpers import mpgen
-from mpgen.commands.importer import known_inputs
+from mpgen.commands.importer import known_inputs, no_inputs
 
 GPT2 = {"vocab_size": 64, "n_embd": 32, "n_layer": 2, "n_head": 4, "n_positions": 64,
         "bos_token_id": 0, "eos_token_id": 0}
@@ -73,9 +73,10 @@ def test_a_model_no_library_describes_names_forwards_arguments(tmp_path):
     ran = mpgen("import", "mine:Pair", "-o", "pair.yaml", cwd=tmp_path)
     assert ran.returncode == 2
     assert ran.stderr == (
-        "mine:Pair: no --input, and only torchvision, Hugging Face and timm models say what "
-        "they take: give Pair.forward's x, mask the shape of each, once per argument, with "
-        "--input x=D0,D1,... (sizes or names: batch,3,32,32)\n")
+        "mine:Pair: no --input, and Pair is none of the models whose inputs mpgen knows "
+        "(torchvision classification, timm, Hugging Face of input_ids or pixel_values): give "
+        "Pair.forward's x, mask the shape of each, once per argument, with --input "
+        "x=D0,D1,... (each dim a size or a name such as batch)\n")
     assert ran.stdout == ""
     assert not (tmp_path / "pair.yaml").exists()
 
@@ -96,3 +97,15 @@ def test_a_timm_model_takes_its_configured_size():
     assert known_inputs("timm:create_model", model).texts == ("x=batch,3,32,32",)
     model = timm.create_model("resnet10t")  # pretrained_cfg: input_size (3, 176, 176)
     assert known_inputs("timm:create_model", model).texts == ("x=batch,3,176,176",)
+
+
+def test_a_hugging_face_model_of_other_inputs_needs_input():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.WhisperConfig(d_model=32, encoder_layers=1, encoder_attention_heads=4,
+                                        encoder_ffn_dim=64, num_mel_bins=8,
+                                        max_source_positions=16)
+    encoder = transformers.models.whisper.modeling_whisper.WhisperEncoder(config)
+    target = "transformers.models.whisper.modeling_whisper:WhisperEncoder"
+    assert known_inputs(target, encoder) is None  # its main input: input_features
+    assert "give WhisperEncoder.forward's input_features its shape with --input " \
+           "input_features=D0,D1,..." in no_inputs(target, encoder).message

@@ -52,10 +52,11 @@ def no_inputs(target: str, root: nn.Module) -> MpgenError:
     required = [p.name for p in names if p.default is p.empty] or [p.name for p in names]
     first = required[0] if required else "x"
     each = "its shape" if len(required) == 1 else "the shape of each, once per argument,"
-    return MpgenError(None, f"{target}: no --input, and only torchvision, Hugging Face and "
-                            f"timm models say what they take: give {cls}.forward's "
+    return MpgenError(None, f"{target}: no --input, and {cls} is none of the models whose "
+                            f"inputs mpgen knows (torchvision classification, timm, Hugging "
+                            f"Face of input_ids or pixel_values): give {cls}.forward's "
                             f"{', '.join(required) or 'argument'} {each} with --input "
-                            f"{first}=D0,D1,... (sizes or names: batch,3,32,32)")
+                            f"{first}=D0,D1,... (each dim a size or a name such as batch)")
 
 
 def _arguments(root: nn.Module) -> list[inspect.Parameter]:

@@ -174,10 +174,15 @@ def test_the_environments_mpgen_imports_and_builds_torchvision_resnet18(tmp_path
     ``mpgen build`` builds it, and the generated model loads torchvision's
     weights by name and computes what torchvision's computes."""
     console = [str(Path(sys.executable).with_name("mpgen"))]
-    imported = mpgen_process("import", "torchvision.models:resnet18", "--input", IMAGES[0],
+    # No --input: torchvision's builder says what it takes (224x224 images).
+    imported = mpgen_process("import", "torchvision.models:resnet18",
                              "-o", "resnet18.yaml", cwd=tmp_path, command=console)
     assert imported.returncode == 0, imported.stderr
-    assert imported.stderr == "wrote resnet18.yaml (ResNet, 11 layers)\n"
+    assert imported.stderr.splitlines() == [
+        "mpgen import: note: --input x=batch,3,224,224 (torchvision's resnet18 weights take "
+        "224x224 images); give --input to change it",
+        "wrote resnet18.yaml (ResNet, 11 layers)",
+    ]
     built = mpgen_process("build", "resnet18.yaml", "-o", "out", "--device-map", "cpu",
                           cwd=tmp_path, command=console)
     assert built.returncode == 0, built.stderr

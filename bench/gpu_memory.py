@@ -100,6 +100,8 @@ class _Defaults:
         self._training = training
 
     def __getattr__(self, flag: str):
+        if flag == "settings":  # the spec's train: settings, as args.settings holds them
+            return self._training.settings
         return self._training.default(flag)
 
 
@@ -114,12 +116,12 @@ def _step_peaks(folder: Path, entry: dict) -> dict[str, int]:
         torch.manual_seed(0)
         model = training.model().train()
         optimizer = training.optimizer(model, _Defaults(training))
-        loss_fns = training.losses()
+        loss_fns = training.losses(training.settings)
         inputs, targets = training.make_batch(entry["batch"])
 
         def step() -> None:
             optimizer.zero_grad(set_to_none=True)
-            loss, _ = training.forward_loss(model, loss_fns, inputs, targets)
+            loss = training.forward_loss(model, loss_fns, inputs, targets)[0]  # parts dropped, as the loop does
             loss.backward()
             optimizer.step()
 

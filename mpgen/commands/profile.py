@@ -223,7 +223,7 @@ def load_program(folder: Path, module: str, device: str,
         targets = tuple(x if x is None else x.to(target) for x in batch[n:])
         torch.manual_seed(0)
         modules = [stage().to(target) for stage in stages.stages]
-        loss_fns = training.losses()
+        loss_fns = training.losses(training.settings)
     index = torch.arange(args.batch_size)
 
     def sync() -> None:
@@ -231,7 +231,7 @@ def load_program(folder: Path, module: str, device: str,
             torch.cuda.synchronize(target)
 
     return Program(modules, inputs,
-                   lambda outputs: stages.loss(outputs, index, targets, loss_fns, 1),
+                   lambda outputs: stages.loss(outputs, index, targets, loss_fns, 1)[0],
                    lambda: loop.autocast(target.type, args.amp), sync, clock)
 
 

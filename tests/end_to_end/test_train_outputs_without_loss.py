@@ -46,7 +46,7 @@ def test_the_loss_is_the_references_cross_entropy_of_the_logits(lstm):
     model = training.model().eval()
     model.load_state_dict(reference.state_dict(), strict=True)
     (tokens, h0, c0), targets = training.make_batch(3, seq=5)
-    loss, _ = training.forward_loss(model, training.losses(), (tokens, h0, c0), targets)
+    loss, _ = training.forward_loss(model, training.losses(training.settings), (tokens, h0, c0), targets)
     logits, hn, cn = reference(tokens, (h0, c0))
     expected = F.cross_entropy(logits.flatten(0, -2), targets[0].flatten())
     torch.testing.assert_close(loss, expected, rtol=1e-6, atol=1e-6)

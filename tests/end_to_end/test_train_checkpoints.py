@@ -74,7 +74,7 @@ def test_resnet18_three_steps_and_a_resume_to_six_equal_six_steps_bit_for_bit(tm
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
     # No temporary file left; the log has every step once, the resumed run appended.
-    assert written(tmp_path / "B") == ["last.pt", "log.csv"]
+    assert written(tmp_path / "B") == ["hparams.json", "last.pt", "log.csv"]
     with (tmp_path / "B" / "log.csv").open() as f:
         assert [row["step"] for row in csv.DictReader(f)] == ["1", "2", "3", "4", "5", "6"]
 
@@ -83,7 +83,8 @@ def test_the_checkpoint_holds_model_optimizer_step_and_every_rng(simple, tmp_pat
     run = train(simple, "--steps", "2", "--checkpoint", str(tmp_path / "c"))
     assert run.returncode == 0, run.stderr
     state = load(tmp_path / "c" / "last.pt")
-    assert sorted(state) == ["model", "optimizer", "rng", "scaler", "scheduler", "step"]
+    assert sorted(state) == ["model", "monitor", "optimizer", "overrides", "rng", "scaler",
+                             "scheduler", "settings", "step"]
     assert state["step"] == 2
     assert sorted(state["rng"]) == ["python", "torch"]  # no CUDA here
     assert sorted(state["optimizer"]) == ["param_groups", "state"]
@@ -124,11 +125,15 @@ def test_resume_needs_a_checkpoint_folder(simple):
         "train_simple_model.py: error: --resume needs --checkpoint DIR")
 
 
-def _small_file_limit() -> None:
-    """In the child: files may not grow past 1 KiB (a write past it fails
-    with EFBIG instead of killing the process)."""
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))
+def _file_limit(most: int):
+    """In the child: files may not grow past ``most`` bytes (a write past it
+    fails with EFBIG instead of killing the process)."""
+
+    def limit() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (most, most))
+
+    return limit
 
 
 def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(simple, tmp_path):
@@ -136,17 +141,18 @@ def test_a_crash_during_a_save_leaves_the_previous_checkpoint_loadable(simple, t
     first = train(simple, "--steps", "2", "--checkpoint", str(folder))
     assert first.returncode == 0, first.stderr
     before = (folder / "last.pt").read_bytes()
-    assert len(before) > 1024
+    hparams = (folder / "hparams.json").stat().st_size  # the log's, written at the start
+    assert hparams < len(before) // 2
     # torch.save fails part way through the file: a real failing write.
     run = train(simple, "--steps", "4", "--checkpoint", str(folder), "--resume",
-                preexec_fn=_small_file_limit)
+                preexec_fn=_file_limit(len(before) // 2))
     assert run.returncode == 1
     assert run.stderr == (f"step 4: cannot write {folder}/last.pt ([Errno 27] File too large); "
                           "the previous checkpoint is kept\n")
     assert (folder / "last.pt").read_bytes() == before
     assert load(folder / "last.pt")["step"] == 2
     # No temporary file left.
-    assert written(folder) == ["last.pt", "log.csv"]
+    assert written(folder) == ["hparams.json", "last.pt", "log.csv"]
 
 
 def test_ctrl_c_finishes_the_step_saves_and_exits(simple, tmp_path):

@@ -468,8 +468,12 @@ def test_eval_every_k_evaluates_at_k_2k_and_the_end(cls, here, capsys):
     assert [row["step"] for row in evaluated] == ["2", "4", "5"]
     assert all(0 <= float(row["eval_accuracy"]) <= 1 for row in evaluated)
     last = evaluated[-1]
-    assert run.out.splitlines()[-2] == (f"eval loss {float(last['eval_loss']):.6f}, "
+    # The summary's evaluation, the log's path, then the best step (--monitor's eval_loss).
+    assert run.out.splitlines()[-3] == (f"eval loss {float(last['eval_loss']):.6f}, "
                                         f"accuracy {float(last['eval_accuracy']):.2%}")
+    best = min(evaluated, key=lambda row: float(row["eval_loss"]))
+    assert run.out.splitlines()[-1].startswith(f"best eval loss ")
+    assert run.out.splitlines()[-1].endswith(f" at step {best['step']}")
 
 
 def test_eval_data_gives_the_loss_and_accuracy_of_the_trained_model(cls, here, capsys):
@@ -758,7 +762,7 @@ def test_segmentation_classes_on_dim_1_train_and_accuracy_counts_pixels(seg, her
     import mpgen_runtime.loop
 
     assert mpgen_runtime.loop.evaluate(seg.train.TRAINING, model, (nn.CrossEntropyLoss(),),
-                                       [(batch["x"], wrong)], autocast)[1] == [31 / 32]
+                                       [(batch["x"], wrong)], autocast)["eval_accuracy"] == 31 / 32
 
 
 # Resume ---------------------------------------------------------------------
@@ -814,7 +818,8 @@ def test_without_a_terminal_progress_is_plain_lines_the_log_a_csv_and_a_summary(
     assert re.fullmatch(r"trained 4 steps in [0-9.]+ s \([0-9,]+ samples/s\); "
                         rf"loss [0-9.]+ -> {float(rows[2]['loss']):.6f}", lines[5]), lines[5]
     assert lines[6].startswith("eval loss ") and "accuracy" in lines[6]
-    assert lines[7:] == ["log: logs/log.csv"]
+    assert lines[7] == "log: logs/log.csv"
+    assert re.fullmatch(r"best eval loss [0-9.]+ at step [24]", lines[8]) and len(lines) == 9
     assert list(rows[0]) == ["step", "epoch", "loss", "lr", "seconds_per_step",
                              "samples_per_second", "eval_loss", "eval_accuracy",
                              "tokens_per_second", "grad_norm", "idle", "mfu"]

@@ -116,6 +116,11 @@ class Single:
 
     logs = True
     evaluates = False  # whether the run has evaluation data (run() says)
+    #: Whether SIGTERM comes from torchrun's agent, which sends it to every
+    #: worker once one ends, again as it shuts down, and SIGKILL 30 s later:
+    #: then a second SIGTERM does not end the rank at once (it would, before
+    #: the rank named the lost ones; NOTE [A lost rank]).
+    agent_sigterm = False
 
     def __init__(self, training: Training, args, data, last: int) -> None:
         self.training, self.args, self.data = training, args, data
@@ -397,7 +402,8 @@ def run(
 
     def on_signal(signum, frame) -> None:
         interrupted.append(signum)
-        signal.signal(signum, defaults[signum])  # a second one stops at once
+        if signum == signal.SIGINT or not engine.agent_sigterm:
+            signal.signal(signum, defaults[signum])  # a second one stops at once
 
     previous = {s: signal.signal(s, on_signal) for s in handled}
     probe = memory.probe(engine, done, last) if args.memory else None

@@ -264,6 +264,8 @@ class Pipelined:
     optimizer's step; the loss, from the last stages, and whether any rank
     was interrupted go to every rank in one all_reduce."""
 
+    agent_sigterm = True  # torchrun's agent sends SIGTERM twice (loop.Single)
+
     def __init__(self, stages: Stages, args, grid: mesh.Mesh, device) -> None:
         self.stages, self.args, self.grid, self.device = stages, args, grid, device
         training, count = stages.training, len(stages.stages)

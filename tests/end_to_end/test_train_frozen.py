@@ -89,7 +89,7 @@ def test_the_model_freezes_them_with_the_same_keys(frozen):
     assert {k for k, p in model.named_parameters() if not p.requires_grad} == set(FROZEN_KEYS)
     model.load_state_dict(load(frozen / "init.pt"), strict=True)  # --init's keys, unchanged
     training = import_generated(frozen / "train_frozen_net.py").TRAINING
-    optimizer = training.optimizer(model, type("Args", (), {"lr": 0.1})())
+    optimizer = training.optimizer(model, type("Args", (), {"lr": 0.1, "settings": training.settings})())
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert held == {id(p) for p in model.parameters() if p.requires_grad}
 

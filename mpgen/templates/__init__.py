@@ -25,4 +25,5 @@ LOADED = frozenset({
     "filelock", "fsspec", "typing_extensions", "setuptools", "pkg_resources", "cython_runtime",
     "_pytest", "pluggy", "iniconfig", "packaging", "py", "pygments", "conftest",
     "tensorboard", "google", "absl", "grpc", "PIL", "werkzeug", "markdown", "six",
+    "cuda",  # cuda-bindings, which a CUDA build of torch (PyPI's 2.14) imports
 })

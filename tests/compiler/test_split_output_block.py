@@ -81,7 +81,7 @@ def test_the_body_splits_and_its_output_keeps_its_name(tmp_path):
     assert code.rstrip().endswith("norm = self.model.norm(layers)  # [batch, seq, 32]\n"
                                   "        return norm")
     # the scripts know the output by its name, on the device it ends on
-    assert '"""The loss: MSELoss of model, on cuda:1."""' in result.files[f"train_{stem}.py"]
+    assert '"""The loss: MSELoss of model, on cuda:1;' in result.files[f"train_{stem}.py"]
     assert "outputs=(\"model\",)" in result.files[f"predict_{stem}.py"]
     assert "model.norm" in result.files[f"pp_{stem}.py"]
 

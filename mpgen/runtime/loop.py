@@ -413,7 +413,8 @@ def run(
                 probe.start()
             loss = engine.step(stream)
             if measured:
-                print("\n".join(probe.stop()))
+                sys.stdout.write("".join(f"{line}\n" for line in probe.stop()))
+                sys.stdout.flush()  # one write: the ranks share the terminal
             if not torch.isfinite(loss):
                 kept = f" ({engine.where} keeps step {done})" if args.checkpoint else ""
                 engine.stop(f"step {step}: the loss is {loss.item()}; stopping{kept}")

@@ -21,14 +21,22 @@ from mpgen.testing import virtual_devices
 def train_one_step(script: Path) -> str:
     """Run ``script``'s training (``python script --steps 1``) in this
     process, on the runtime of its folder; what it printed."""
+    model = script.stem.removeprefix("train_")
+    before, path = sys.modules.get(model), list(sys.path)
     _forget_model(script.name.removeprefix("train_"))
-    module = import_generated(script)
-    import mpgen_runtime  # the copy in the script's folder, now on sys.path
+    try:
+        module = import_generated(script)
+        import mpgen_runtime  # the copy in the script's folder, now on sys.path
 
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        mpgen_runtime.train(module.TRAINING, ["--steps", "1"])
-    return out.getvalue()
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            mpgen_runtime.train(module.TRAINING, ["--steps", "1"])
+        return out.getvalue()
+    finally:  # a test module of the same name (tests/runtime/tiny.py) is left as it was
+        sys.modules.pop(model, None)
+        if before is not None:
+            sys.modules[model] = before
+        sys.path[:] = path
 
 
 def run_suite_on_virtual_devices(test_file: Path) -> list[str]:

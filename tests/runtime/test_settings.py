@@ -17,7 +17,7 @@ from mpgen.runtime import flags, settings
 from mpgen.spec_schema.load import load_text
 from mpgen.spec_schema.models import TrainSpec
 
-from tiny import training
+from tiny import STAGES, training
 
 SETTINGS = {
     "loss": {"op": "CrossEntropyLoss"},
@@ -162,8 +162,6 @@ def test_a_flag_and_a_set_of_the_same_setting_are_refused(capsys):
 
 
 def test_the_pipeline_program_refuses_fp16(capsys):
-    from tiny import STAGES
-
     with pytest.raises(SystemExit):
         parsed(["--set", "amp=fp16"], STAGES)
     assert "bf16 or not at all" in capsys.readouterr().err

@@ -186,11 +186,12 @@ def compiled(result: Generated, device_map: Optional[Mapping[str, str]],
     entry = manifest.entry(graph.spec_path, _key(graph.spec_hash, device_map), result.files,
                            _summary(graph), source, graph.spec_hash, user_code)
     from mpgen.compiler.analysis.schedule import profile_notes
-    from mpgen.compiler.codegen.pp import batch_norm_notes
+    from mpgen.compiler.codegen.pp import batch_norm_notes, memory_notes
     from mpgen.compiler.codegen.generate import cache_notes
 
     notes = tuple(path_notes([result], out_dir)) if out_dir is not None else ()
     notes += tuple(batch_norm_notes(graph)) + tuple(profile_notes(graph))
+    notes += tuple(memory_notes(graph))
     notes += tuple(cache_notes(graph))
     return Built(result.spec_path, result.files, entry, result, notes, False,
                  (graph.name, graph.pos))

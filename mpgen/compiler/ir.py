@@ -1028,6 +1028,10 @@ class MemoryPlan:
     schedule: str = "1f1b"
     microbatches: int = 1
     dp: int = 1
+    #: The modes whose step could not be simulated, each with why (the
+    #: exception's first line) and the layer it raised in, where one did:
+    #: their peaks are the additive estimate (a build note says so).
+    unsimulated: tuple[tuple[str, str, Optional[Position]], ...] = ()
 
     def of(self, mode: str) -> dict[str, DeviceMemory]:
         """Device -> its memory in ``mode``: train, pipeline or inference."""

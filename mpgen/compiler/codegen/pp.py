@@ -64,6 +64,7 @@ from mpgen.compiler.frontend.namespace import GLOBALS, Namespace
 from mpgen.compiler.ir import Expr, Graph, Node, OpKind, PipelineConfig, Step, unit_labels
 from mpgen.compiler.placement.pipelining import checkpointed_units
 from mpgen.compiler.placement.stages import Stage, stages
+from mpgen.errors import Position, escaped
 
 RUNTIME = train_codegen.RUNTIME
 #: The names the file defines, claimed in this order after what it imports.
@@ -414,6 +415,38 @@ def _per_sample(graph: Graph) -> dict[str, object]:
     if flops:
         found["flops"] = per_sample(flops)
     return found
+
+
+#: What each mode of the memory plan simulates, as a note names it.
+_SIMULATED = {"train": "the training step", "pipeline": "the pipeline program's step",
+              "inference": "a forward without gradients"}
+
+
+def memory_notes(graph: Graph) -> list[str]:
+    """``SPEC:LINE:COL: note: ...`` for each way of running the model whose
+    step the memory plan could not simulate (at the layer that raised, else
+    the spec's first line): its peaks are the additive estimate, which the
+    placement report marks "estimate". None where the spec itself chose the
+    estimate (too many layer runs, a recurrent layer: the same on every
+    machine), nor for the pipeline program where the layout cannot run it
+    (pp_<name>.py says why when it is run)."""
+    plan = graph.memory
+    if plan is None or not plan.unsimulated or not graph.nodes:
+        return []
+    same: dict[tuple[str, Position], list[str]] = {}  # one note per cause, naming its modes
+    for mode, why, pos in plan.unsimulated:
+        if mode == "pipeline" and pipeline_problem(graph, stages(graph, graph.spec_plan)):
+            continue
+        same.setdefault((why, pos or Position(graph.nodes[0].pos.file, 1, 1)), []).append(mode)
+    notes = []
+    for (why, where), modes in same.items():
+        named = [_SIMULATED[m] for m in modes]
+        what = named[0] if len(named) == 1 else ", ".join(named[:-1]) + " or " + named[-1]
+        its = "its peaks are" if len(named) == 1 else "their peaks are"
+        notes.append(f"{where}: note: the memory plan could not simulate {what} "
+                     f"({escaped(why)}), so {its} the additive estimate (\"estimate\" in the "
+                     "placement report)")
+    return notes
 
 
 def batch_norm_notes(graph: Graph) -> list[str]:

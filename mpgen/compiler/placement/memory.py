@@ -111,7 +111,7 @@ from mpgen.compiler.ir import MEMORY_PARTS, DeviceMemory, Graph, MemoryPlan, Nod
 from mpgen.compiler.placement.devices import map_device
 from mpgen.compiler.placement.pipelining import checkpointed_units
 from mpgen.compiler.placement.stages import stages as pipeline_stages
-from mpgen.errors import MpgenError
+from mpgen.errors import MpgenError, Position
 
 _META = torch.device("meta")
 _aten = torch.ops.aten
@@ -338,6 +338,7 @@ class _Model:
                                                  owner.get_parameter(tie.owner_param))
         self.checkpointed = checkpointed_units(graph)
         self.training = False
+        self.failed_at: Optional[Node] = None  # the layer whose run raised, if one did
         self.params: dict[int, tuple[nn.Parameter, str, str]] = {}  # id -> (p, device, unit)
         self.buffers: list[tuple[torch.Tensor, str, str]] = []
         for (name, k), module in self.modules.items():
@@ -429,9 +430,15 @@ class _Model:
             # generated code's training values (SDPA with dropout takes the
             # math path, saving its probabilities and mask), also when a
             # checkpointed unit recomputes in backward.
-            with (torch.nn.utils.stateless._reparametrize_module(module, swaps)
-                  if swaps else contextlib.nullcontext()), meta.training(training):
-                return meta.run(node, module, list(tensors), {}, self.hooks, env=names)
+            try:
+                with (torch.nn.utils.stateless._reparametrize_module(module, swaps)
+                      if swaps else contextlib.nullcontext()), meta.training(training):
+                    return meta.run(node, module, list(tensors), {}, self.hooks, env=names)
+            except OutOfBudget:
+                raise
+            except Exception:
+                self.failed_at = node  # the layer a build note names (_or_estimate)
+                raise
 
         if checkpoint and node.op.has_module:
             # The recompute keeps ``call`` until backward: it must not keep
@@ -577,24 +584,29 @@ def plan(graph: Graph, *, batch: int | None = None, microbatches: int | None = N
                           schedule, microbatches, dp)
     # The budget is checked between units and steps, never inside an operator:
     # an exception raised from inside a fake tensor's kernel can abort the process.
+    unsimulated: list[tuple[str, str, Optional[Position]]] = []
     with warnings.catch_warnings(), _no_collection():
         warnings.simplefilter("ignore")
+        built: Optional[str] = None  # why the layers could not be built, if they could not
         try:
             model = _model(graph, budget)
         except OutOfBudget:
             raise
-        except Exception:  # a layer the simulation cannot build: the estimate stands in
-            model = None
+        except Exception as problem:  # a layer the simulation cannot build: the estimate stands in
+            model, built = None, _why(problem)
         train = inference = pipeline = ()
         if "train" in modes:
-            train = _or_estimate(graph, batch, lambda: _train(model, {**dims, "batch": batch}))
+            train = _or_estimate(graph, batch, lambda: _train(model, {**dims, "batch": batch}),
+                                 "train", model, built, unsimulated)
         if "inference" in modes:
             inference = _or_estimate(graph, batch, lambda: _inference(
-                model, {**dims, "batch": batch}), inference=True)
+                model, {**dims, "batch": batch}), "inference", model, built, unsimulated)
         if "pipeline" in modes:
             pipeline = _or_estimate(graph, mb, lambda: _pipeline(
-                model, {**dims, "batch": mb}, schedule, microbatches, budget))
-    return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp)
+                model, {**dims, "batch": mb}, schedule, microbatches, budget),
+                "pipeline", model, built, unsimulated)
+    return MemoryPlan(batch, train, pipeline, inference, schedule, microbatches, dp,
+                      tuple(unsimulated))
 
 
 @contextlib.contextmanager
@@ -646,17 +658,32 @@ def _too_large(graph: Graph) -> bool:
     return runs(graph.nodes) > MAX_SIMULATED_LAYERS or recurrent
 
 
-def _or_estimate(graph: Graph, batch: int, simulate: Callable[[], tuple],
-                 inference: bool = False) -> tuple[DeviceMemory, ...]:
+def _or_estimate(graph: Graph, batch: int, simulate: Callable[[], tuple], mode: str,
+                 model: Optional[_Model], built: Optional[str],
+                 unsimulated: list[tuple[str, str, Optional[Position]]]
+                 ) -> tuple[DeviceMemory, ...]:
     """``simulate()``, or where it cannot run (an operator without a fake
     kernel, a layout the schedule cannot run: check_pipeline says why), the
-    additive estimate of analysis/costs.py at ``batch`` (phase "estimate")."""
+    additive estimate of analysis/costs.py at ``batch`` (phase "estimate"),
+    with ``mode``, why and the layer that raised added to ``unsimulated``
+    (codegen/report.py's ``memory_notes`` says so: never silently)."""
+    if model is not None:
+        model.failed_at = None
     try:
         return simulate()
     except OutOfBudget:
         raise
-    except Exception:
-        return _estimate(graph, batch, inference)
+    except Exception as problem:
+        at = model.failed_at if model is not None else None
+        unsimulated.append((mode, built or _why(problem), at.pos if at is not None else None))
+        return _estimate(graph, batch, mode == "inference")
+
+
+def _why(problem: Exception) -> str:
+    """An exception in a few words: its type and first line, at most 160 characters."""
+    lines = str(problem).strip().splitlines()
+    text = f"{type(problem).__name__}: {lines[0]}" if lines else type(problem).__name__
+    return text if len(text) <= 160 else text[:157] + "..."
 
 
 def _estimate(graph: Graph, batch: int, inference: bool) -> tuple[DeviceMemory, ...]:

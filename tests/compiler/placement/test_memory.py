@@ -448,11 +448,62 @@ def test_where_the_simulation_cannot_run_the_additive_estimate_stands_in(tmp_pat
     def fails():
         raise NotImplementedError("an operator without a fake kernel")
 
-    (estimate,) = memory._or_estimate(graph, 32, fails)
+    unsimulated = []
+    (estimate,) = memory._or_estimate(graph, 32, fails, "train", None, None, unsimulated)
+    assert unsimulated == [("train", "NotImplementedError: an operator without a fake kernel",
+                            None)]
     unit_sum = sum(u.weight_bytes + u.grad_bytes + u.optimizer_bytes + u.activation_bytes
                    for u in graph.costs.units)
     assert (estimate.device, estimate.phase, estimate.peak) == ("cpu", "estimate", unit_sum)
     assert estimate.weights == graph.memory.of("train")["cpu"].weights
+
+
+NUMPY_LAYER = """\
+import numpy as np
+import torch
+from torch import nn
+
+
+class Rank(nn.Module):
+    \"\"\"Each row's values by rank: numpy on real data, a shaped empty on meta.\"\"\"
+
+    def forward(self, x):
+        if x.is_meta:
+            return torch.empty_like(x)
+        return torch.from_numpy(np.argsort(x.detach().cpu().numpy(), axis=-1).astype("float32"))
+"""
+
+
+def test_a_step_the_plan_cannot_simulate_is_a_note_at_its_layer(tmp_path):
+    """A layer whose forward needs real data (numpy) runs on the meta device
+    but not on fake tensors: the plan's training step is the additive
+    estimate, and the build says so at that layer, never silently."""
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "ranks.py").write_text(NUMPY_LAYER)
+    spec = write_spec(tmp_path, """\
+        mpgen: 1
+        name: Ranked
+        inputs:
+          x: [batch, 8]
+        layers:
+          fc: {op: Linear, args: [8, 8]}
+          rank: {op: ranks.Rank}
+          head: {op: Linear, args: [8, 2]}
+        train:
+          loss: CrossEntropyLoss
+          optimizer: {op: SGD, lr: 0.1}
+          batch_size: 4
+    """)
+    ran = mpgen("build", str(spec), "-o", str(tmp_path / "out"), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    notes = [line for line in ran.stderr.splitlines() if "memory plan" in line]
+    assert notes == [
+        f"{spec}:7:3: note: the memory plan could not simulate the training step, a forward "
+        "without gradients or the pipeline program's step (RuntimeError: .numpy() is not "
+        "supported for tensor subclasses.), so their peaks are the additive estimate "
+        "(\"estimate\" in the placement report)"]
+    report = (tmp_path / "out" / "ranked.placement.md").read_text()
+    assert "`estimate`" in report
 
 
 def test_a_capacity_with_room_builds(tmp_path):

@@ -72,7 +72,7 @@ HELP = {
     "pp_resume": "continue from DIR's newest complete checkpoint, on any --dp or layout; none yet: start "
     "at step 0 (one command line for the first launch and torchrun --max-restarts)",
     "monitor": "the evaluation metric (a column of log.csv's evaluation rows) whose best step is kept "
-    "as {} (default: eval_loss where the run has evaluation data, else none)",
+    "as {} (default: {} where the run has evaluation data, else none)",
     "monitor_mode": "whether lower or higher --monitor is better (default: as its name says: a loss, "
     "perplexity or error min; an accuracy, F1... max)",
     "keep_last": "keep the N newest saves: {} (the best kept besides)",
@@ -154,9 +154,11 @@ def parser(
         "--monitor",
         default=d("monitor"),
         metavar="METRIC",
-        help=HELP["monitor"].format(best),
+        help=HELP["monitor"].format(best, d("monitor") or "eval_loss"),
     )
     text = HELP["monitor_mode"]
+    if d("monitor_mode"):  # the spec's, shown as (default: max)
+        text = text.split(" (default")[0]
     add("--monitor-mode", choices=("min", "max"), default=d("monitor_mode"), help=text)
     kept = (
         "DIR/step_N folders" if pipeline else "last.pt and, past 1, DIR/step_N.pt files"

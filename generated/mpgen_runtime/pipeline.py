@@ -1045,7 +1045,9 @@ def train(stages: Stages, argv: list[str] | None = None) -> None:
     evaluates = bool(args.eval_data or args.eval_split or args.eval_every) and not note
     if note and environ.get("RANK") == "0":
         print(note)
-    choose(parser, args, stages.training, evaluates)
+    unwatched = choose(parser, args, stages.training, evaluates)
+    if unwatched and environ.get("RANK") == "0":
+        print(unwatched)
     ranks = mesh.stage_ranks(stages, args.schedule)
     pp = max(ranks) + 1
     world = pp * args.dp

@@ -44,7 +44,7 @@ from torch.optim import lr_scheduler
 TRAIN_KEYS = ("loss", "optimizer", "batch_size", "steps", "seed", "log_every", "dims")
 TRAIN_KEYS += ("epochs", "scheduler", "grad_clip", "accumulate", "amp", "no_decay")
 TRAIN_KEYS += ("data", "eval_data", "eval_every", "eval_split", "samples", "workers")
-TRAIN_KEYS += ("metrics",)
+TRAIN_KEYS += ("metrics", "monitor", "monitor_mode", "keep_last", "early_stop")
 #: The keys only a rebuild changes, and what they make.
 REBUILT = {"metrics": "the evaluation's code"}
 #: The largest size (a batch, the synthetic samples), as the build's.
@@ -60,9 +60,13 @@ INTEGERS = {
     "eval_every": (0, None),
     "samples": (1, None),
     "workers": (0, 256),
+    "keep_last": (1, None),
+    "early_stop": (0, None),
 }
 #: The settings that may be null (absent in the spec).
-NULLABLE = ("epochs", "scheduler", "grad_clip", "data", "eval_data")
+NULLABLE = ("epochs", "scheduler", "grad_clip", "data", "eval_data", "monitor")
+NULLABLE += ("monitor_mode",)
+MONITOR_MODES = ("min", "max")
 #: The seeds torch.manual_seed takes.
 SEEDS = (-(2**63), 2**64 - 1)
 NO_DECAY = ("biases", "norms", "embeddings")
@@ -87,7 +91,7 @@ SPELLED = {"lr": "learning rate", "eps": "epsilon", "betas": "beta"}
 #: The flags a top-level setting sets (the rest are read from args.settings).
 FLAGS = ("steps", "epochs", "batch_size", "seed", "log_every", "grad_clip")
 FLAGS += ("accumulate", "amp", "eval_split", "eval_every", "samples", "workers")
-FLAGS += ("data", "eval_data")
+FLAGS += ("data", "eval_data", "monitor", "monitor_mode", "keep_last", "early_stop")
 
 
 class Refused(Exception):
@@ -295,6 +299,16 @@ def _check_plain(key: str, value: Any) -> Any:
         return value
     if key in ("data", "eval_data"):
         return _check_data(key, value)
+    if key == "monitor":  # its column: check(), given the evaluation's columns
+        if not isinstance(value, str):
+            raise Refused(f"train.monitor: expected a string, got {shown(value)}")
+        return value
+    if key == "monitor_mode":
+        if value not in MONITOR_MODES or not isinstance(value, str):
+            raise Refused(
+                f"train.monitor_mode: expected 'min' or 'max', got {shown(value)}"
+            )
+        return value
     raise AssertionError(key)
 
 
@@ -663,11 +677,14 @@ def check_names(settings: dict) -> None:
         )
 
 
-def check(settings: dict, symbols: tuple = (), devices: tuple = ()) -> None:
+def check(
+    settings: dict, symbols: tuple = (), devices: tuple = (), columns: tuple = ()
+) -> None:
     """Raise Refused where ``settings`` (a ``train:`` section, as
     ``Training.settings`` holds one) is not what the spec accepts;
     ``symbols``: the symbolic dims of the model's inputs (train.dims' keys),
-    ``devices``: the model's."""
+    ``devices``: the model's, ``columns``: its evaluation's (what
+    ``monitor`` may name)."""
     for name, size in (settings.get("dims") or {}).items():
         if name not in symbols:
             raise Refused(
@@ -720,6 +737,20 @@ def check(settings: dict, symbols: tuple = (), devices: tuple = ()) -> None:
             "train.eval_split: the evaluation data is train.eval_data; hold out a split "
             "only without it"
         )
+    monitor = settings.get("monitor")
+    if monitor is not None and columns and monitor not in columns:
+        raise Refused(
+            f"train.monitor: {monitor!r} is not a column of the evaluation"
+            f"{did_you_mean(monitor, columns)}; it has {', '.join(columns)}"
+        )
+    if monitor is not None and settings.get("monitor_mode") is None:
+        from .monitor import mode_of
+
+        if mode_of(monitor) is None:
+            raise Refused(
+                f"train.monitor: the name {monitor!r} does not say whether lower or higher "
+                "is better; add monitor_mode: min or monitor_mode: max"
+            )
     closure = "closure" in inspect.signature(cls.step).parameters and (
         inspect.signature(cls.step).parameters["closure"].default is inspect._empty
     )
@@ -899,7 +930,9 @@ def apply(parser, args, training, pipeline: bool = False, argv=None) -> None:
             why = need_rebuild(spec, new)
             check_names(new)
             # as far as this script's torch can try it
-            check(new, symbols(training), training.devices)
+            check(
+                new, symbols(training), training.devices, tuple(training.eval_metrics)
+            )
             if why is not None:
                 raise Rebuild(f"it changes {why}")
         except Refused as error:

@@ -825,6 +825,10 @@ class TrainConfig:
     #: ``train.metrics``; None: the default (:meth:`metric_columns`).
     metrics: Optional[tuple[Metric, ...]] = None
     loss_per_output: bool = False  # train.loss is a mapping of output -> loss
+    monitor: Optional[str] = None  # the evaluation column whose best step is kept
+    monitor_mode: Optional[str] = None  # "min" | "max"; None: as the name says
+    keep_last: int = 1  # the newest saves kept
+    early_stop: int = 0  # evaluations without a better monitor before stopping; 0: never
 
     @property
     def optimizer_callee(self) -> str:
@@ -837,6 +841,15 @@ class TrainConfig:
         found = {loss.module for loss in self.losses} | {self.optimizer_module}
         found |= {metric.module for metric in self.metrics or ()}
         return tuple(sorted(m for m in found if m))
+
+    def eval_columns(self) -> tuple[str, ...]:
+        """The columns of log.csv's evaluation rows (the runtime's
+        ``metrics.eval_columns``): ``eval_loss``, each output's loss where
+        several have one, each metric's."""
+        outputs = [loss.output for loss in self.losses]
+        each = [f"loss_{name}" for name in outputs] if len(outputs) > 1 else []
+        return tuple(f"eval_{name}" for name in
+                     ["loss", *each, *(c.name for c in self.metric_columns())])
 
     def metric_columns(self) -> tuple[MetricColumn, ...]:
         """Each metric on each output it measures, in the spec's order; by

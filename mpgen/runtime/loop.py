@@ -472,7 +472,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     trackers.check(parser, args)
     check_devices(training, argv)
     data, eval_data = split_data(training, args, parser, training_data(training, args))
-    choose(parser, args, training, evaluates=eval_data is not None)
+    unwatched = choose(parser, args, training, evaluates=eval_data is not None)
     per_epoch = (
         epoch_batches(data, args.batch_size) // args.accumulate
     )  # optimizer steps
@@ -496,6 +496,7 @@ def train(training: Training, argv: list[str] | None = None) -> None:
     if args.overrides:
         print(f"overrides: {' '.join(args.overrides)}")
     note = no_evaluation(args, parser)  # the spec's eval_every with --data alone
-    if note:
-        print(note)
+    for line in (note, unwatched):
+        if line:
+            print(line)
     run(engine, args, last, per_epoch, eval_data)

@@ -48,16 +48,29 @@ def mode_of(metric: str) -> str | None:
     return None
 
 
-def choose(parser, args, training, evaluates: bool) -> None:
+def choose(parser, args, training, evaluates: bool) -> str | None:
     """Settle --monitor (eval_loss by default where the run evaluates, else
     none) and --monitor-mode (by the name where not given); stop in one
     line, as argparse's usage errors end, where the run cannot monitor what
-    the flags ask."""
+    the flags ask. The line to print where the spec's ``monitor`` or
+    ``early_stop`` goes unwatched (a run without evaluation data)."""
 
     def refuse(message: str) -> None:
         parser.exit(2, f"{parser.prog}: error: {message}\n")
 
     known = list(training.eval_metrics)  # the columns of the evaluation's rows
+    # The spec's train.monitor and early_stop are for runs that evaluate: a
+    # run without evaluation data says it keeps no best, and goes on.
+    spec_monitor = training.default("monitor")
+    if not evaluates and (spec_monitor or training.default("early_stop")):
+        if args.monitor == spec_monitor and args.early_stop == training.default(
+            "early_stop"
+        ):
+            args.monitor, args.early_stop = None, 0
+            return (
+                f"monitor: the spec's {spec_monitor or 'eval_loss'} is not watched: this run "
+                "has no evaluation data (give --eval-data or --eval-split)"
+            )
     if args.monitor is None:
         args.monitor = "eval_loss" if evaluates else None
     elif not evaluates:

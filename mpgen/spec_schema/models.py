@@ -1015,6 +1015,19 @@ class TrainSpec(_Model):
         "The evaluation's metrics, logged beside each output's loss (`eval_<name>`, "
         "`--monitor`'s names). Default: the accuracy of each class output and the perplexity "
         "of each token loss; `[]`: none."))
+    monitor: Optional[StrictStr] = Field(default=None, description=(
+        "The evaluation column whose best step is kept (`best.pt`; the pipeline program's "
+        "`DIR/best`): `eval_loss`, `eval_loss_<output>` or `eval_<metric>`. Default: "
+        "`eval_loss` where the run evaluates."))
+    monitor_mode: Optional[Literal["min", "max"]] = Field(default=None, description=(
+        "Whether lower (`min`) or higher (`max`) `monitor` is better. Default: as its name "
+        "says (a loss or a perplexity: min; an accuracy or an F1: max)."))
+    keep_last: StrictInt = Field(default=1, ge=1, description=(
+        "Keep the N newest saves (`last.pt`, and past 1 `DIR/step_N.pt`; the pipeline "
+        "program's `DIR/step_N`), the best kept besides."))
+    early_stop: StrictInt = Field(default=0, ge=0, description=(
+        "Stop after this many evaluations without a better `monitor`, saving as at the "
+        "end; 0: never."))
 
 
 class Spec(_Model):

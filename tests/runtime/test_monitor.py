@@ -211,3 +211,25 @@ def test_a_step_folder_is_read_as_itself_and_a_dangling_best_is_none(tmp_path):
     assert sharded.best_step(str(tmp_path)) is None
     sharded.remove(tmp_path / "best")  # the link, not its target
     assert not (tmp_path / "best").is_symlink() and (tmp_path / "step_5").is_dir()
+
+
+def test_the_build_reads_a_metric_s_direction_as_the_runtime_does():
+    # the front end checks a spec's train.monitor (it cannot import the runtime)
+    from mpgen.compiler.frontend import training as frontend
+
+    assert (frontend._LOWER, frontend._HIGHER) == (monitor.LOWER, monitor.HIGHER)
+    for name in ("eval_loss", "eval_top5_error", "eval_accuracy_cls", "eval_f1", "eval_agreement",
+                 "eval_perplexity", "eval_bleu_score"):
+        assert frontend.monitor_mode(name) == monitor.mode_of(name), name
+
+
+def test_the_spec_s_monitor_is_the_default_and_unwatched_without_evaluation(capsys):
+    made = training(defaults={"monitor": "eval_loss", "monitor_mode": "max", "early_stop": 2})
+    args = SimpleNamespace(monitor="eval_loss", monitor_mode="max", early_stop=2)
+    said = monitor.choose(None, args, made, evaluates=False)
+    assert said == ("monitor: the spec's eval_loss is not watched: this run has no evaluation "
+                    "data (give --eval-data or --eval-split)")
+    assert (args.monitor, args.early_stop) == (None, 0)
+    args = SimpleNamespace(monitor="eval_loss", monitor_mode="max", early_stop=2)
+    assert monitor.choose(None, args, made, evaluates=True) is None
+    assert (args.monitor, args.monitor_mode, args.early_stop) == ("eval_loss", "max", 2)

@@ -138,6 +138,16 @@ CASES = [
     ("adamw_cosine", "metrics", "[accuracy]"),
     ("adamw_cosine", "loss.class_dim", "1"),
     ("adamw_cosine", "loss.ignore_index", "0"),
+    ("adamw_cosine", "monitor", "eval_accuracy"),
+    ("adamw_cosine", "monitor", "eval_acuracy"),
+    ("adamw_cosine", "monitor", "3"),
+    ("sgd_steplr", "monitor", "eval_loss"),
+    ("sgd_steplr", "monitor_mode", "maxx"),
+    ("sgd_steplr", "monitor_mode", "max"),
+    ("adamw_cosine", "keep_last", "0"),
+    ("adamw_cosine", "keep_last", "3"),
+    ("adamw_cosine", "early_stop", "-1"),
+    ("adamw_cosine", "early_stop", "5"),
 ]
 
 
@@ -164,11 +174,11 @@ def build_verdict(tmp_path, train: dict) -> str:
     return "ok"
 
 
-def runtime_verdict(spec_settings: dict, key: str, value) -> str:
+def runtime_verdict(spec_settings: dict, key: str, value, columns: tuple) -> str:
     try:
         new = runtime.changed(spec_settings, key, value)
         runtime.check_names(new)
-        runtime.check(new, ("batch",), ("cpu",))
+        runtime.check(new, ("batch",), ("cpu",), columns)
         if runtime.need_rebuild(spec_settings, new) is not None:
             return "rebuild"
     except runtime.Refused as error:
@@ -186,7 +196,8 @@ def spec_settings(tmp_path_factory) -> dict:
         folder = tmp_path_factory.mktemp(name)
         spec = folder / "spec.yaml"
         spec.write_text(BASE + yaml.safe_dump({"train": train}, sort_keys=False))
-        found[name] = script_settings(compile_spec(spec, {"cuda:0": "cpu"}))
+        graph = compile_spec(spec, {"cuda:0": "cpu"})
+        found[name] = script_settings(graph), graph.train.eval_columns()
     return found
 
 
@@ -194,7 +205,8 @@ def spec_settings(tmp_path_factory) -> dict:
 def test_a_set_is_judged_as_the_build_judges_the_spec(tmp_path, spec_settings, name, key, text):
     value = load_text(f"v: {text}\n", "value.yaml").data["v"]
     assert runtime.parse_value(text) == value or value != value  # the spec's YAML (nan aside)
-    ours = runtime_verdict(spec_settings[name], key, runtime.parse_value(text))
+    settings, columns = spec_settings[name]
+    ours = runtime_verdict(settings, key, runtime.parse_value(text), columns)
     theirs = build_verdict(tmp_path, edited(TRAINS[name], key, value))
     if ours == "rebuild":
         assert theirs == "ok", theirs  # the rebuild it names succeeds

@@ -269,6 +269,8 @@ def settings(graph: Graph) -> dict:
         "data": data(train.data), "eval_data": data(train.eval_data),
         "eval_every": train.eval_every, "eval_split": float(train.eval_split),
         "samples": train.samples, "workers": train.workers,
+        "monitor": train.monitor, "monitor_mode": train.monitor_mode,
+        "keep_last": train.keep_last, "early_stop": train.early_stop,
     }
 
 
@@ -284,6 +286,8 @@ def defaults(graph: Graph) -> dict:
         "grad_clip": float(train.grad_clip or 0.0), "accumulate": train.accumulate,
         "data": data, "eval_data": eval_data, "eval_split": float(train.eval_split),
         "eval_every": train.eval_every, "samples": train.samples, "workers": train.workers,
+        "monitor": train.monitor, "monitor_mode": train.monitor_mode,
+        "keep_last": train.keep_last, "early_stop": train.early_stop,
     }
     if train.scheduler is not None and train.scheduler.built_in:
         given["decay_steps"] = train.steps if train.steps_given else None

@@ -188,8 +188,46 @@ def resolve_train(graph: Graph, spec: Optional[TrainSpec], source: SourceMap,
         weight_decay=_weight_decay(optimizer, spec.optimizer.kwargs),
         dims_given=tuple(name for name in dims if name in spec.dims or name == "batch"),
         loss_per_output=not isinstance(spec.loss, CallSpec),
+        monitor=spec.monitor, monitor_mode=spec.monitor_mode, keep_last=spec.keep_last,
+        early_stop=spec.early_stop,
     )
+    _check_monitor(train, source, errors)
+    errors.raise_if_any()
     return dataclasses.replace(graph, train=train, dims=train.dims)
+
+
+#: The words of a metric's name that say lower or higher is better: the
+#: runtime's monitor.LOWER and HIGHER (which the compiler does not import;
+#: a test keeps them equal).
+_LOWER = ("loss", "perplexity", "ppl", "error", "mse", "mae", "rmse", "wer", "cer")
+_HIGHER = ("accuracy", "acc", "top", "f1", "precision", "recall", "auc", "iou", "dice",
+           "bleu", "rouge", "r2", "map", "score", "correct")
+
+
+def monitor_mode(metric: str) -> Optional[str]:
+    """"min" or "max" as ``metric``'s name says (the runtime's
+    ``monitor.mode_of``), None when it does not."""
+    words = [w for w in re.split(r"[^a-z0-9]+", metric.lower()) if w]
+    for mode, known in (("min", _LOWER), ("max", _HIGHER)):
+        if any(word.startswith(known) for word in words):
+            return mode
+    return None
+
+
+def _check_monitor(train: TrainConfig, source: SourceMap, errors: Collector) -> None:
+    """``train.monitor`` names a column of the evaluation's rows, and says
+    (or ``monitor_mode`` says) whether lower or higher is better."""
+    if train.monitor is None:
+        return
+    columns = train.eval_columns()
+    if train.monitor not in columns:
+        errors.add(source.value(("train", "monitor")), f"train.monitor: {train.monitor!r} is "
+                   f"not a column of the evaluation{did_you_mean(train.monitor, columns)}; it "
+                   f"has {', '.join(columns)}")
+    elif train.monitor_mode is None and monitor_mode(train.monitor) is None:
+        errors.add(source.value(("train", "monitor")), f"train.monitor: the name "
+                   f"{train.monitor!r} does not say whether lower or higher is better; add "
+                   "monitor_mode: min or monitor_mode: max")
 
 
 def _scheduler(spec: SchedulerSpec, optimizer: Optional[Callable[[], torch.optim.Optimizer]],

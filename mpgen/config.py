@@ -68,7 +68,7 @@ MAX_VISITED = 100_000
 #: The analysis budget of a build, in CPU seconds (``frontend.limits``
 #: holds the one the compiler uses; a test keeps the two the same: this
 #: module must not import the compiler).
-DEFAULT_TIME_LIMIT = 8.0
+DEFAULT_TIME_LIMIT = 16.0
 #: The most ``time-limit`` (or ``--time-limit``) may raise the budget to.
 MAX_TIME_LIMIT = 600.0
 

@@ -202,7 +202,7 @@ def test_the_help_says_cpu_seconds():
 
 def test_a_raised_time_limit_shows_in_the_output_of_build_and_check(tmp_path):
     root = project(tmp_path, CONFIG + "time-limit = 60\n")
-    note = "pyproject.toml:7:14: note: time-limit raised to 60 s CPU (default 8 s)\n"
+    note = "pyproject.toml:7:14: note: time-limit raised to 60 s CPU (default 16 s)\n"
     build = mpgen("build", cwd=root)
     assert build.returncode == 0 and build.stderr.startswith(note), build.stderr
     check = mpgen("check", cwd=root)

@@ -125,6 +125,9 @@ KEPT_ENVIRONMENT = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "TZ", "TMPDIR", "
 #: Python and importing torch and the compiler (about 3 s on a 2-core
 #: machine).
 STARTUP_CPU_SECONDS = 20
+#: CPU seconds of one-time imports the budget does not count
+#: (``WorkBudget.paused``), which ``RLIMIT_CPU`` allows for.
+PAUSED_CPU_SECONDS = 3
 #: CPU seconds the child may go on after ``SIGXCPU`` (one second past its
 #: budget) before ``RLIMIT_CPU`` kills it; the parent kills it past its
 #: start-up allowance, its budget and twice this.
@@ -1043,7 +1046,9 @@ def _limit_resources(time_limit: Optional[float]) -> None:
     if time_limit is None:
         return
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    soft = math.ceil(usage.ru_utime + usage.ru_stime + time_limit + 1)
+    # the budget, a second, and the one-time imports it does not count
+    # (WorkBudget.paused: torch's dynamo for the memory plan, about 1 s)
+    soft = math.ceil(usage.ru_utime + usage.ru_stime + time_limit + 1 + PAUSED_CPU_SECONDS)
     with contextlib.suppress(ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_CPU, (soft, soft + GRACE_CPU_SECONDS))
     signal.signal(signal.SIGXCPU, _out_of_cpu)

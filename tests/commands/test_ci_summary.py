@@ -168,7 +168,7 @@ def test_a_raised_time_limit_of_the_project_is_said_as_build_says_it(repo):
     (repo / "pyproject.toml").write_text(pyproject() + "time-limit = 60\n")
     ran = mpgen("ci-summary", "--base", "main", cwd=repo)
     assert ran.returncode == 0, ran.stderr
-    assert ran.stderr == "pyproject.toml:3:14: note: time-limit raised to 60 s CPU (default 8 s)\n"
+    assert ran.stderr == "pyproject.toml:3:14: note: time-limit raised to 60 s CPU (default 16 s)\n"
     ran = mpgen("ci-summary", "--base", "main", "--time-limit", "9", cwd=repo)
     assert (ran.returncode, ran.stderr) == (0, "")  # the command line's, not the file's
 

@@ -312,7 +312,8 @@ class _Model:
 
     def __init__(self, graph: Graph, budget: Budget) -> None:
         self.graph = graph
-        import_dynamo()  # FakeTensorMode needs it; os.environ stays the user's
+        with budget.paused():  # once per process (~1 s CPU): not the spec's cost
+            import_dynamo()  # FakeTensorMode needs it; os.environ stays the user's
         self.fake = torch._subclasses.fake_tensor.FakeTensorMode(allow_non_fake_inputs=True)
         self.fake.cache_enabled = False  # hashing each call costs more than it saves here
         self.nodes = {n.name: n for n in graph.nodes}

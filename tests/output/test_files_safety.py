@@ -520,7 +520,7 @@ def test_when_the_undo_fails_too_the_previous_files_are_kept(tmp_path, monkeypat
 SIGNALLED = """\
 import os, signal, sys
 # Ctrl-C as in a terminal, even where this process was started with SIGINT
-# ignored (a background job, a pytest-xdist worker), which Python keeps
+# ignored (a background job of a shell without job control), which Python keeps
 signal.signal(signal.SIGINT, signal.default_int_handler)
 sys.path.insert(0, {tests!r})
 from helpers import mpgen

@@ -6,46 +6,29 @@ from __future__ import annotations
 
 import csv
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import build_to, mpgen, write_spec
+from test_best_checkpoint import SPEC
+from test_best_checkpoint import run as run_script
 
 pytestmark = pytest.mark.slow  # runs a generated script (subprocesses)
 
-SPEC = """
-mpgen: 1
-name: Watched
-
-inputs:
-  x: [batch, 8]
-
-layers:
-  l1: {op: Linear, args: [8, 16], in: x}
-  a1: {op: Tanh}
-  l2: {op: Linear, args: [16, 4]}
-
-train:
-  loss: MSELoss
-  optimizer: {op: SGD, lr: 0.9}
-  batch_size: 8
-  steps: 10
-  eval_every: 1
-"""
-
-#: The spec's own: the highest eval loss is "best" (max), so the kept step is
-#: the one a default monitor would never choose, and two saves are kept.
-WATCHED = SPEC + "  monitor: eval_loss\n  monitor_mode: max\n  keep_last: 2\n"
+#: test_best_checkpoint's two-layer net, and the spec's own: the highest eval
+#: loss is "best" (max), so the kept step is the one a default monitor would
+#: never choose, and two saves are kept.
+WATCHED = SPEC.replace("BestNet", "Watched") + (
+    "  monitor: eval_loss\n  monitor_mode: max\n  keep_last: 2\n")
+#: lr 0.9 on MSE: the evaluation loss falls, then swings (test_best_checkpoint's).
+EVALUATED = ("--data", "data.pt", "--eval-data", "eval.pt", "--eval-every", "1", "--lr", "0.9",
+             "--steps", "10")
 
 
 def run(folder: Path, *argv: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "train_watched.py", *argv], cwd=folder,
-                          capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return run_script(folder, "train_watched.py", *argv)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +44,7 @@ def built(tmp_path_factory) -> Path:
 
 
 def test_the_spec_s_monitor_and_mode_choose_the_best_without_a_flag(built):
-    done = run(built, "--data", "data.pt", "--eval-data", "eval.pt", "--checkpoint", "run",
-               "--save-every", "3")
+    done = run(built, *EVALUATED, "--checkpoint", "run", "--save-every", "3")
     with (built / "run" / "log.csv").open(newline="") as f:
         rows = [row for row in csv.DictReader(f) if row["eval_loss"]]
     highest = max(rows, key=lambda row: float(row["eval_loss"]))
@@ -74,14 +56,13 @@ def test_the_spec_s_monitor_and_mode_choose_the_best_without_a_flag(built):
     kept = sorted(int(p.stem[5:]) for p in (built / "run").glob("step_*.pt"))
     assert kept[-1] == 10 and len(set(kept) - {best["step"]}) <= 2
     # a flag overrides the spec's: the lowest is best again
-    run(built, "--data", "data.pt", "--eval-data", "eval.pt", "--checkpoint", "low",
-        "--monitor-mode", "min")
+    run(built, *EVALUATED, "--checkpoint", "low", "--monitor-mode", "min")
     lowest = min(rows, key=lambda row: float(row["eval_loss"]))
     assert torch.load(built / "low" / "best.pt", weights_only=True)["step"] == int(lowest["step"])
 
 
 def test_a_run_without_evaluation_says_the_spec_s_monitor_is_not_watched(built):
-    done = run(built, "--steps", "2", "--eval-every", "0", "--checkpoint", "plain")
+    done = run(built, "--steps", "2", "--checkpoint", "plain")
     assert ("monitor: the spec's eval_loss is not watched: this run has no evaluation data "
             "(give --eval-data or --eval-split)") in done.stdout.splitlines()
     assert not (built / "plain" / "best.pt").exists()
@@ -91,7 +72,7 @@ def test_a_run_without_evaluation_says_the_spec_s_monitor_is_not_watched(built):
 
 
 @pytest.mark.parametrize("extra, said", [
-    ("  monitor: eval_los\n", "spec.yaml:18:12: train.monitor: 'eval_los' is not a column of "
+    ("  monitor: eval_los\n", "spec.yaml:21:12: train.monitor: 'eval_los' is not a column of "
      "the evaluation (did you mean 'eval_loss'?); it has eval_loss"),
     ("  metrics: ['scores:agreement']\n  monitor: eval_agreement\n",
      "train.monitor: the name 'eval_agreement' does not say whether lower or higher is "
@@ -101,6 +82,6 @@ def test_a_run_without_evaluation_says_the_spec_s_monitor_is_not_watched(built):
 ])
 def test_the_build_checks_the_monitor_keys(tmp_path, extra, said):
     (tmp_path / "scores.py").write_text("def agreement(output, target):\n    return 1.0\n")
-    spec = write_spec(tmp_path, SPEC + extra)
+    spec = write_spec(tmp_path, SPEC.replace("BestNet", "Watched") + extra)
     ran = mpgen("show", str(spec))
     assert ran.returncode == 2 and said in ran.stderr and ran.stderr.count("\n") == 1, ran.stderr

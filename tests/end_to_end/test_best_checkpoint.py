@@ -47,15 +47,20 @@ ARGS = ("--data", "data.pt", "--eval-data", "eval.pt", "--eval-every", "1", "--l
         "--init", "init.pt", "--steps", "10", "--seed", "0")
 
 
-@pytest.fixture(scope="module")
-def built(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("best")
-    build_to(write_spec(out, SPEC), out, {"*": "cpu"})
+def write_data(out: Path) -> None:
+    """``data.pt`` (64 samples) and ``eval.pt`` (16) in ``out``: targets near x[:, :4]."""
     generator = torch.Generator().manual_seed(2)
     for name, size in (("data.pt", 64), ("eval.pt", 16)):
         x = torch.randn(size, 8, generator=generator)
         torch.save({"x": x, "target": torch.randn(size, 4, generator=generator) + x[:, :4]},
                    out / name)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("best")
+    build_to(write_spec(out, SPEC), out, {"*": "cpu"})
+    write_data(out)
     torch.manual_seed(0)
     torch.save(import_generated(out / "best_net.py").BestNet().state_dict(), out / "init.pt")
     return out

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import build_to, mpgen, write_spec
-from test_best_checkpoint import SPEC
+from test_best_checkpoint import SPEC, write_data
 from test_best_checkpoint import run as run_script
 
 pytestmark = pytest.mark.slow  # runs a generated script (subprocesses)
@@ -35,11 +35,7 @@ def run(folder: Path, *argv: str) -> subprocess.CompletedProcess:
 def built(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("watched")
     build_to(write_spec(out, WATCHED), out, {"*": "cpu"})
-    generator = torch.Generator().manual_seed(2)
-    for name, size in (("data.pt", 64), ("eval.pt", 16)):
-        x = torch.randn(size, 8, generator=generator)
-        torch.save({"x": x, "target": torch.randn(size, 4, generator=generator) + x[:, :4]},
-                   out / name)
+    write_data(out)
     return out
 
 
